@@ -1,0 +1,33 @@
+"""The trace tables: the one contract between proxy, launcher and trainer.
+
+Importable with pyarrow alone, so the proxy's environment (mitmproxy) and the training
+environment (torch, vLLM, DuckDB) share it. Every table is an explicit Arrow schema with a
+doc string per field; every Parquet file carries ``lightning.schema_version`` and
+``lightning.table`` in its metadata.
+"""
+
+from .tables import (
+    METRICS,
+    REWARDS,
+    ROLLOUTS,
+    SAMPLES,
+    SCHEMA_VERSION,
+    SPANS,
+    TABLES,
+    describe,
+)
+from .parts import PartWriter, read_table, table_glob
+
+__all__ = [
+    "METRICS",
+    "REWARDS",
+    "ROLLOUTS",
+    "SAMPLES",
+    "SCHEMA_VERSION",
+    "SPANS",
+    "TABLES",
+    "PartWriter",
+    "describe",
+    "read_table",
+    "table_glob",
+]

