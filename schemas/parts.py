@@ -113,7 +113,15 @@ class PartWriter:
                 self._bytes, self._oldest = 0, None
             if not rows:
                 return None
-            return self._write(rows)
+            try:
+                return self._write(rows)
+            except BaseException:
+                # Disk full, permissions...: keep the rows for the next flush instead of losing them.
+                with self._lock:
+                    self._rows[:0] = rows
+                    self._bytes += sum(_row_bytes(r) for r in rows)
+                    self._oldest = self._oldest or time.monotonic()
+                raise
 
     def write_table(self, table: pa.Table) -> Path:
         """Write an already-built Arrow table as one part (bypasses the buffer)."""

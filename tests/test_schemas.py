@@ -73,3 +73,16 @@ for i in itertools.count():
     assert parts, "the writer produced no part before being killed"
     table = read_table(tmp_path, "spans")  # every visible part must open
     assert table.num_rows >= 50
+
+
+def test_failed_write_keeps_rows_for_the_next_flush(tmp_path: Path):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the table folder should be")
+    w = PartWriter(blocked, "rewards", background=False)
+    w.append({"reward_id": "x", "rollout_id": "r", "reward": 1.0})
+    with pytest.raises(OSError):
+        w.flush()
+    assert w.buffered == 1
+    w.root = tmp_path / "ok"
+    w.flush()
+    assert read_table(tmp_path / "ok", "rewards").num_rows == 1

@@ -1,0 +1,24 @@
+"""The mitmproxy addons of the capture proxy, one class per concern.
+
+Order matters: mitmproxy calls each hook on every addon in list order and awaits async hooks.
+The gate comes first (nothing after it sees a held request); attribution acts in the earlier
+``http_connect`` / ``requestheaders`` hooks; capture precedes rewrite so the span keeps the
+request as the harness sent it and the response with its token ids.
+"""
+
+from __future__ import annotations
+
+from ..state import ProxyState
+from .attribution import Attribution
+from .capture import Capture
+from .control import Control
+from .gate import Gate
+from .rewrite import Rewrite
+from .routing import Routing
+
+
+def build_addons(state: ProxyState) -> list:
+    return [Gate(state), Attribution(state), Control(state), Routing(state), Capture(state), Rewrite(state)]
+
+
+__all__ = ["Attribution", "Capture", "Control", "Gate", "Rewrite", "Routing", "build_addons"]

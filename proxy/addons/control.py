@@ -1,0 +1,161 @@
+"""The control API (Contract 3), served by the proxy itself under ``/_lh/``.
+
+Reachable on the reverse listener and, in forward mode, on the host ``lightning.proxy``;
+authenticated with ``Authorization: Bearer <control token>`` (the proxy token by default). Also
+takes a harness's own reward at ``/lh/<rollout~attempt>/<token>/reward`` (attribution has
+checked those credentials already).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import time
+import urllib.parse
+import uuid
+from datetime import datetime, timezone
+
+from mitmproxy import http
+
+from ..state import CONTROL, META, REWARD, ProxyState
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _json_response(flow: http.HTTPFlow, status: int, body: dict) -> None:
+    flow.response = http.Response.make(status, json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+
+def _body(flow: http.HTTPFlow) -> dict:
+    raw = flow.request.content or b""
+    if not raw.strip():
+        return {}
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(f"body is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("body must be a JSON object")
+    return obj
+
+
+def parse_reward(value) -> float:
+    """A reward must be a finite number; bools and strings that are not numbers are refused."""
+    if isinstance(value, bool) or value is None:
+        raise BadRequest(f"reward must be a number, got {value!r}")
+    try:
+        r = float(value)
+    except (TypeError, ValueError):
+        raise BadRequest(f"reward must be a number, got {value!r}") from None
+    if not math.isfinite(r):
+        raise BadRequest(f"reward must be finite, got {value!r}")
+    return r
+
+
+class Control:
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        call = flow.metadata.get(META)
+        if call is None or call.kind not in (CONTROL, REWARD) or flow.response is not None:
+            return
+        try:
+            if call.kind == REWARD:
+                if flow.request.method != "POST":
+                    return _json_response(flow, 405, {"error": "POST {\"reward\": number, \"info\": {...}}"})
+                body = _body(flow)
+                if "reward" not in body:
+                    raise BadRequest('expected {"reward": number, "info": {...}}')
+                row = self.write_reward(call.rollout_id, call.attempt, body["reward"], body.get("info"), "proxy")
+                return _json_response(flow, 200, {"ok": True, "reward_id": row})
+            if not self._authorized(flow):
+                return _json_response(flow, 401, {"error": "control API needs Authorization: Bearer <control token>"})
+            await self._dispatch(flow)
+        except BadRequest as exc:
+            _json_response(flow, 400, {"error": str(exc)})
+
+    def _authorized(self, flow: http.HTTPFlow) -> bool:
+        secret = self.state.config.control_secret
+        if not secret:
+            return True
+        given = flow.request.headers.get("Authorization", "")
+        scheme, _, tok = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(tok.strip().encode(), secret.encode())
+
+    async def _dispatch(self, flow: http.HTTPFlow) -> None:
+        req = flow.request
+        path = req.path.split("?", 1)[0].rstrip("/")
+        name = path[len("/_lh/"):] if path.startswith("/_lh/") else path.lstrip("/")
+        query = dict(urllib.parse.parse_qsl(req.path.split("?", 1)[1])) if "?" in req.path else {}
+        st = self.state
+        if name == "state" and req.method == "GET":
+            return _json_response(flow, 200, st.snapshot())
+        if req.method != "POST":
+            return _json_response(flow, 405, {"error": f"{req.method} {path} is not a control call"})
+        if name == "pause":
+            st.pause()
+            return _json_response(flow, 200, st.snapshot())
+        if name == "resume":
+            st.resume()
+            return _json_response(flow, 200, st.snapshot())
+        if name == "drain":
+            try:
+                timeout = float(query.get("timeout", _body(flow).get("timeout", 60)))
+            except (TypeError, ValueError):
+                raise BadRequest("timeout must be a number of seconds") from None
+            t0 = time.monotonic()
+            try:
+                await asyncio.wait_for(st.idle_event.wait(), timeout=max(0.0, timeout))
+            except asyncio.TimeoutError:
+                pass
+            waited = time.monotonic() - t0
+            return _json_response(
+                flow, 200, {"drained": st.in_flight == 0, "in_flight": st.in_flight, "waited_s": round(waited, 3)}
+            )
+        if name == "model_version":
+            body = _body(flow)
+            v = body.get("version")
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise BadRequest('expected {"version": integer}')
+            st.model_version = v
+            return _json_response(flow, 200, st.snapshot())
+        if name == "reward":
+            body = _body(flow)
+            rid = body.get("rollout_id")
+            if not isinstance(rid, str) or not rid:
+                raise BadRequest('expected {"rollout_id": str, "attempt": int, "reward": number, "info": {...}}')
+            attempt = body.get("attempt", 0)
+            if isinstance(attempt, bool) or not isinstance(attempt, int):
+                raise BadRequest("attempt must be an integer")
+            rid_row = self.write_reward(rid, attempt, body.get("reward"), body.get("info"), body.get("source") or "api")
+            return _json_response(flow, 200, {"ok": True, "reward_id": rid_row})
+        if name == "flush":
+            await asyncio.get_running_loop().run_in_executor(None, st.flush)
+            return _json_response(flow, 200, st.snapshot())
+        return _json_response(flow, 404, {"error": f"unknown control call {path}"})
+
+    def write_reward(self, rollout_id, attempt, reward, info, source: str) -> str:
+        if not rollout_id:
+            raise BadRequest("a reward needs a rollout (credentials or rollout_id)")
+        value = parse_reward(reward)
+        if info is not None and not isinstance(info, dict):
+            raise BadRequest("info must be a JSON object")
+        reward_id = uuid.uuid4().hex
+        self.state.rewards.append(
+            {
+                "reward_id": reward_id,
+                "rollout_id": rollout_id,
+                "attempt": int(attempt or 0),
+                "reward": value,
+                "created_at": datetime.now(timezone.utc),
+                "source": source,
+                "info_json": self.state.redactor.json_text(json.dumps(info or {})),
+            }
+        )
+        self.state.rewards_captured += 1
+        return reward_id

@@ -1,0 +1,83 @@
+"""Ask the training upstream for token ids and logprobs; hide them from a harness that did not ask.
+
+For calls routed to the training pool (and when injection is on for that replica), add
+``return_token_ids`` and ``logprobs`` to requests that lack them, map the model name
+(``model_map``, then ``served_model``), and strip from the response (JSON or each SSE event)
+exactly what was injected, so the harness sees what it expects. Runs after capture: the span keeps
+the request as sent and the response with its token ids.
+"""
+
+from __future__ import annotations
+
+import json
+
+from mitmproxy import http
+
+from ..assemble import CHAT
+from ..state import META, MODEL, Call, ProxyState
+
+
+def make_stripper(token_ids: bool, logprobs: bool):
+    """A function that removes injected fields from a completion object or chunk, in place."""
+
+    def strip(obj: dict) -> None:
+        if token_ids:
+            obj.pop("prompt_token_ids", None)
+        for ch in obj.get("choices") or ():
+            if not isinstance(ch, dict):
+                continue
+            if token_ids:
+                ch.pop("token_ids", None)
+                ch.pop("prompt_token_ids", None)
+            if logprobs and "logprobs" in ch:
+                ch["logprobs"] = None
+
+    return strip
+
+
+class Rewrite:
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        call: Call | None = flow.metadata.get(META)
+        if call is None or call.kind != MODEL or not call.in_flight or call.upstream is None:
+            return
+        obj = call.request_obj
+        if obj is None:
+            return  # malformed: forwarded unchanged, capture records the error
+        cfg = self.state.config
+        changed = False
+        model = obj.get("model")
+        served = cfg.model_map.get(model) if isinstance(model, str) else None
+        served = served or cfg.served_model or model
+        if served != model:
+            obj["model"] = served
+            changed = True
+        call.served_model = served if isinstance(served, str) else None
+        if call.inject:
+            if not obj.get("return_token_ids"):
+                obj["return_token_ids"] = True
+                call.injected_token_ids = changed = True
+            if call.endpoint == CHAT:
+                if not obj.get("logprobs"):
+                    obj["logprobs"] = True
+                    call.injected_logprobs = changed = True
+            elif obj.get("logprobs") is None:
+                obj["logprobs"] = 0  # completions: 0 = only the sampled token's logprob
+                call.injected_logprobs = changed = True
+        if changed:
+            flow.request.content = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+        if call.injected_token_ids or call.injected_logprobs:
+            call.event_filters.append(make_stripper(call.injected_token_ids, call.injected_logprobs))
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        call: Call | None = flow.metadata.get(META)
+        if call is None or call.sse is not None or not call.event_filters:
+            return
+        obj = call.response_obj
+        if not isinstance(obj, dict):
+            return
+        for f in call.event_filters:
+            f(obj)
+        flow.response.content = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()

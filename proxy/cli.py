@@ -1,0 +1,204 @@
+"""``lightning-proxy``: run the capture proxy, print a harness environment, drive the control API."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+import click
+
+from .client import BUNDLE_NAME, ProxyControl, ProxyError, harness_env
+from .config import ProxyConfig, parse_model_map
+
+
+def _load(config_path, **flags) -> ProxyConfig:
+    try:
+        return ProxyConfig.load(config_path, **flags)
+    except (ValueError, OSError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def main() -> None:
+    """Capture every OpenAI model call of an unmodified agent harness into Parquet.
+
+    \b
+    Quick start:
+      lightning-proxy serve --traces traces --upstream http://127.0.0.1:8000 --token SECRET
+      eval "$(lightning-proxy env rollout-1 --token SECRET)"   # then run any harness
+      lightning-proxy ctl --token SECRET state
+    """
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="YAML file; keys are the long option names with '_' (flags override it).")
+@click.option("--traces", help="Traces root: spans/ and rewards/ Parquet parts go below it. [default: traces]")
+@click.option("--listen-host", help="Interface both listeners bind to (0.0.0.0 for pods). [default: 127.0.0.1]")
+@click.option("--forward-port", type=int, help="Forward-proxy port (HTTP_PROXY/HTTPS_PROXY). [default: 8080]")
+@click.option("--reverse-port", type=int, help="Reverse-proxy port (OPENAI_BASE_URL) and control API. [default: 8081]")
+@click.option("--token", envvar="LIGHTNING_PROXY_TOKEN", help="Proxy token harnesses must present; without one anyone can write traces. [env LIGHTNING_PROXY_TOKEN]")
+@click.option("--control-token", envvar="LIGHTNING_PROXY_CONTROL_TOKEN", help="Bearer token of the control API. [default: --token]")
+@click.option("--confdir", help="mitmproxy confdir holding the CA. [default: ~/.cache/lightning-harness/proxy-conf]")
+@click.option("--upstream", "upstreams", multiple=True, help="Training upstream replica URL (repeat for a pool; each rollout sticks to one).")
+@click.option("--route-host", "route_hosts", multiple=True, help="Host whose calls go to the pool (e.g. api.openai.com; '*' = every host). Repeatable.")
+@click.option("--model-map", "model_map", multiple=True, help="NAME=SERVED: rename the model of routed calls. Repeatable.")
+@click.option("--served-model", help="Model name every routed call is sent with (after --model-map).")
+@click.option("--reverse-target", help="Reverse-mode target when no --upstream is given (e.g. https://api.openai.com).")
+@click.option("--no-intercept", "no_intercept", multiple=True, help="Regex of host:port tunnelled without TLS interception (cert-pinned clients); never recorded. Repeatable.")
+@click.option("--inject-token-ids/--no-inject-token-ids", default=None, help="Ask the pool for token ids and logprobs (and hide them from harnesses that did not ask). [default: on]")
+@click.option("--model-version", type=int, help="Policy version stamped on spans until changed over the control API. [default: 0]")
+@click.option("--ssl-insecure/--no-ssl-insecure", default=None, help="Do not verify upstream TLS certificates (test upstreams only).")
+@click.option("--upstream-ca", type=click.Path(exists=True, dir_okay=False), help="PEM file of extra CAs trusted for upstream TLS.")
+@click.option("--idle-timeout", type=float, help="Seconds without a byte either way before a connection is closed (a hung upstream becomes a 'timeout' error span). [default: 600]")
+@click.option("--lean/--full-mitmproxy", "lean", default=None, help="Load only the mitmproxy built-ins a capture proxy needs (faster), or stock DumpMaster's. [default: lean]")
+@click.option("--flush-seconds", type=float, help="Longest time a span waits in memory (what a SIGKILL can lose). [default: 1]")
+@click.option("--flush-rows", type=int, help="Write a part after this many rows. [default: 5000]")
+@click.option("--flush-bytes", type=int, help="Write a part after this many buffered bytes. [default: 16 MiB]")
+def serve(config_path, model_map, **flags) -> None:
+    """Run the proxy: forward and reverse listeners, capture to Parquet, control API under /_lh/."""
+    try:
+        mm = parse_model_map(model_map) if model_map else None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    config = _load(config_path, model_map=mm, **flags)
+    _reexec_if_no_mitmproxy()
+    from .server import serve as run_server  # imports mitmproxy
+
+    sys.exit(run_server(config))
+
+
+def _reexec_if_no_mitmproxy() -> None:
+    """Run from the training environment (no mitmproxy there): hand over to the proxy's Python."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("mitmproxy") is not None:
+        return
+    from .locate import proxy_python
+
+    try:
+        python = proxy_python()
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+    if os.environ.get("LIGHTNING_PROXY_REEXEC") or os.path.abspath(python) == os.path.abspath(sys.executable):
+        raise click.ClickException(f"{python} cannot import mitmproxy; set LIGHTNING_PROXY_PYTHON")
+    os.environ["LIGHTNING_PROXY_REEXEC"] = "1"
+    os.execv(python, [python, "-m", "lightning_harness.proxy", *sys.argv[1:]])
+
+
+def _format_env(env: dict[str, str], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(env, indent=2)
+    if fmt == "dotenv":
+        return "\n".join(f"{k}={shlex.quote(v) if v else ''}" for k, v in env.items())
+    return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
+
+
+@main.command()
+@click.argument("rollout_id")
+@click.option("--attempt", type=int, default=0, show_default=True, help="Attempt number of the rollout.")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="The proxy's YAML config (ports, token, confdir).")
+@click.option("--host", "public_host", default=None, help="Host the harness reaches the proxy at. [default: the listen host, or 127.0.0.1]")
+@click.option("--forward-port", type=int, help="Forward-proxy port. [default: 8080]")
+@click.option("--reverse-port", type=int, help="Reverse-proxy port. [default: 8081]")
+@click.option("--token", envvar="LIGHTNING_PROXY_TOKEN", help="Proxy token. [env LIGHTNING_PROXY_TOKEN]")
+@click.option("--confdir", help="The proxy's confdir (where its CA bundle is).")
+@click.option("--api-key", envvar="OPENAI_API_KEY", help="Key the harness sends upstream. [env OPENAI_API_KEY, else a placeholder]")
+@click.option("--format", "fmt", type=click.Choice(["export", "json", "dotenv"]), default="export", show_default=True)
+def env(rollout_id, attempt, config_path, public_host, forward_port, reverse_port, token, confdir, api_key, fmt) -> None:
+    """Print the environment that sends an unmodified harness through the proxy.
+
+    \b
+    eval "$(lightning-proxy env my-rollout --token SECRET)"; python my_agent.py
+    """
+    cfg = _load(config_path, forward_port=forward_port, reverse_port=reverse_port, token=token, confdir=confdir)
+    host = public_host or ("127.0.0.1" if cfg.listen_host in ("0.0.0.0", "::") else cfg.listen_host)
+    bundle = cfg.resolved_confdir / BUNDLE_NAME
+    if not bundle.exists():
+        click.echo(f"warning: {bundle} does not exist yet; start `lightning-proxy serve` first", err=True)
+    out = harness_env(
+        rollout_id, attempt, cfg.token, f"http://{host}:{cfg.forward_port}", f"http://{host}:{cfg.reverse_port}", bundle, api_key
+    )
+    click.echo(_format_env(out, fmt))
+
+
+@main.group()
+@click.option("--url", envvar="LIGHTNING_PROXY_URL", default=None, help="Reverse listener URL. [env LIGHTNING_PROXY_URL, default http://127.0.0.1:8081]")
+@click.option("--token", envvar=["LIGHTNING_PROXY_CONTROL_TOKEN", "LIGHTNING_PROXY_TOKEN"], help="Control token. [env LIGHTNING_PROXY_CONTROL_TOKEN or LIGHTNING_PROXY_TOKEN]")
+@click.pass_context
+def ctl(ctx, url, token) -> None:
+    """Drive a running proxy's control API; prints its JSON answer."""
+    ctx.obj = ProxyControl(url or "http://127.0.0.1:8081", token)
+
+
+def _run(fn, *args):
+    try:
+        click.echo(json.dumps(fn(*args), indent=2))
+    except ProxyError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot reach the proxy: {exc}") from None
+
+
+@ctl.command()
+@click.pass_obj
+def state(c: ProxyControl) -> None:
+    """paused, in_flight, held, spans_written, model_version, rewards_written, ..."""
+    _run(c.state)
+
+
+@ctl.command()
+@click.pass_obj
+def pause(c: ProxyControl) -> None:
+    """Hold new model requests until resume."""
+    _run(c.pause)
+
+
+@ctl.command()
+@click.pass_obj
+def resume(c: ProxyControl) -> None:
+    """Release held requests."""
+    _run(c.resume)
+
+
+@ctl.command()
+@click.option("--timeout", type=float, default=60.0, show_default=True)
+@click.pass_obj
+def drain(c: ProxyControl, timeout) -> None:
+    """Wait until no model call is in flight (or the timeout)."""
+    _run(c.drain, timeout)
+
+
+@ctl.command()
+@click.pass_obj
+def flush(c: ProxyControl) -> None:
+    """Write buffered spans and rewards now."""
+    _run(c.flush)
+
+
+@ctl.command("model-version")
+@click.argument("version", type=int)
+@click.pass_obj
+def model_version(c: ProxyControl, version) -> None:
+    """Stamp VERSION on spans forwarded from now on."""
+    _run(c.set_model_version, version)
+
+
+@ctl.command()
+@click.argument("rollout_id")
+@click.argument("reward", type=float)
+@click.option("--attempt", type=int, default=0, show_default=True)
+@click.option("--info", default=None, help="JSON object stored with the reward.")
+@click.pass_obj
+def reward(c: ProxyControl, rollout_id, reward, attempt, info) -> None:
+    """Record REWARD for ROLLOUT_ID."""
+    try:
+        info_obj = json.loads(info) if info else None
+    except ValueError as exc:
+        raise click.BadParameter(f"--info is not JSON: {exc}") from None
+    _run(c.reward, rollout_id, attempt, reward, info_obj)
+
+
+if __name__ == "__main__":
+    main()

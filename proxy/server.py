@@ -1,0 +1,161 @@
+"""Run mitmproxy embedded with our addons: forward and reverse listeners in one process.
+
+Why embedded (not ``mitmdump -s``): one command with our own flags/YAML, a CA in a chosen
+``confdir``, the CA bundle written before the listeners answer, and SIGTERM wired to a clean
+shutdown that flushes every buffered span and reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import ssl
+import sys
+from pathlib import Path
+
+from .client import BUNDLE_NAME
+from .config import ProxyConfig
+from .state import ProxyState
+
+log = logging.getLogger("lightning.proxy")
+
+
+def system_ca_file() -> str | None:
+    """The system CA bundle (so a harness trusting our bundle still reaches real HTTPS sites)."""
+    for cand in (ssl.get_default_verify_paths().cafile, "/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"):
+        if cand and os.path.exists(cand):
+            return cand
+    try:
+        import certifi
+
+        return certifi.where()
+    except ImportError:
+        return None
+
+
+def ensure_ca(confdir: Path) -> None:
+    """Create mitmproxy's CA in ``confdir`` now (mitmproxy would do it lazily, after listening)."""
+    from mitmproxy import certs
+    from mitmproxy.options import CONF_BASENAME
+
+    certs.CertStore.from_store(str(confdir), CONF_BASENAME, 2048)
+
+
+def write_ca_bundle(confdir: Path) -> Path:
+    """``confdir/lightning-ca-bundle.pem`` = system CAs + the proxy CA, written atomically."""
+    ensure_ca(confdir)
+    ca = confdir / "mitmproxy-ca-cert.pem"
+    if not ca.exists():
+        raise RuntimeError(f"mitmproxy did not create its CA in {confdir}")
+    parts = []
+    sys_ca = system_ca_file()
+    if sys_ca:
+        parts.append(Path(sys_ca).read_text())
+    parts.append(ca.read_text())
+    bundle = confdir / BUNDLE_NAME
+    text = "\n".join(p.rstrip("\n") + "\n" for p in parts)
+    if not bundle.exists() or bundle.read_text() != text:
+        tmp = confdir / f".{BUNDLE_NAME}.{os.getpid()}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, bundle)
+    return bundle
+
+
+def reverse_spec(config: ProxyConfig) -> str:
+    """mitmproxy needs one reverse target; routing picks the real one per request."""
+    from .config import parse_upstream
+
+    target = config.upstreams[0] if config.upstreams else (parse_upstream(config.reverse_target) if config.reverse_target else None)
+    if target is not None:
+        return f"{target.scheme}://{target.host}:{target.port}"
+    return "http://127.0.0.1:9"  # never contacted: routing answers 502 "no upstream configured"
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.getLogger("lightning.proxy").setLevel(logging.INFO)
+
+
+def make_master(opts, lean: bool = True):
+    """mitmproxy's master with our addons' prerequisites.
+
+    ``lean``: only the built-in addons a capture proxy needs (core, proxy server, next layer, TLS,
+    h2c guard, error check). mitmproxy calls every hook on every addon; DumpMaster's ~35 defaults
+    (playback, map-local, anticache, ...) cost CPU on every request without doing anything here.
+    ``lean=False`` is the stock DumpMaster.
+    """
+    if not lean:
+        from mitmproxy.tools.dump import DumpMaster
+
+        return DumpMaster(opts, with_termlog=False, with_dumper=False)
+    from mitmproxy import master
+    from mitmproxy.addons import core, disable_h2c, errorcheck, next_layer, proxyserver, tlsconfig
+
+    m = master.Master(opts, with_termlog=False)
+    m.addons.add(
+        core.Core(), disable_h2c.DisableH2C(), proxyserver.Proxyserver(), next_layer.NextLayer(),
+        tlsconfig.TlsConfig(), errorcheck.ErrorCheck(),
+    )
+    return m
+
+
+async def _serve(config: ProxyConfig) -> int:
+    from mitmproxy.options import Options
+    from mitmproxy.proxy import server as mitm_server
+
+    from .addons import build_addons
+
+    confdir = config.resolved_confdir
+    confdir.mkdir(parents=True, exist_ok=True)
+    bundle = write_ca_bundle(confdir)
+    host = config.listen_host
+    opts = Options(
+        mode=[f"regular@{host}:{config.forward_port}", f"reverse:{reverse_spec(config)}@{host}:{config.reverse_port}"],
+        confdir=str(confdir),
+    )
+    master = make_master(opts, lean=config.lean)
+    master.options.update(
+        connection_strategy="lazy",  # never dial upstream before we routed the request
+        upstream_cert=False,  # route hosts such as api.openai.com need not be reachable
+        ssl_insecure=config.ssl_insecure,
+    )
+    if config.no_intercept:
+        master.options.update(ignore_hosts=list(config.no_intercept))
+    if config.upstream_ca:
+        master.options.update(ssl_verify_upstream_trusted_ca=str(Path(config.upstream_ca).resolve()))
+    if config.idle_timeout != mitm_server.TCP_TIMEOUT:
+        mitm_server.TCP_TIMEOUT = config.idle_timeout  # read per connection; no option exists in 11.0.2
+    state = ProxyState(config)
+    master.addons.add(*build_addons(state))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, master.shutdown)
+    log.info(
+        "lightning-proxy: forward http://%s:%s reverse http://%s:%s upstreams=%s traces=%s ca_bundle=%s",
+        host, config.forward_port, host, config.reverse_port,
+        [u.display for u in config.upstreams], config.traces, bundle,
+    )
+    log.info(
+        'harness environment: eval "$(lightning-proxy env ROLLOUT_ID --forward-port %s --reverse-port %s --confdir %s%s)"',
+        config.forward_port, config.reverse_port, confdir, " --token $LIGHTNING_PROXY_TOKEN" if config.token else "",
+    )
+    if not config.token:
+        log.warning("no --token: any client can write traces through this proxy")
+    try:
+        await master.run()
+    finally:
+        state.close()
+        log.info("lightning-proxy stopped: %s", state.snapshot())
+    return 0
+
+
+def serve(config: ProxyConfig) -> int:
+    _setup_logging()
+    Path(config.traces).mkdir(parents=True, exist_ok=True)
+    return asyncio.run(_serve(config))

@@ -1,0 +1,181 @@
+"""Shared state of one proxy process, and the per-flow record the addons fill in turn.
+
+The addons are small and single-purpose; they talk through two objects only: :class:`ProxyState`
+(one per process: config, writers, counters, the pause gate) and :class:`Call` (one per flow, in
+``flow.metadata["lh"]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..schemas import PartWriter
+from .config import ProxyConfig, Upstream
+from .redact import Redactor
+
+META = "lh"  # key of the Call in flow.metadata
+
+# what a flow is, decided by the attribution addon
+MODEL = "model"  # chat/completions or completions: captured
+CONTROL = "control"  # /_lh/* control API
+REWARD = "reward"  # a harness reporting its own reward
+OTHER = "other"  # any other traffic: forwarded untouched, not recorded
+
+
+@dataclass
+class Call:
+    """What the addons know about one flow (``flow.metadata["lh"]``)."""
+
+    kind: str = OTHER
+    mode: str = "forward"  # 'forward' or 'reverse'
+    rollout_id: str | None = None
+    attempt: int = 0
+    endpoint: str | None = None  # 'chat.completions' | 'completions'
+    scheme: str | None = None  # as the harness addressed it
+    host: str | None = None
+    path: str | None = None  # credentials removed
+    # request
+    request_text: str | None = None
+    request_obj: dict | None = None
+    request_error: str | None = None
+    model: str | None = None
+    stream: bool = False
+    # routing
+    upstream: Upstream | None = None  # training upstream replica (None: not routed to the pool)
+    upstream_display: str | None = None
+    served_model: str | None = None
+    inject: bool = False
+    injected_token_ids: bool = False
+    injected_logprobs: bool = False
+    # accounting
+    seq: int | None = None
+    model_version: int | None = None
+    started: float | None = None  # time.time() when forwarded (after the gate)
+    received: float = field(default_factory=time.time)
+    in_flight: bool = False
+    done: bool = False
+    # response
+    first_byte: float | None = None
+    last_chunk: float | None = None
+    sse: Any = None  # sse.SSECapture when streaming
+    response_obj: dict | None = None
+    response_error: str | None = None
+    event_filters: list[Callable[[dict], None]] = field(default_factory=list)
+
+
+class ProxyState:
+    """Process-wide state: config, Parquet writers, counters and the pause gate."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.model_version = int(config.model_version)
+        self.redactor = Redactor([config.token, config.control_token])
+        self.spans = PartWriter(
+            config.traces, "spans", flush_rows=config.flush_rows, flush_bytes=config.flush_bytes,
+            flush_seconds=config.flush_seconds, fsync=config.fsync,
+        )
+        self.rewards = PartWriter(config.traces, "rewards", flush_seconds=config.flush_seconds, fsync=config.fsync)
+        self.paused = False
+        self.held = 0
+        self.in_flight = 0
+        self.spans_captured = 0
+        self.rewards_captured = 0
+        self.errors = 0
+        self.rejected = 0
+        self.started_at = time.time()
+        self._resume: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._seq: dict[tuple[str | None, int], itertools.count] = {}
+        self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._rr = itertools.count()
+
+    # -- events are created lazily, inside mitmproxy's loop ---------------------------------
+    @property
+    def resume_event(self) -> asyncio.Event:
+        if self._resume is None:
+            self._resume = asyncio.Event()
+            if not self.paused:
+                self._resume.set()
+        return self._resume
+
+    @property
+    def idle_event(self) -> asyncio.Event:
+        if self._idle is None:
+            self._idle = asyncio.Event()
+            if self.in_flight == 0:
+                self._idle.set()
+        return self._idle
+
+    def pause(self) -> None:
+        self.paused = True
+        self.resume_event.clear()
+
+    def resume(self) -> None:
+        self.paused = False
+        self.resume_event.set()
+
+    def begin(self, call: Call) -> None:
+        """A model call is forwarded: it counts as in flight until :meth:`end`."""
+        call.in_flight = True
+        self.in_flight += 1
+        self.idle_event.clear()
+
+    def end(self, call: Call) -> None:
+        if call.in_flight:
+            call.in_flight = False
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle_event.set()
+
+    def next_seq(self, rollout_id: str | None, attempt: int) -> int:
+        key = (rollout_id, attempt)
+        counter = self._seq.get(key)
+        if counter is None:
+            if len(self._seq) > 200_000:  # bound memory on very long runs; old rollouts are done
+                self._seq.clear()
+            counter = self._seq[key] = itertools.count()
+        return next(counter)
+
+    def replica_for(self, rollout_id: str | None) -> Upstream:
+        """Sticky replica choice: one rollout always talks to the same replica (prefix cache)."""
+        pool = self.config.upstreams
+        if len(pool) == 1 or rollout_id is None:
+            return pool[0] if len(pool) == 1 else pool[next(self._rr) % len(pool)]
+        idx = self._sticky.get(rollout_id)
+        if idx is None:
+            idx = next(self._rr) % len(pool)
+            self._sticky[rollout_id] = idx
+            if len(self._sticky) > 100_000:
+                self._sticky.popitem(last=False)
+        return pool[idx]
+
+    def snapshot(self) -> dict:
+        return {
+            "paused": self.paused,
+            "in_flight": self.in_flight,
+            "held": self.held,
+            "spans_written": self.spans.rows_written,
+            "spans_captured": self.spans_captured,
+            "spans_buffered": self.spans.buffered,
+            "rewards_written": self.rewards.rows_written,
+            "rewards_captured": self.rewards_captured,
+            "model_version": self.model_version,
+            "errors": self.errors,
+            "rejected": self.rejected,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "forward_port": self.config.forward_port,
+            "reverse_port": self.config.reverse_port,
+        }
+
+    def flush(self) -> None:
+        self.spans.flush()
+        self.rewards.flush()
+
+    def close(self) -> None:
+        self.spans.close()
+        self.rewards.close()

@@ -1,0 +1,181 @@
+"""Fixtures for anything that needs the capture proxy: a stub OpenAI upstream and a running proxy.
+
+``stub_upstream`` (URL of a session-wide stub, plain http), ``stub_server`` (its controller),
+``stub_tls_server`` (the same over HTTPS with a self-signed cert), ``proxy`` (a running
+:class:`ProxyProcess` against the stub, traces in ``tmp_path/traces``, routing ``api.openai.com``
+to the stub) and ``make_proxy`` (a factory for other settings). Every process started here runs
+in its own process group and is stopped at teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+
+STUB = Path(__file__).parent / "support" / "stub_upstream.py"
+
+
+class StubServer:
+    """Runs tests/support/stub_upstream.py as a subprocess and talks to its /_stub/ endpoints."""
+
+    def __init__(self, log_dir: Path, tls_dir: Path | None = None, python: str | None = None, args=()) -> None:
+        self.port = free_port()
+        self.tls_dir = tls_dir
+        self.scheme = "https" if tls_dir else "http"
+        self.url = f"{self.scheme}://127.0.0.1:{self.port}"
+        cmd = [python or sys.executable, str(STUB), "--port", str(self.port), *args]
+        if tls_dir:
+            cmd += ["--tls-self-signed", str(tls_dir)]
+        self.log = open(log_dir / f"stub-{self.port}.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._opener = urllib.request.build_opener(
+            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=self._ctx())
+        )
+        self._wait()
+
+    @property
+    def cert(self) -> str | None:
+        return str(self.tls_dir / "stub-cert.pem") if self.tls_dir else None
+
+    def _ctx(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+    def _wait(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"stub upstream exited with {self.proc.returncode}")
+            try:
+                self.get("/health")
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("stub upstream did not become ready")
+
+    def get(self, path: str):
+        with self._opener.open(self.url + path, timeout=10) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict):
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with self._opener.open(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def requests(self) -> list[dict]:
+        """Model-call bodies the stub received (newest last)."""
+        return self.get("/_stub/requests")
+
+    def configure(self, **opts) -> None:
+        self.post("/_stub/config", opts)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def stub_server(tmp_path_factory):
+    srv = StubServer(tmp_path_factory.mktemp("stub"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def stub_upstream(stub_server) -> str:
+    """URL (http://127.0.0.1:PORT) of a running stub OpenAI upstream shared by the session."""
+    return stub_server.url
+
+
+@pytest.fixture(scope="session")
+def stub_tls_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("stub-tls")
+    srv = StubServer(d, tls_dir=d)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def proxy_confdir(tmp_path_factory) -> Path:
+    """One mitmproxy confdir (CA) per session: generating a CA per test is slow."""
+    return tmp_path_factory.mktemp("proxy-conf")
+
+
+@pytest.fixture
+def make_proxy(tmp_path, proxy_confdir, stub_upstream):
+    """Factory: ``make_proxy(**kwargs)`` starts a ProxyProcess (defaults: the stub, a token)."""
+    from lightning_harness.proxy.client import ProxyProcess
+
+    started = []
+
+    def make(**kw):
+        kw.setdefault("traces_dir", tmp_path / "traces")
+        kw.setdefault("upstreams", [stub_upstream])
+        kw.setdefault("route_hosts", ["api.openai.com"])
+        kw.setdefault("confdir", proxy_confdir)
+        kw.setdefault("log_path", tmp_path / f"proxy-{len(started)}.log")
+        p = ProxyProcess(**kw)
+        started.append(p)
+        return p.start()
+
+    yield make
+    for p in started:
+        p.stop()
+
+
+@pytest.fixture
+def proxy(make_proxy):
+    """A running proxy against the stub upstream; traces in ``tmp_path/traces``."""
+    return make_proxy()
+
+
+# -- helpers for proxy tests -------------------------------------------------------------------------
+def read_spans(p) -> list[dict]:
+    """Flush the proxy and read its spans table (list of rows, in seq order per rollout)."""
+    from lightning_harness.schemas import read_table
+
+    p.control.flush()
+    rows = read_table(p.traces_dir, "spans").to_pylist()
+    return sorted(rows, key=lambda r: (r["rollout_id"] or "", r["attempt"] or 0, r["seq"] if r["seq"] is not None else -1))
+
+
+def read_rewards(p) -> list[dict]:
+    from lightning_harness.schemas import read_table
+
+    p.control.flush()
+    return read_table(p.traces_dir, "rewards").to_pylist()
+
+
+@pytest.fixture
+def openai_from_env(monkeypatch):
+    """``openai_from_env(env)``: put a harness environment in os.environ and build the official
+    client with no connection arguments, exactly as an unmodified harness would."""
+
+    def make(env: dict):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        import openai
+
+        return openai.OpenAI(max_retries=0, timeout=120)
+
+    return make
