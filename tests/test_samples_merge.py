@@ -1,0 +1,213 @@
+"""Sample building from hand-built traces whose correct samples are written down here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fixtures_traces import chat_bodies, rollout, span, tiny_ids
+from lightning_harness.schemas import SAMPLES
+from lightning_harness.trainer.samples import build_samples
+
+
+def _by_id(table):
+    return {r["sample_id"]: r for r in table.to_pylist()}
+
+
+def _approx_list(xs, ys):
+    assert len(xs) == len(ys), (xs, ys)
+    for x, y in zip(xs, ys):
+        assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, abs=1e-6), (xs, ys)
+
+
+def test_continuous_history_merges_into_one_sample(make_traces):
+    d = make_traces(
+        spans=[
+            span("r1", 0, [1, 2, 3], [10, 11]),
+            span("r1", 1, [1, 2, 3, 10, 11, 20, 21], [12]),
+            span("r1", 2, [1, 2, 3, 10, 11, 20, 21, 12, 22], [13, 14], model_version=1),
+        ],
+        rollouts=[rollout("r1", reward=1.0), rollout("r0", reward=0.0)],
+    )
+    table, stats = build_samples(d)
+    assert table.schema == SAMPLES
+    assert table.num_rows == 1
+    s = table.to_pylist()[0]
+    assert s["sample_id"] == "r1~0~0"
+    assert s["prompt_token_ids"] == [1, 2, 3]
+    assert s["response_token_ids"] == [10, 11, 20, 21, 12, 22, 13, 14]
+    assert s["response_mask"] == [1, 1, 0, 0, 1, 0, 1, 1]
+    _approx_list(s["response_logprobs"], [-1.0, -1.01, 0.0, 0.0, -2.0, 0.0, -3.0, -3.01])
+    assert (s["n_calls"], s["merged"], s["break_reason"], s["retokenized"]) == (3, True, None, False)
+    assert (s["model_version_min"], s["model_version_max"]) == (0, 1)
+    assert len(s["span_ids"]) == 3
+    # r0 has a reward but no spans: it still counts in the group statistics
+    assert s["advantage"] == pytest.approx((1.0 - 0.5) / (math.sqrt(0.5) + 1e-6), rel=1e-6)
+    assert s["loss_weight"] == pytest.approx(1 / 5)
+    assert stats["samples"] == 1 and stats["single_sample_rollout_share"] == 1.0
+    assert stats["calls_continuing_history"] == 2
+    assert stats["context_tokens"] == 3 and stats["model_tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    "calls, reason",
+    [
+        # prompt keeps the previous prompt, differs inside the previous response
+        ([([1, 2, 3], [10, 11], "stop"), ([1, 2, 3, 10, 99, 20], [12], "stop")], "retokenization"),
+        # diverges inside the previous prompt, same conversation, not shorter
+        ([([1, 2, 3, 4], [10], "stop"), ([1, 2, 3, 7, 10, 20], [12], "stop")], "template_change"),
+        # shorter than the history, shares the opening: old turns dropped
+        ([([1, 2, 3, 4, 5, 6], [10, 11], "stop"), ([1, 2, 3, 4, 20], [12], "stop")], "truncation"),
+        # previous response was cut by the length limit
+        ([([1, 2], [10, 11], "length"), ([1, 2, 10, 12, 20], [13], "stop")], "truncation"),
+        # a different conversation
+        ([([1, 2, 3, 4], [10], "stop"), ([50, 51], [12], "stop")], "other"),
+    ],
+)
+def test_broken_prefix_starts_new_sample_with_reason(make_traces, calls, reason):
+    spans = [span("r", i, p, r, finish_reason=f) for i, (p, r, f) in enumerate(calls)]
+    d = make_traces(spans=spans, rollouts=[rollout("r", reward=1.0)])
+    table, stats = build_samples(d)
+    rows = _by_id(table)
+    assert list(rows) == ["r~0~0", "r~0~1"]
+    assert rows["r~0~0"]["break_reason"] is None
+    second = rows["r~0~1"]
+    assert second["break_reason"] == reason
+    assert second["prompt_token_ids"] == calls[1][0]
+    assert second["response_token_ids"] == calls[1][1]
+    assert second["response_mask"] == [1] * len(calls[1][1])
+    assert stats["breaks"][reason] == 1 and sum(stats["breaks"].values()) == 1
+    assert stats["samples_per_rollout"] == 2.0 and stats["single_sample_rollout_share"] == 0.0
+
+
+def test_merging_resumes_after_a_break_and_transition_mode(make_traces):
+    spans = [
+        span("r", 0, [1, 2, 3], [10, 11]),
+        span("r", 1, [1, 2, 3, 10, 99, 20], [12]),       # retokenised history: new sample
+        span("r", 2, [1, 2, 3, 10, 99, 20, 12, 30], [13]),  # continues the new sample
+    ]
+    d = make_traces(spans=spans, rollouts=[rollout("r", reward=1.0)])
+    table, _ = build_samples(d)
+    rows = _by_id(table)
+    assert rows["r~0~1"]["response_token_ids"] == [12, 30, 13]
+    assert rows["r~0~1"]["response_mask"] == [1, 0, 1]
+    assert rows["r~0~1"]["n_calls"] == 2
+    # per-rollout weights: 2 + 2 model tokens in the rollout
+    assert [r["loss_weight"] for r in rows.values()] == [0.25, 0.25]
+
+    table, stats = build_samples(d, mode="transition")
+    rows = table.to_pylist()
+    assert [r["prompt_token_ids"] for r in rows] == [s["prompt_token_ids"] for s in spans]
+    assert [r["response_token_ids"] for r in rows] == [s["response_token_ids"] for s in spans]
+    assert all(r["break_reason"] is None and r["n_calls"] == 1 and not r["merged"] for r in rows)
+    assert all(set(r["response_mask"]) == {1} for r in rows)
+    assert stats["samples"] == 3
+
+
+def test_retokenised_call_merges_and_is_flagged(make_traces, tiny_tokenizer_dir):
+    p0 = tiny_ids("<|im_start|>", "user", "hello", "<|im_end|>", "<|im_start|>", "assistant")
+    r0 = tiny_ids("hi", "there", "<|im_end|>")
+    msgs = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi there"},
+        {"role": "user", "content": "what is two plus three"},
+    ]
+    d = make_traces(
+        spans=[
+            span("r", 0, p0, r0),
+            span("r", 1, None, None, logprobs=None, **chat_bodies(msgs, "five", logprobs=[-0.5, -0.25])),
+        ],
+        rollouts=[rollout("r", reward=1.0)],
+    )
+    table, stats = build_samples(d, tokenizer=str(tiny_tokenizer_dir))
+    assert table.num_rows == 1
+    s = table.to_pylist()[0]
+    inserted = tiny_ids("<|im_start|>", "user", "what", "is", "two", "plus", "three", "<|im_end|>", "<|im_start|>", "assistant")
+    assert s["prompt_token_ids"] == p0
+    assert s["response_token_ids"] == r0 + inserted + tiny_ids("five", "<|im_end|>")
+    assert s["response_mask"] == [1] * 3 + [0] * len(inserted) + [1, 1]
+    _approx_list(s["response_logprobs"], [-1.0, -1.01, -1.02] + [0.0] * len(inserted) + [-0.5, -0.25])
+    assert s["retokenized"] is True and s["n_calls"] == 2
+    assert stats["retokenized_calls"] == 1 and stats["calls_without_token_ids"] == 1
+
+    # without a tokenizer the call is dropped and said so; the rest still builds
+    table, stats = build_samples(d)
+    assert table.num_rows == 1 and table.to_pylist()[0]["response_token_ids"] == r0
+    assert stats["calls_dropped_no_token_ids"] == 1 and stats["retokenized_calls"] == 0
+
+
+def test_retokenised_without_logprobs_gets_nan_not_zero(make_traces, tiny_tokenizer_dir):
+    msgs = [{"role": "user", "content": "hello"}]
+    d = make_traces(spans=[span("r", 0, None, None, logprobs=None, **chat_bodies(msgs, "hi"))], rollouts=[rollout("r", reward=1.0)])
+    s = build_samples(d, tokenizer=str(tiny_tokenizer_dir))[0].to_pylist()[0]
+    assert s["response_token_ids"] == tiny_ids("hi", "<|im_end|>")
+    assert all(math.isnan(x) for x in s["response_logprobs"])
+
+
+def test_drift_between_returned_and_retokenised_ids_is_counted(make_traces, tiny_tokenizer_dir):
+    msgs = [{"role": "user", "content": "hello"}]
+    p = tiny_ids("<|im_start|>", "user", "hello", "<|im_end|>", "<|im_start|>", "assistant")
+    d = make_traces(
+        spans=[
+            span("a", 0, p, tiny_ids("hi", "<|im_end|>"), **chat_bodies(msgs, "hi")),  # agrees
+            span("b", 0, p, tiny_ids("hi", "hi", "<|im_end|>"), **chat_bodies(msgs, "hi")),  # response drifts
+        ],
+        rollouts=[rollout("a", reward=1.0), rollout("b", reward=0.0)],
+    )
+    _, stats = build_samples(d, tokenizer=str(tiny_tokenizer_dir))
+    assert (stats["drift_checked"], stats["drift_prompt"], stats["drift_response"]) == (2, 0, 1)
+
+
+def test_failed_calls_are_not_trained_on(make_traces):
+    d = make_traces(
+        spans=[
+            span("r", 0, [1, 2], [10]),
+            span("r", 1, [1, 2, 10, 5], None, error_kind="upstream_status"),
+            span("r", 2, [1, 2, 10, 5], [11]),
+        ],
+        rollouts=[rollout("r", reward=1.0)],
+    )
+    table, stats = build_samples(d)
+    s = table.to_pylist()[0]
+    assert s["response_token_ids"] == [10, 5, 11] and s["response_mask"] == [1, 0, 1]
+    assert stats["calls_error"] == 1 and table.num_rows == 1
+
+
+def test_limits_drop_long_prompts_and_truncate_responses(make_traces):
+    spans = [
+        span("r", 0, [1, 2, 3], [10, 11]),
+        span("r", 1, [1, 2, 3, 10, 11, 20, 21], [12]),
+        span("r", 2, [1, 2, 3, 10, 11, 20, 21, 12, 22], [13, 14]),
+        span("q", 0, [1, 2, 3, 4, 5, 6], [7]),
+        span("q", 1, [9], [8, 8]),
+    ]
+    d = make_traces(spans=spans, rollouts=[rollout("r", reward=1.0), rollout("q", reward=0.0)])
+    table, stats = build_samples(d, max_response_len=4, max_prompt_len=5)
+    rows = _by_id(table)
+    assert sorted(rows) == ["q~0~1", "r~0~0"]
+    r = rows["r~0~0"]
+    assert r["response_token_ids"] == [10, 11, 20, 21] and r["response_mask"] == [1, 1, 0, 0]
+    assert r["response_truncated"] is True and len(r["response_logprobs"]) == 4
+    assert r["loss_weight"] == pytest.approx(0.5)  # 2 model tokens left in rollout r
+    assert rows["q~0~1"]["loss_weight"] == pytest.approx(0.5)  # q keeps 2 model tokens
+    assert stats["samples_dropped_prompt_too_long"] == 1
+    assert stats["samples_truncated"] == 1 and stats["truncated_model_tokens"] == 3
+
+
+def test_empty_traces_give_an_empty_table(tmp_path):
+    table, stats = build_samples(tmp_path)
+    assert table.num_rows == 0 and table.schema == SAMPLES
+    assert stats["samples"] == 0
+
+
+def test_bad_arguments_fail_clearly(make_traces):
+    d = make_traces(spans=[span("r", 0, [1], [2])], rollouts=[rollout("r", reward=1.0)])
+    with pytest.raises(ValueError, match="mode"):
+        build_samples(d, mode="sequence")
+    with pytest.raises(ValueError, match="failed_reward"):
+        build_samples(d, failed_policy="penalize")
+    with pytest.raises(ValueError, match="group_by"):
+        build_samples(d, group_by="no_such_column")
+    with pytest.raises(FileNotFoundError):
+        build_samples(d / "missing")

@@ -1,0 +1,184 @@
+"""Rewards, failure policy, group advantages and loss weights of built samples."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fixtures_traces import reward, rollout, span
+from lightning_harness.trainer import advantages as A
+from lightning_harness.trainer import weights as W
+from lightning_harness.trainer.samples import build_samples
+
+
+def _one_call(rid, n_tokens=2, **kw):
+    return span(rid, 0, [1, 2], list(range(10, 10 + n_tokens)), **kw)
+
+
+def test_rollout_without_reward_is_dropped_by_default_and_penalized_explicitly(make_traces):
+    d = make_traces(
+        spans=[_one_call("a"), _one_call("b"), _one_call("c"), _one_call("f")],
+        rollouts=[
+            rollout("a", reward=1.0),
+            rollout("b", reward=0.0),
+            rollout("c", state="no_reward"),
+            rollout("f", state="failed", reward=0.5),
+        ],
+    )
+    table, stats = build_samples(d)
+    assert sorted(table["rollout_id"].to_pylist()) == ["a", "b"]
+    assert stats["rollouts_dropped"] == 2
+    assert stats["rollouts_by_state"]["no_reward"] == 1 and stats["rollouts_by_state"]["failed"] == 1
+
+    table, stats = build_samples(d, failed_policy="keep")  # failed but rewarded: kept; reward-less: still dropped
+    assert sorted(table["rollout_id"].to_pylist()) == ["a", "b", "f"]
+
+    table, stats = build_samples(d, failed_policy="penalize", failed_reward=-1.0)
+    rew = dict(zip(table["rollout_id"].to_pylist(), table["reward"].to_pylist()))
+    assert rew == {"a": 1.0, "b": 0.0, "c": -1.0, "f": -1.0}
+    assert stats["rollouts_by_state"]["penalized"] == 2
+    r = np.array([1.0, 0.0, -1.0, -1.0])
+    expect = (r - r.mean()) / (r.std(ddof=1) + 1e-6)
+    adv = dict(zip(table["rollout_id"].to_pylist(), table["advantage"].to_pylist()))
+    assert [adv[k] for k in "abcf"] == pytest.approx(expect.tolist(), rel=1e-5)
+
+
+def test_group_with_equal_rewards_is_reported_and_carries_no_signal(make_traces):
+    d = make_traces(
+        spans=[_one_call(x) for x in ("a", "b", "c", "d", "e")],
+        rollouts=[
+            rollout("a", group_id="same", reward=1.0),
+            rollout("b", group_id="same", reward=1.0),
+            rollout("c", group_id="same", reward=1.0),
+            rollout("d", group_id="mixed", reward=1.0),
+            rollout("e", group_id="mixed", reward=0.0),
+        ],
+    )
+    table, stats = build_samples(d)
+    adv = dict(zip(table["rollout_id"].to_pylist(), table["advantage"].to_pylist()))
+    assert adv["a"] == adv["b"] == adv["c"] == 0.0
+    assert adv["d"] == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-6), rel=1e-6) and adv["e"] == pytest.approx(-adv["d"])
+    assert stats["adv_equal_reward_groups"] == 1 and stats["adv_equal_reward_group_ids"] == ["same"]
+    assert stats["adv_rollouts_in_equal_groups"] == 3 and stats["adv_n_groups"] == 2
+
+
+def test_latest_reward_wins_and_proxy_only_rollouts_are_singletons(make_traces):
+    d = make_traces(
+        spans=[_one_call("p"), _one_call("q")],  # proxy used alone: no launcher rows
+        rewards=[reward("p", 0.0, at_s=1), reward("p", 1.0, at_s=2), reward("q", 0.25)],
+    )
+    table, stats = build_samples(d)
+    got = dict(zip(table["rollout_id"].to_pylist(), zip(table["reward"].to_pylist(), table["advantage"].to_pylist(), table["group_id"].to_pylist())))
+    assert got["p"][0] == 1.0 and got["q"][0] == 0.25
+    # a group of one: verl's convention (mean 0, std 1)
+    assert got["p"][1] == pytest.approx(1.0 / (1 + 1e-6)) and got["p"][2] == "rollout:p~0"
+    assert stats["adv_singleton_groups"] == 2 and stats["rollouts_without_group"] == 2
+
+    table, _ = build_samples(d, group_by="'all'")  # any SQL expression over the rollouts view
+    adv = dict(zip(table["rollout_id"].to_pylist(), table["advantage"].to_pylist()))
+    assert adv["p"] > 0 > adv["q"]
+
+
+def test_steps_filter_selects_rollouts(make_traces):
+    d = make_traces(
+        spans=[_one_call("s0"), _one_call("s1")],
+        rollouts=[rollout("s0", step=0, reward=1.0), rollout("s1", step=1, reward=1.0)],
+    )
+    assert build_samples(d, steps=1)[0]["rollout_id"].to_pylist() == ["s1"]
+    assert sorted(build_samples(d, steps=[0, 1])[0]["rollout_id"].to_pylist()) == ["s0", "s1"]
+    assert build_samples(d, where="task_id = 'nope'")[0].num_rows == 0
+
+
+def _mixed_traces(make_traces):
+    spans = [
+        span("a", 0, [1, 2], [10, 11, 12]),
+        span("a", 1, [1, 2, 10, 11, 12, 5], [13]),
+        span("a", 2, [7], [14, 15]),  # break: second sample of a
+        span("b", 0, [1], [20]),
+        span("c", 0, [1], [30, 31, 32, 33, 34]),
+        span("c", 1, [9], [35]),
+    ]
+    rollouts = [rollout("a", reward=1.0), rollout("b", reward=0.0), rollout("c", group_id="g1", reward=0.3), rollout("d", group_id="g1", reward=0.1)]
+    return make_traces(spans=spans, rollouts=rollouts)
+
+
+@pytest.mark.parametrize("mode", ["trajectory", "transition"])
+def test_rollout_weights_sum_to_one_per_rollout(make_traces, mode):
+    table, stats = build_samples(_mixed_traces(make_traces), mode=mode)
+    per = {}
+    for r in table.to_pylist():
+        per[r["rollout_id"]] = per.get(r["rollout_id"], 0.0) + r["loss_weight"] * sum(r["response_mask"])
+    assert per == {"a": pytest.approx(1.0), "b": pytest.approx(1.0), "c": pytest.approx(1.0)}
+    assert stats["n_units"] == 3
+
+
+def test_token_and_seq_mean_weights(make_traces):
+    d = _mixed_traces(make_traces)
+    t, st = build_samples(d, weight_mode="token-mean")
+    assert set(t["loss_weight"].to_pylist()) == {1.0} and st["n_units"] == st["model_tokens"] == 13
+    t, st = build_samples(d, weight_mode="seq-mean")
+    for r in t.to_pylist():
+        assert r["loss_weight"] * sum(r["response_mask"]) == pytest.approx(1.0)
+    assert st["n_units"] == t.num_rows == 5
+
+
+def test_group_advantages_match_hand_computation():
+    r = np.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 2.0])
+    g = np.array(["x", "x", "x", "x", "y", "y", "z"])
+    adv, rep = A.group_advantages(r, g)
+    sx = np.std([1, 0, 0, 1], ddof=1)
+    assert adv[:4] == pytest.approx([0.5 / (sx + 1e-6), -0.5 / (sx + 1e-6)] * 1 + [-0.5 / (sx + 1e-6), 0.5 / (sx + 1e-6)])
+    assert adv[4:6].tolist() == [0.0, 0.0] and adv[6] == pytest.approx(2.0 / (1 + 1e-6))
+    assert (rep.n_groups, rep.singleton_groups, rep.equal_reward_groups) == (3, 1, 1)
+    adv, _ = A.group_advantages(r, g, method="rloo")
+    assert adv[0] == pytest.approx(1.0 - 1 / 3) and adv[1] == pytest.approx(0.0 - 2 / 3) and adv[6] == 2.0
+    adv, _ = A.group_advantages(r, g, norm_by_std=False)
+    assert adv[0] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="NaN"):
+        A.group_advantages(np.array([1.0, np.nan]), np.array(["x", "x"]))
+
+
+def _padded(table):
+    rows = table.to_pylist()
+    T = max(len(r["response_mask"]) for r in rows)
+    mask = np.zeros((len(rows), T), np.float64)
+    for i, r in enumerate(rows):
+        mask[i, : len(r["response_mask"])] = r["response_mask"]
+    rid = np.unique(table["rollout_id"].to_numpy(zero_copy_only=False), return_inverse=True)[1]
+    return mask, np.array(table["loss_weight"].to_pylist()), rid
+
+
+@pytest.mark.parametrize("mode", ["rollout", "token-mean", "seq-mean"])
+def test_aggregate_loss_is_invariant_to_micro_batching(make_traces, mode):
+    torch = pytest.importorskip("torch")
+    table, stats = build_samples(_mixed_traces(make_traces), weight_mode=mode)
+    mask, w, rid = _padded(table)
+    n = W.n_units(rid, mask.sum(1), mode)
+    assert n == stats["n_units"]
+    rng = np.random.default_rng(0)
+    logits = torch.tensor(rng.normal(size=mask.shape), requires_grad=True)
+    M, Wt = torch.tensor(mask), torch.tensor(w)
+
+    def loss_of(rows):
+        return W.aggregate_loss(logits[rows] ** 2, M[rows], Wt[rows], n, mode)
+
+    full = loss_of(list(range(len(w))))
+    full.backward()
+    g_full = logits.grad.clone()
+    for size in (1, 2, 3):
+        logits.grad = None
+        perm = rng.permutation(len(w))
+        total = 0.0
+        for k in range(0, len(w), size):
+            part = loss_of(perm[k : k + size].tolist())
+            part.backward()
+            total += float(part.detach())
+        assert total == pytest.approx(float(full.detach()), rel=1e-12)
+        assert torch.allclose(logits.grad, g_full, rtol=1e-12, atol=1e-15)
+    # rollout mode: every rollout counts once; check against a direct formula
+    if mode == "rollout":
+        per_tok = (logits.detach().numpy() ** 2) * mask
+        expect = np.mean([per_tok[rid == k].sum() / mask[rid == k].sum() for k in np.unique(rid)])
+        assert float(full.detach()) == pytest.approx(expect, rel=1e-6)  # weights are stored as float32

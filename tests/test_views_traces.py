@@ -1,0 +1,66 @@
+"""The DuckDB views over a traces directory: empty tables, proxy-only rollouts, reward precedence."""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures_traces import reward, rollout, span, write_traces
+from lightning_harness.schemas import TABLES
+from lightning_harness.trainer.views import VIEW_NAMES, connect
+
+
+def test_fresh_directory_has_every_view_with_its_columns(tmp_path):
+    con = connect(tmp_path)
+    for v in VIEW_NAMES:
+        assert con.sql(f"SELECT count(*) FROM {v}").fetchall() == [(0,)]
+    assert con.sql("SELECT * FROM spans").columns == TABLES["spans"].names
+    assert con.sql("SELECT * FROM rollouts_raw").columns == TABLES["rollouts"].names
+    assert con.sql("SELECT * FROM samples").columns == TABLES["samples"].names
+    assert {"rollout_id", "attempt", "reward", "state", "task_id", "group_id", "step"} <= set(con.sql("SELECT * FROM rollouts").columns)
+    assert {"rollout_id", "attempt", "seq", "model_version", "latency_ms", "total_tokens", "is_error"} <= set(con.sql("SELECT * FROM calls").columns)
+
+
+def test_missing_directory_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        connect(tmp_path / "nope")
+
+
+def test_rollouts_view_joins_launcher_rewards_and_proxy_only(tmp_path):
+    write_traces(
+        tmp_path,
+        spans=[
+            span("L", 0, [1], [2, 3]),
+            span("L", 1, [1, 2, 3, 4], None, error_kind="timeout"),
+            span("P", 0, [1], [2]),  # proxy used alone: no launcher row
+            span("P", 0, [5], [6], attempt=1),
+            span(None, 0, [1], [2]),  # unattributed: not a rollout
+        ],
+        rollouts=[
+            rollout("L", reward=0.2, task_id="t1", group_id="t1@3", step=3),
+            rollout("N", state="no_reward", task_id="t2"),  # reward arrives later through the proxy
+        ],
+        rewards=[reward("L", 0.5, at_s=1), reward("L", 0.9, at_s=2), reward("N", 1.0), reward("P", 0.0, attempt=1)],
+    )
+    con = connect(tmp_path)
+    rows = {
+        (r[0], r[1]): r[2:]
+        for r in con.sql(
+            "SELECT rollout_id, attempt, reward, state, task_id, group_id, step, n_calls, n_errors, has_launcher_row "
+            "FROM rollouts ORDER BY ALL"
+        ).fetchall()
+    }
+    assert rows[("L", 0)] == (0.9, "succeeded", "t1", "t1@3", 3, 2, 1, True)  # latest reward row wins
+    assert rows[("N", 0)] == (1.0, "succeeded", "t2", "g0", 0, 0, 0, True)
+    assert rows[("P", 0)] == (None, "no_reward", None, None, None, 1, 0, False)
+    assert rows[("P", 1)] == (0.0, "succeeded", None, None, None, 1, 0, False)
+    assert len(rows) == 4
+    calls = con.sql("SELECT rollout_id, seq, prompt_len, response_len, is_error, has_token_ids FROM calls WHERE rollout_id = 'L' ORDER BY seq").fetchall()
+    assert calls == [("L", 0, 1, 2, False, True), ("L", 1, 4, None, True, False)]
+
+
+def test_views_see_parts_written_after_connect(tmp_path):
+    write_traces(tmp_path, spans=[span("a", 0, [1], [2])])
+    con = connect(tmp_path)
+    assert con.sql("SELECT count(*) FROM calls").fetchall() == [(1,)]
+    write_traces(tmp_path, spans=[span("b", 0, [1], [2])])
+    assert con.sql("SELECT count(*) FROM calls").fetchall() == [(2,)]

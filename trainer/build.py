@@ -1,0 +1,129 @@
+"""`lightning-train build`: traces -> samples Parquet, with merge statistics a user can act on."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from ..schemas import PartWriter
+
+
+def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
+    """The merge / reward / weight statistics of ``build_samples`` as one readable rich table."""
+    t = Table(title=title, show_header=True, header_style="bold")
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    t.add_column("meaning", style="dim")
+
+    def row(name: str, value: Any, meaning: str = "") -> None:
+        if isinstance(value, float):
+            value = f"{value:.3f}"
+        elif isinstance(value, int):
+            value = f"{value:,}"
+        t.add_row(name, str(value), meaning)
+
+    row("rollouts selected", stats["rollouts_selected"])
+    by_state = ", ".join(f"{k} {v}" for k, v in stats["rollouts_by_state"].items() if v)
+    row("rollouts dropped", stats["rollouts_dropped"], f"policy {stats['failed_policy']}: {by_state or 'none'}")
+    row("spans read", stats["spans_read"])
+    row("calls with errors (skipped)", stats["calls_error"])
+    row("calls without token ids", stats["calls_without_token_ids"],
+        f"rebuilt {stats['retokenized_calls']}, dropped {stats['calls_dropped_no_token_ids']}"
+        + ("" if stats["retokenized_calls"] or not stats["calls_without_token_ids"] else " (pass --tokenizer to rebuild)"))
+    if stats.get("drift_checked"):
+        row("token drift", f"{stats['drift_prompt']}/{stats['drift_response']} of {stats['drift_checked']}",
+            "prompt/response ids that differ from a retokenisation")
+    row("samples", stats["samples"], f"mode {stats['mode']}")
+    row("samples per rollout", stats["samples_per_rollout"])
+    row("rollouts kept as one sample", f"{100 * stats['single_sample_rollout_share']:.1f}%")
+    row("calls continuing their history", stats["calls_continuing_history"])
+    for reason, n in stats["breaks"].items():
+        row(f"  break: {reason}", n)
+    row("prompt too long (dropped)", stats["samples_dropped_prompt_too_long"])
+    row("responses truncated", stats["samples_truncated"], f"{stats.get('truncated_model_tokens', 0):,} model tokens cut")
+    row("model / context tokens", f"{stats['model_tokens']:,} / {stats['context_tokens']:,}")
+    row("advantage groups", stats["adv_n_groups"], f"{stats['advantage']}; singletons {stats['adv_singleton_groups']}")
+    eq = stats["adv_equal_reward_groups"]
+    row("groups with equal rewards", eq, ("no signal: " + ", ".join(stats["adv_equal_reward_group_ids"][:5])) if eq else "")
+    row("loss weights", stats["weight_mode"], f"units {stats['n_units']:,}")
+    return t
+
+
+@click.command("build", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("traces_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Directory to write the samples table under (default: TRACES_DIR, i.e. TRACES_DIR/samples/).")
+@click.option("--mode", type=click.Choice(["trajectory", "transition"]), default="trajectory", show_default=True,
+              help="trajectory: merge calls whose prompt continues the history; transition: one sample per call.")
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Local HF tokenizer directory: rebuilds token ids of calls that have none, and measures drift.")
+@click.option("--group-by", default="group_id", show_default=True,
+              help="SQL expression over the `rollouts` view giving the advantage group (e.g. task_id).")
+@click.option("--advantage", type=click.Choice(["grpo", "rloo"]), default="grpo", show_default=True)
+@click.option("--no-std", is_flag=True, help="GRPO without dividing by the group std (Dr. GRPO).")
+@click.option("--failed-policy", type=click.Choice(["drop", "keep", "penalize"]), default="drop", show_default=True,
+              help="Failed / timed-out / reward-less rollouts: drop them, keep failed ones with a reward, or give them --failed-reward.")
+@click.option("--failed-reward", type=float, default=None, help="Reward given by --failed-policy penalize (required there).")
+@click.option("--weight-mode", type=click.Choice(["rollout", "token-mean", "seq-mean"]), default="rollout", show_default=True,
+              help="rollout: each rollout weighs the same however many samples/tokens it produced.")
+@click.option("--max-prompt-len", type=int, default=None, help="Drop samples whose prompt is longer (reported).")
+@click.option("--max-response-len", type=int, default=None, help="Truncate longer responses (reported).")
+@click.option("--step", "steps", type=int, multiple=True, help="Only rollouts of this step (repeatable).")
+@click.option("--where", default=None, help="Extra SQL predicate on the `rollouts` view, e.g. \"split = 'train'\".")
+@click.option("--replace", is_flag=True, help="Replace an existing samples table (old parts are removed after the new one is written).")
+@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON instead of a table.")
+def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std, failed_policy, failed_reward,
+                  weight_mode, max_prompt_len, max_response_len, steps, where, replace, as_json) -> None:
+    """Build training samples from TRACES_DIR (spans + rewards + rollouts) into a `samples` table.
+
+    \b
+    Example:
+      lightning-train build runs/exp1/traces --tokenizer models/tiny --max-response-len 2048
+      lightning-sql runs/exp1/traces -q merge_breaks
+    """
+    import json
+
+    from .samples import build_samples
+
+    console = Console(stderr=as_json)
+    out_root = Path(out) if out else Path(traces_dir)
+    old_parts = sorted((out_root / "samples").glob("**/*.parquet")) if (out_root / "samples").exists() else []
+    if old_parts and not replace:
+        raise click.ClickException(
+            f"{out_root / 'samples'} already holds {len(old_parts)} part(s); pass --replace to rebuild it or --out DIR"
+        )
+    if failed_policy == "penalize" and failed_reward is None:
+        raise click.BadParameter("--failed-policy penalize needs --failed-reward", param_hint="--failed-reward")
+    t0 = time.perf_counter()
+    with console.status("building samples ..."):
+        try:
+            table, stats = build_samples(
+                traces_dir, mode=mode, tokenizer=tokenizer, group_by=group_by, advantage=advantage,
+                norm_by_std=not no_std, failed_policy=failed_policy, failed_reward=failed_reward,
+                weight_mode=weight_mode, max_prompt_len=max_prompt_len, max_response_len=max_response_len,
+                steps=list(steps) or None, where=where,
+            )
+        except (ValueError, FileNotFoundError) as exc:
+            raise click.ClickException(str(exc)) from exc
+        path = None
+        if table.num_rows:
+            path = PartWriter(out_root, "samples", background=False).write_table(table)
+            for p in old_parts:  # only after the new table is safely on disk
+                p.unlink(missing_ok=True)
+    elapsed = time.perf_counter() - t0
+    if as_json:
+        click.echo(json.dumps({**stats, "path": str(path) if path else None, "seconds": round(elapsed, 3)}, default=str))
+        return
+    console.print(stats_table(stats, title=f"samples from {traces_dir}"))
+    if path:
+        console.print(f"wrote {table.num_rows:,} samples to [bold]{path}[/] in {elapsed:.1f}s")
+    else:
+        console.print("[yellow]no samples built[/]: nothing to train on (see the table above)")
+
+
+__all__ = ["build_command", "stats_table"]
