@@ -1,0 +1,518 @@
+"""The launcher's Python API: run groups of rollouts concurrently, retry, reward, record.
+
+Why an object and not only a function: the trainer's asynchronous mode starts groups, takes the
+groups that finished and lets the others keep running across a weight update. ``BatchRunner`` does
+that (``submit`` / ``finished_groups`` / ``wait_groups`` / ``cancel``); ``run_batch`` is the
+one-call form for a synchronous step or an evaluation.
+
+Scheduling: ``concurrency`` worker threads take attempts from a priority queue ordered by group,
+so early groups finish first and retries jump ahead of new groups. Every attempt, whatever its
+end, becomes one row of ``rollouts``; rows are flushed by age and on close/cancel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from lightning_harness.schemas import PartWriter
+
+from .attempt import WORK_DIR, AttemptSettings, attempt_dir, make_result, run_attempt
+from .identity import GroupFn, RolloutSpec, plan_rollouts
+from .local import LocalRunner, utcnow
+from .progress import BatchProgress, BatchStats
+from .proxy_link import ProxyLink
+from .results import CANCELLED, FAILED, FAILURES, NO_REWARD, GroupResult, History, RolloutResult, load_history
+from .rewards import RewardsTable
+from .tasks import Task, tasks_from_rows
+
+_UNSET = object()
+__all__ = ["BatchAborted", "BatchRunner", "run_batch", "WORK_DIR", "clean_work_dirs"]
+
+
+@dataclass(order=True)
+class _Item:
+    priority: tuple
+    spec: RolloutSpec = field(compare=False)
+    attempt: int = field(compare=False)
+    failures: int = field(compare=False)  # failed/timed-out attempts so far (earlier runs included)
+    ran: int = field(default=0, compare=False)  # attempts this runner already made for the rollout
+
+
+@dataclass
+class _Group:
+    group_id: str
+    specs: list[RolloutSpec]
+    final: dict[str, RolloutResult] = field(default_factory=dict)
+    reported: bool = False
+
+    @property
+    def done(self) -> bool:
+        return len(self.final) == len(self.specs)
+
+    def result(self) -> GroupResult:
+        return GroupResult(self.group_id, [self.final[s.rollout_id] for s in self.specs])
+
+
+def process_check(name: str, owner: Any) -> Callable[[], str | None] | None:
+    """A check that reports when a child process we depend on (``owner.proc``) has exited."""
+    if owner is None or not hasattr(owner, "proc"):
+        return None
+
+    def check() -> str | None:
+        proc = getattr(owner, "proc", None)
+        rc = proc.poll() if proc is not None else None
+        if rc is None:
+            return None
+        log = getattr(owner, "log_path", None)
+        return f"{name} exited with code {rc}" + (f" (log {log})" if log else "")
+
+    return check
+
+
+class BatchAborted(RuntimeError):
+    """The batch stopped by itself (its proxy or engine died); rows written so far stay valid."""
+
+    def __init__(self, message: str, results: list[RolloutResult]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+def _as_link(proxy: Any) -> ProxyLink | None:
+    if proxy is None or isinstance(proxy, ProxyLink):
+        return proxy
+    if hasattr(proxy, "forward_url") and hasattr(proxy, "env_for"):
+        return ProxyLink.from_process(proxy)
+    if isinstance(proxy, (tuple, list)) and len(proxy) == 2:
+        return ProxyLink.attach(proxy[0], proxy[1])
+    if isinstance(proxy, str):
+        return ProxyLink.attach(proxy, None)
+    raise TypeError(f"proxy must be a ProxyProcess, ProxyLink, (url, token) or URL, got {type(proxy).__name__}")
+
+
+class BatchRunner:
+    """Runs rollouts of submitted tasks; see the module doc. Use as a context manager.
+
+    ``harness``: argv list or shell command line, with ``{placeholders}`` (see :mod:`.command`).
+    ``proxy``: a ``ProxyProcess``, a :class:`ProxyLink`, ``(reverse_url, token)``, or None (no capture).
+    ``model_version``: stamped on rows; None reads the proxy's current version per attempt. The trainer
+    may assign ``runner.model_version`` after each update.
+    """
+
+    def __init__(
+        self,
+        harness: Sequence[str] | str | None,
+        *,
+        traces_dir: str | Path,
+        proxy: Any = None,
+        runner: Any = None,
+        run_id: str,
+        samples: int = 1,
+        concurrency: int = 4,
+        timeout: float | None = None,
+        retries: int = 0,
+        reward_cmd: str | None = None,
+        reward_timeout: float = 300.0,
+        step: int | None = None,
+        split: str = "train",
+        model_version: int | None = None,
+        group_fn: GroupFn | None = None,
+        cwd: str | None = None,
+        extra_env: Mapping[str, str] | None = None,
+        skip_finished: bool = True,
+        progress: bool | BatchProgress = False,
+        on_result: Callable[[RolloutResult], None] | None = None,
+        flush_seconds: float = 1.0,
+        health_check: Callable[[], str | None] | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if retries < 0:
+            raise ValueError("retries must be >= 0")
+        self.harness = harness
+        self.traces_dir = Path(traces_dir)
+        self.proxy = _as_link(proxy)
+        self._checks = [c for c in (process_check("capture proxy", proxy), health_check) if c is not None]
+        self.error: str | None = None  # why the batch stopped by itself (a dead proxy or engine)
+        self.runner = runner or LocalRunner()
+        if not harness and isinstance(self.runner, LocalRunner):
+            raise ValueError("a harness command is needed (only a Kubernetes Job template may supply its own)")
+        self.run_id = run_id
+        self.samples = samples
+        self.concurrency = concurrency
+        self.timeout = timeout
+        self.retries = retries
+        self.reward_cmd = reward_cmd
+        self.reward_timeout = reward_timeout
+        self.step = step
+        self.split = split
+        self.model_version = model_version
+        self.group_fn = group_fn
+        self.cwd = cwd
+        self.extra_env = dict(extra_env or {})
+        self.skip_finished = skip_finished
+        self.on_result = on_result
+        self.stats = BatchStats()
+        if progress is True:
+            self.progress: BatchProgress | None = BatchProgress(self.stats)
+        else:
+            self.progress = progress or None
+
+        self.traces_dir.mkdir(parents=True, exist_ok=True)
+        self._rollouts = PartWriter(self.traces_dir, "rollouts", flush_seconds=flush_seconds)
+        self._rewards = PartWriter(self.traces_dir, "rewards", flush_seconds=flush_seconds)
+        control = self.proxy.control if self.proxy else None
+        self._settings = AttemptSettings(
+            traces_dir=self.traces_dir, harness=harness, runner=self.runner, proxy=self.proxy,
+            reward_table=RewardsTable(self.traces_dir, control.flush if control else None), timeout=timeout,
+            cwd=cwd, extra_env=dict(extra_env or {}), reward_cmd=reward_cmd, reward_timeout=reward_timeout,
+        )
+        self._queue: "queue.PriorityQueue[_Item]" = queue.PriorityQueue()
+        self._lock = threading.Condition()
+        self._cancel = threading.Event()
+        self._closed = threading.Event()
+        self._groups: dict[str, _Group] = {}
+        self._group_order = itertools.count()
+        self._order: list[str] = []  # rollout ids in submission order
+        self._known: set[str] = set()
+        self._history: dict[str, History] | None = None
+        self._results: dict[str, RolloutResult] = {}
+        self._finished_groups: list[GroupResult] = []
+        self._in_queue = 0
+        self._running = 0
+        self._workers: list[threading.Thread] = []
+        self._progress_started = False
+
+    # -- submitting --------------------------------------------------------------------------
+    def submit(
+        self,
+        tasks: Iterable[Task | Mapping[str, Any]],
+        *,
+        samples: int | None = None,
+        step: Any = _UNSET,
+        split: str | None = None,
+    ) -> list[str]:
+        """Plan tasks x samples, skip what earlier runs finished, queue the rest. Returns the group ids."""
+        if self._closed.is_set() or self._cancel.is_set():
+            raise RuntimeError("runner is closed or cancelled")
+        tasks = tasks_from_rows(tasks, source="submit")
+        specs = plan_rollouts(
+            tasks, run_id=self.run_id, samples=samples or self.samples,
+            step=self.step if step is _UNSET else step, split=split or self.split, group_fn=self.group_fn,
+        )
+        if self._history is None:
+            # read once: within this runner a rollout is submitted once, so only earlier runs matter
+            self._history = load_history(self.traces_dir, run_id=self.run_id) if self.skip_finished else {}
+        history = self._history
+        by_group: dict[str, list[RolloutSpec]] = {}
+        for spec in specs:
+            if spec.rollout_id in self._known:
+                raise ValueError(f"rollout {spec.rollout_id} was already submitted to this runner")
+            by_group.setdefault(spec.group_id, []).append(spec)
+        ready: list[GroupResult] = []
+        with self._lock:
+            taken = [gid for gid in by_group if gid in self._groups]
+            if taken:  # checked before anything is queued: a refused submit changes nothing
+                raise ValueError(f"groups {taken} were already submitted to this runner")
+            for gid, gspecs in by_group.items():
+                group = _Group(gid, gspecs)
+                self._groups[gid] = group
+                gnum = next(self._group_order)
+                for spec in gspecs:
+                    self._known.add(spec.rollout_id)
+                    self._order.append(spec.rollout_id)
+                    self.stats.total += 1
+                    hist = history.get(spec.rollout_id, History())
+                    final = hist.final(self.retries)
+                    if final is not None:
+                        res = RolloutResult.from_row(final, skipped=True)
+                        group.final[spec.rollout_id] = res
+                        self._results[spec.rollout_id] = res
+                        self._count_final(res, ran=False)
+                        continue
+                    attempt = max(hist.last_attempt, self._last_attempt_on_disk(spec)) + 1
+                    self._queue.put(_Item((gnum, spec.sample_index, attempt), spec, attempt, hist.failures))
+                    self._in_queue += 1
+                if group.done:
+                    group.reported = True
+                    ready.append(group.result())
+            self._finished_groups.extend(ready)
+            self._lock.notify_all()
+        self._ensure_workers()
+        if self.progress is not None:
+            self.progress.update()
+        return list(by_group)
+
+    def _last_attempt_on_disk(self, spec: RolloutSpec) -> int:
+        """An attempt folder without a row means an earlier launcher died mid-attempt: never reuse it."""
+        folder = attempt_dir(self.traces_dir, spec, 0).parent
+        nums = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []
+        return max(nums, default=-1)
+
+    def _ensure_workers(self) -> None:
+        if self.progress is not None and not self._progress_started:
+            self._progress_started = True
+            self.progress.start()
+        while len(self._workers) < self.concurrency:
+            t = threading.Thread(target=self._worker, name=f"rollout-{len(self._workers)}", daemon=True)
+            self._workers.append(t)
+            t.start()
+
+    # -- collecting ----------------------------------------------------------------------------
+    def finished_groups(self) -> list[GroupResult]:
+        """Groups that finished since the last call (non-blocking)."""
+        with self._lock:
+            out, self._finished_groups = self._finished_groups, []
+        return out
+
+    def wait_groups(self, n: int | None = None, timeout: float | None = None) -> list[GroupResult]:
+        """Block until at least ``n`` finished groups are waiting (all outstanding ones if None), return them.
+
+        Returns fewer on timeout or cancel. Groups still running keep running.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                outstanding = sum(1 for g in self._groups.values() if not g.reported)
+                need = outstanding + len(self._finished_groups) if n is None else n
+                need = min(need, outstanding + len(self._finished_groups))
+                if len(self._finished_groups) >= need or self._cancel.is_set():
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._lock.wait(0.5 if left is None else min(0.5, left))
+            out, self._finished_groups = self._finished_groups, []
+        if self.progress is not None:
+            self.progress.update()
+        return out
+
+    def wait(self, timeout: float | None = None) -> list[RolloutResult]:
+        """Block until every submitted rollout is final; final attempts in submission order."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while not all(g.done for g in self._groups.values()) and not self._cancel.is_set():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._lock.wait(0.5 if left is None else min(0.5, left))
+        if self._cancel.is_set():
+            self._join_workers()
+        return self.results()
+
+    def results(self) -> list[RolloutResult]:
+        with self._lock:
+            return [self._results[rid] for rid in self._order if rid in self._results]
+
+    @property
+    def pending(self) -> int:
+        """Rollouts not yet final (queued or running)."""
+        with self._lock:
+            return sum(len(g.specs) - len(g.final) for g in self._groups.values())
+
+    # -- stopping -----------------------------------------------------------------------------
+    def _health(self) -> str | None:
+        for check in self._checks:
+            try:
+                problem = check()
+            except Exception as exc:
+                problem = f"health check failed: {exc!r}"
+            if problem:
+                return problem
+        return None
+
+    def _abort(self, problem: str) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = problem
+            self._cancel.set()
+            self._lock.notify_all()
+
+    def cancel(self) -> None:
+        """Stop every running harness (whole process groups), drop queued attempts, flush rows."""
+        self._cancel.set()
+        with self._lock:
+            self._lock.notify_all()
+        self._join_workers()
+        self._flush()
+
+    def close(self) -> None:
+        """Stop the workers once idle (cancels if attempts are still running) and flush everything."""
+        if self._closed.is_set():
+            return
+        if self.pending:
+            self._cancel.set()
+        self._closed.set()
+        self._join_workers()
+        self._rollouts.close()
+        self._rewards.close()
+        if self.progress is not None and self._progress_started:
+            self.progress.stop()
+
+    def _join_workers(self) -> None:
+        for t in self._workers:
+            t.join(timeout=60)
+
+    def _flush(self) -> None:
+        self._rollouts.flush()
+        self._rewards.flush()
+
+    def __enter__(self) -> "BatchRunner":
+        return self
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        if exc_type is not None:
+            self._cancel.set()
+        self.close()
+
+    # -- workers ------------------------------------------------------------------------------
+    def _worker(self) -> None:
+        while not self._closed.is_set() or not self._queue.empty():
+            if self._cancel.is_set():
+                return
+            try:
+                item = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                if self._closed.is_set():
+                    return
+                continue
+            problem = self._health()
+            if problem:  # infrastructure is gone: stop instead of failing every rollout in turn
+                self._abort(problem)
+                return
+            with self._lock:
+                self._in_queue -= 1
+                self._running += 1
+                self.stats.running = self._running
+            try:
+                result = self._run_attempt(item)
+            except Exception as exc:  # a launcher bug must not lose the rollout silently
+                now = utcnow()
+                result = make_result(item.spec, item.attempt, FAILED, None, now, now, error=f"launcher error: {exc!r}",
+                                     runner=getattr(self.runner, "name", "local"))
+                self._rollouts.append(result.row())
+            finally:
+                with self._lock:
+                    self._running -= 1
+                    self.stats.running = self._running
+            self._after_attempt(item, result)
+
+    def _after_attempt(self, item: _Item, result: RolloutResult) -> None:
+        failures = item.failures + (result.state in FAILURES)
+        retry = result.state in FAILURES and failures <= self.retries and not self._cancel.is_set()
+        ready = None
+        with self._lock:
+            if retry:
+                self.stats.retried += 1
+                nxt = item.attempt + 1
+                self._queue.put(_Item((item.priority[0], item.priority[1], nxt), item.spec, nxt, failures, item.ran + 1))
+                self._in_queue += 1
+            elif result.state != CANCELLED:
+                result.attempts_run = item.ran + 1
+                group = self._groups[item.spec.group_id]
+                group.final[item.spec.rollout_id] = result
+                self._results[item.spec.rollout_id] = result
+                self._count_final(result, ran=True)
+                if group.done and not group.reported:
+                    group.reported = True
+                    ready = group.result()
+                    self._finished_groups.append(ready)
+            self._lock.notify_all()
+        if self.progress is not None:
+            self.progress.update()
+        if self.on_result is not None and not retry and result.state != CANCELLED:
+            self.on_result(result)
+
+    def _count_final(self, r: RolloutResult, *, ran: bool) -> None:
+        s = self.stats
+        s.finished += 1
+        s.ran += ran
+        s.skipped += not ran
+        s.failed += r.state in FAILURES
+        s.no_reward += r.state == NO_REWARD
+        if r.reward is not None:
+            s.reward_sum += r.reward
+            s.reward_n += 1
+
+    # -- one attempt --------------------------------------------------------------------------
+    def _current_model_version(self) -> int | None:
+        if self.model_version is not None:
+            return int(self.model_version)
+        if self.proxy is None:
+            return None
+        try:
+            return int(self.proxy.control.state(timeout=10).get("model_version"))
+        except Exception:
+            return None
+
+    def _run_attempt(self, item: _Item) -> RolloutResult:
+        result, reward = run_attempt(self._settings, item.spec, item.attempt, self._cancel, self._current_model_version())
+        if result.state in FAILURES:
+            problem = self._health()
+            if problem:  # not the harness's fault: recorded as cancelled, so it neither retries now nor counts later
+                result.state, result.error = CANCELLED, f"{problem}; the attempt ended with: {result.error}"
+                self._abort(problem)
+        if reward is not None and reward.source in ("file", "command"):
+            self._rewards.append({
+                "reward_id": uuid.uuid4().hex, "rollout_id": result.rollout_id, "attempt": result.attempt,
+                "reward": reward.value, "created_at": utcnow(), "source": reward.source,
+                "info_json": json.dumps(reward.info) if reward.info is not None else None,
+            })
+        self._rollouts.append(result.row())
+        if result.state == CANCELLED:
+            self._flush()
+        return result
+
+
+def run_batch(
+    tasks: Iterable[Task | Mapping[str, Any]],
+    harness: Sequence[str] | str,
+    *,
+    traces_dir: str | Path,
+    run_id: str,
+    proxy: Any = None,
+    samples: int = 1,
+    concurrency: int = 4,
+    timeout: float | None = None,
+    retries: int = 0,
+    reward_cmd: str | None = None,
+    step: int | None = None,
+    split: str = "train",
+    model_version: int | None = None,
+    group_fn: GroupFn | None = None,
+    progress: bool = False,
+    runner: Any = None,
+    **kwargs: Any,
+) -> list[RolloutResult]:
+    """Run tasks x samples to completion and return each rollout's final attempt (submission order).
+
+    Ctrl-C cancels: every harness process group is killed, cancelled attempts are recorded, rows flushed.
+    Raises :class:`BatchAborted` if the proxy (or ``health_check``) reports a failure mid-batch.
+    """
+    with BatchRunner(
+        harness, traces_dir=traces_dir, proxy=proxy, runner=runner, run_id=run_id, samples=samples,
+        concurrency=concurrency, timeout=timeout, retries=retries, reward_cmd=reward_cmd, step=step, split=split,
+        model_version=model_version, group_fn=group_fn, progress=progress, **kwargs,
+    ) as batch:
+        batch.submit(tasks)
+        try:
+            results = batch.wait()
+        except KeyboardInterrupt:
+            batch.cancel()
+            raise
+        if batch.error:
+            raise BatchAborted(batch.error, results)
+        return results
+
+
+def clean_work_dirs(traces_dir: str | Path, run_id: str) -> None:
+    """Remove a run's per-attempt folders (logs included); rows in the tables stay."""
+    shutil.rmtree(Path(traces_dir) / WORK_DIR / run_id, ignore_errors=True)

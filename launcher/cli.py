@@ -1,0 +1,278 @@
+"""``lightning-launch``: run a batch of harness rollouts against a model, captured and rewarded.
+
+Why a CLI over the Python API: evaluation and data collection are the same batch as a training
+step without the update; a person runs it by hand, the trainer calls :mod:`.batch` directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from .identity import batch_run_id
+from .tasks import TaskFileError, load_tasks
+
+console = Console(stderr=True)
+EXIT_FAILURES = 1
+EXIT_CANCELLED = 130
+
+
+def _parse_env(items: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--env")
+        k, v = item.split("=", 1)
+        out[k] = v
+    return out
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def main() -> None:
+    """Run agent harnesses on tasks through the capture proxy; record spans, rewards and rollouts.
+
+    \b
+    Quick start (an OpenAI-compatible server already running):
+      lightning-launch run tasks.jsonl --upstream http://127.0.0.1:8000 --traces traces \\
+          --samples 4 --concurrency 8 -- python examples/calc/harness.py
+    \b
+    Or let it start vLLM from a model directory:
+      lightning-launch run tasks.jsonl --model examples/calc/model --traces traces -- python my_agent.py
+    """
+
+
+@main.command(context_settings={"max_content_width": 110})
+@click.argument("task_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("harness_argv", nargs=-1, type=click.UNPROCESSED)
+@click.option("--cmd", "shell_cmd", help="Harness as a shell command line instead of argv after '--'. {task_id}, {rollout_id}, {attempt}, {output_dir} and task fields are substituted (shell-quoted).")
+@click.option("--traces", type=click.Path(file_okay=False, path_type=Path), default=Path("traces"), show_default=True, help="Traces root: spans/, rewards/, rollouts/ Parquet and launch/ (per-attempt logs and files).")
+@click.option("--samples", "-n", type=click.IntRange(1), default=1, show_default=True, help="Rollouts per task (the group size).")
+@click.option("--concurrency", "-j", type=click.IntRange(1), default=4, show_default=True, help="Harnesses running at once.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, help="Seconds per attempt; then the whole process group (or Job) is killed.")
+@click.option("--retries", type=click.IntRange(0), default=0, show_default=True, help="Extra attempts for a crashed or timed-out rollout (each a new attempt id).")
+@click.option("--run-id", help="Batch id (prefix of every rollout id). [default: derived from the task file and command, so a re-run resumes]")
+@click.option("--split", default="train", show_default=True, help="Label stored on rollouts ('train', 'eval', ...).")
+@click.option("--step", type=int, help="Training step stored on rollouts (and in rollout/group ids).")
+@click.option("--id-field", help="Task field holding the task id. [default: task_id or id]")
+@click.option("--limit", type=click.IntRange(1), help="Only the first N tasks.")
+@click.option("--upstream", "upstreams", multiple=True, help="OpenAI-compatible server URL (repeat for a pool; the proxy balances by rollout).")
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), help="Start vLLM on this model directory (stopped at the end).")
+@click.option("--served-name", help="Model name served by --model / sent to the upstreams. [default: the model folder name]")
+@click.option("--max-model-len", type=click.IntRange(16), help="Context length of the vLLM started by --model. [default: the model's, at most 4096]")
+@click.option("--engine-arg", "engine_args", multiple=True, help="Extra argument for the vLLM server started by --model (repeat; e.g. --engine-arg=--seed=0).")
+@click.option("--route-host", "route_hosts", multiple=True, help="Host whose forward-mode calls go to the upstreams (e.g. api.openai.com; '*' = all). Repeatable.")
+@click.option("--proxy-url", help="Use this running proxy (its reverse listener URL) instead of starting one.")
+@click.option("--proxy-token", envvar="LIGHTNING_PROXY_TOKEN", help="Token of the running proxy. [env LIGHTNING_PROXY_TOKEN]")
+@click.option("--proxy-forward-url", help="Forward listener of the running proxy. [default: asked from the proxy]")
+@click.option("--proxy-ca", type=click.Path(exists=True, dir_okay=False), help="CA bundle of the running proxy. [default: the proxy's default confdir]")
+@click.option("--proxy-confdir", type=click.Path(file_okay=False), help="Where a started proxy keeps its CA. [default: ~/.cache/lightning-harness/proxy-conf]")
+@click.option("--api-key", envvar=["LIGHTNING_API_KEY", "OPENAI_API_KEY"], show_envvar=False, help="OPENAI_API_KEY handed to harnesses (never recorded). [env LIGHTNING_API_KEY, then OPENAI_API_KEY; default: a placeholder]")
+@click.option("--reward-cmd", help="Shell command scoring a finished attempt; prints a number or {\"reward\": x}. Sees LIGHTNING_TASK, LIGHTNING_OUTPUT_DIR, LIGHTNING_LOG_FILE; {placeholders} as in --cmd.")
+@click.option("--reward-timeout", type=float, default=300.0, show_default=True, help="Seconds allowed to --reward-cmd.")
+@click.option("--k8s", "k8s_template", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Run each attempt as a Kubernetes Job rendered from this Jinja2 YAML template.")
+@click.option("--k8s-namespace", default="default", show_default=True, help="Namespace of the Jobs.")
+@click.option("--k8s-proxy-host", help="Host/IP at which pods reach this machine's proxy (the started proxy then listens on 0.0.0.0).")
+@click.option("--k8s-keep", is_flag=True, help="Keep finished Jobs (debugging); their TTL still applies.")
+@click.option("--cwd", type=click.Path(exists=True, file_okay=False), help="Working directory of the harnesses. [default: here]")
+@click.option("--env", "extra_env", multiple=True, help="KEY=VALUE added to every harness environment. Repeatable.")
+@click.option("--resume/--no-resume", default=True, show_default=True, help="Skip rollouts this run id already finished in --traces.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Live progress bar.")
+def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeout, retries, run_id, split, step,
+        id_field, limit, upstreams, model_dir, served_name, max_model_len, engine_args, route_hosts, proxy_url, proxy_token, proxy_forward_url,
+        proxy_ca, proxy_confdir, api_key, reward_cmd, reward_timeout, k8s_template, k8s_namespace, k8s_proxy_host, k8s_keep, cwd,
+        extra_env, resume, progress) -> None:
+    """Run every task of TASK_FILE (.jsonl, .json or .parquet) SAMPLES times with the harness after '--'.
+
+    \b
+    Each harness gets (docs/ARCHITECTURE.md, Contract 2): HTTP(S)_PROXY with its rollout credentials,
+    a CA bundle (SSL_CERT_FILE, REQUESTS_CA_BUNDLE, NODE_EXTRA_CA_CERTS), OPENAI_BASE_URL/OPENAI_API_KEY,
+    LIGHTNING_ROLLOUT_ID, LIGHTNING_ATTEMPT, LIGHTNING_TASK (JSON), LIGHTNING_TASK_FILE,
+    LIGHTNING_REWARD_URL, LIGHTNING_REWARD_FILE and LIGHTNING_OUTPUT_DIR.
+    \b
+    Exit status: 0 all rollouts finished without failure, 1 some failed or timed out, 2 bad usage, 130 interrupted
+    (run the same command again to resume).
+    """
+    from .batch import BatchRunner
+    from .progress import summary_tables
+
+    harness = shell_cmd if shell_cmd else list(harness_argv)
+    if shell_cmd and harness_argv:
+        raise click.UsageError("give the harness either after '--' or with --cmd, not both")
+    if not harness and not k8s_template:
+        raise click.UsageError("no harness command: put it after '--' (e.g. -- python agent.py) or use --cmd")
+    if not (upstreams or model_dir or proxy_url):
+        raise click.UsageError("no model: give --upstream URL, --model DIR, or --proxy-url of a running proxy")
+    if model_dir and upstreams:
+        raise click.UsageError("--model starts an engine; do not also give --upstream")
+    if proxy_url and (model_dir or upstreams):
+        raise click.UsageError("--proxy-url uses a running proxy with its own upstreams; drop --model/--upstream")
+    if k8s_template and not k8s_proxy_host:
+        raise click.UsageError("--k8s needs --k8s-proxy-host: the address at which pods reach this machine's proxy")
+    try:
+        env = _parse_env(extra_env)
+        tasks = load_tasks(task_file, id_field=id_field, limit=limit)
+    except TaskFileError as exc:
+        raise click.UsageError(str(exc)) from None
+    harness_text = harness if isinstance(harness, str) else shlex.join(harness)
+    run_id = run_id or batch_run_id(task_file.stem, *(t.id for t in tasks), harness_text, split, str(step))
+    traces.mkdir(parents=True, exist_ok=True)
+    logs = traces / "launch"
+    logs.mkdir(exist_ok=True)
+
+    runner = None
+    if k8s_template:
+        from .k8s import K8sRunner, K8sTemplateError
+
+        try:
+            runner = K8sRunner(k8s_template, namespace=k8s_namespace, proxy_host=k8s_proxy_host, keep=k8s_keep)
+        except K8sTemplateError as exc:
+            raise click.UsageError(f"{k8s_template}: {exc}") from None
+
+    console.print(f"[bold]run[/] {run_id}: {len(tasks)} tasks x {samples} samples, concurrency {concurrency}, traces {traces}")
+    def on_signal(signum, frame):  # SIGTERM behaves like Ctrl-C: stop children, flush, exit
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, on_signal)
+    old_int = signal.getsignal(signal.SIGINT)
+    code = 0
+    batch = None
+    results = []
+    with contextlib.ExitStack() as stack:
+        try:
+            checks: list = []
+            try:
+                link = _services(
+                    stack, checks, traces=traces, logs=logs, upstreams=upstreams, model_dir=model_dir,
+                    served_name=served_name, max_model_len=max_model_len, engine_args=engine_args,
+                    route_hosts=route_hosts, proxy_url=proxy_url, proxy_token=proxy_token,
+                    proxy_forward_url=proxy_forward_url, proxy_ca=proxy_ca, proxy_confdir=proxy_confdir,
+                    api_key=api_key, for_pods=k8s_template is not None,
+                )
+            except click.ClickException:
+                raise
+            except Exception as exc:  # engine or proxy did not start: say why, stop what did start
+                raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+            batch = stack.enter_context(BatchRunner(
+                harness or None, traces_dir=traces, proxy=link, runner=runner, run_id=run_id, samples=samples,
+                concurrency=concurrency, timeout=timeout, retries=retries, reward_cmd=reward_cmd,
+                reward_timeout=reward_timeout, step=step, split=split, cwd=cwd, extra_env=env,
+                skip_finished=resume, progress=progress,
+                health_check=lambda: next((p for p in (c() for c in checks) if p), None),
+            ))
+            batch.submit(tasks)
+            if batch.stats.skipped:
+                console.print(f"resuming: {batch.stats.skipped} rollouts already finished in {traces}")
+            results = batch.wait()
+        except KeyboardInterrupt:
+            # a second Ctrl-C must not cut the cleanup short (harness groups, proxy, engine)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            console.print("[yellow]interrupted: stopping every harness and flushing...[/]")
+            if batch is not None:
+                batch.cancel()
+                results = batch.results()
+            code = EXIT_CANCELLED
+    signal.signal(signal.SIGTERM, old_term)
+    signal.signal(signal.SIGINT, old_int)
+    for table in summary_tables(results):
+        console.print(table)
+    if batch is not None:
+        st = batch.stats
+        console.print(f"{st.finished}/{st.total} finished ({st.skipped} from earlier runs) · {st.line()}", highlight=False)
+    failed = sum(r.state in ("failed", "timed_out") for r in results)
+    if batch is not None and batch.error:
+        console.print(f"[red]batch stopped: {batch.error}[/]; run the same command again to resume")
+        code = EXIT_FAILURES
+    console.print(f"rollouts {traces / 'rollouts'}, spans {traces / 'spans'}; run id {run_id}")
+    if code == EXIT_CANCELLED:
+        console.print("cancelled: run the same command again to resume")
+    elif failed:
+        code = EXIT_FAILURES
+    sys.exit(code)
+
+
+def _services(stack, checks, *, traces, logs, upstreams, model_dir, served_name, max_model_len, engine_args,
+              route_hosts, proxy_url, proxy_token, proxy_forward_url, proxy_ca, proxy_confdir, api_key, for_pods):
+    """Start (or attach to) the engine and the proxy; ``stack`` stops what was started, ``checks`` watch it."""
+    from lightning_harness.proxy.client import ProxyProcess
+
+    from .proxy_link import ProxyLink
+
+    if proxy_url:
+        from lightning_harness.proxy.client import ProxyError
+
+        try:
+            link = ProxyLink.attach(proxy_url, proxy_token, forward_url=proxy_forward_url, ca_bundle=proxy_ca,
+                                    api_key=api_key)
+        except (OSError, ProxyError, ValueError) as exc:
+            raise click.ClickException(f"cannot use the proxy at {proxy_url}: {exc}") from None
+        if not Path(link.ca_bundle).exists():
+            raise click.ClickException(f"CA bundle {link.ca_bundle} not found; give the proxy's with --proxy-ca")
+        console.print(f"using the running proxy at {proxy_url} (forward {link.forward_url})")
+        return link
+    upstream_urls = list(upstreams)
+    if model_dir:
+        from .engine import VLLMEngine
+
+        served_name = served_name or Path(model_dir).name
+        with console.status(f"starting vLLM on {model_dir} (first start takes a minute or two on CPU)..."):
+            engine = VLLMEngine.start(model_dir, served_name, max_model_len=max_model_len or _context_len(model_dir),
+                                      extra_args=list(engine_args), log_path=logs / "engine.log")
+        stack.callback(engine.stop)
+        checks.append(lambda: None if engine.process is None or engine.process.poll() is None
+                      else f"vLLM exited with code {engine.process.returncode} (log {logs / 'engine.log'})")
+        upstream_urls = [engine.url]
+        console.print(f"vLLM serving {served_name} at {engine.url} (log {logs / 'engine.log'})")
+    proc = ProxyProcess(
+        traces, upstreams=upstream_urls, token=proxy_token, served_model=served_name, route_hosts=route_hosts,
+        log_path=logs / "proxy.log", confdir=proxy_confdir, listen_host="0.0.0.0" if for_pods else "127.0.0.1",
+    )
+    stack.callback(proc.stop)  # registered first: a signal during start still stops it
+    with console.status("starting the capture proxy..."):
+        proc.start()
+    from .batch import process_check
+
+    checks.append(process_check("capture proxy", proc))
+    console.print(f"proxy forward {proc.forward_url}, reverse {proc.reverse_url} (log {logs / 'proxy.log'})")
+    return ProxyLink.from_process(proc, api_key=api_key)
+
+
+def _context_len(model_dir: Path, cap: int = 4096) -> int:
+    """The model's own context length (config.json), capped: CPU KV cache is small."""
+    import json
+
+    try:
+        n = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        n = None
+    return min(int(n), cap) if n else 2048
+
+
+@main.command()
+@click.option("--traces", type=click.Path(exists=True, file_okay=False, path_type=Path), default=Path("traces"), show_default=True)
+@click.option("--run-id", help="Only this run. [default: every run in --traces]")
+def summary(traces, run_id) -> None:
+    """Print reward by task and failures by cause for rollouts already in TRACES (final attempts)."""
+    from .progress import summary_tables
+    from .results import RolloutResult, load_history
+
+    finals = []
+    for rid, hist in sorted(load_history(traces).items()):
+        rows = [r for r in hist.rows if run_id is None or r["run_id"] == run_id]
+        if rows:  # the attempt that finished the rollout, else its latest
+            done = [r for r in rows if r["state"] in ("succeeded", "no_reward")] or rows
+            finals.append(RolloutResult.from_row(max(done, key=lambda r: int(r["attempt"]))))
+    if not finals:
+        raise click.ClickException(f"no rollouts in {traces}" + (f" for run {run_id}" if run_id else ""))
+    for table in summary_tables(finals):
+        console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Live progress and the end-of-batch summary (rich).
+
+Why separate: the batch runner only reports events; how they are shown (a live bar on a terminal,
+plain lines in CI logs, nothing inside the trainer) is this module's concern.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import Counter, defaultdict
+from statistics import fmean
+from typing import Iterable
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from .results import FAILURES, SUCCEEDED, RolloutResult
+
+
+class BatchStats:
+    """Counters of one batch, updated by the runner's worker threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.total = 0
+        self.finished = 0
+        self.running = 0
+        self.failed = 0
+        self.no_reward = 0
+        self.retried = 0
+        self.skipped = 0
+        self.reward_sum = 0.0
+        self.reward_n = 0
+        self.t0 = time.monotonic()
+        self.ran = 0  # rollouts finished by this process (for the rate)
+
+    @property
+    def mean_reward(self) -> float | None:
+        return self.reward_sum / self.reward_n if self.reward_n else None
+
+    @property
+    def rate(self) -> float:
+        dt = time.monotonic() - self.t0
+        return self.ran / dt if dt > 0 else 0.0
+
+    def line(self) -> str:
+        mean = "-" if self.mean_reward is None else f"{self.mean_reward:.3f}"
+        return (
+            f"running {self.running} · failed {self.failed} · no reward {self.no_reward} · retried {self.retried}"
+            f" · mean reward {mean} · {self.rate:.2f} rollouts/s"
+        )
+
+
+class _StatsColumn(ProgressColumn):
+    """Reads the counters at every refresh, so running/rate are live between events."""
+
+    def __init__(self, stats: BatchStats) -> None:
+        super().__init__()
+        self.stats = stats
+
+    def render(self, task) -> Text:
+        return Text(self.stats.line())
+
+
+class BatchProgress:
+    """A rich live bar (terminal) or periodic plain lines (no terminal) driven by :class:`BatchStats`."""
+
+    def __init__(self, stats: BatchStats, console: Console | None = None, label: str = "rollouts") -> None:
+        self.stats = stats
+        self.console = console or Console(stderr=True)
+        self.label = label
+        self._progress: Progress | None = None
+        self._task = None
+        self._last_plain = 0.0
+
+    def start(self) -> None:
+        if self.console.is_terminal:
+            self._progress = Progress(
+                SpinnerColumn(),
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                _StatsColumn(self.stats),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(self.label, total=self.stats.total or None)
+
+    def update(self, force: bool = False) -> None:
+        s = self.stats
+        if self._progress is not None:
+            self._progress.update(self._task, completed=s.finished, total=s.total or None)
+        elif force or time.monotonic() - self._last_plain >= 5.0:
+            self._last_plain = time.monotonic()
+            self.console.print(f"{self.label}: {s.finished}/{s.total} finished · {s.line()}", highlight=False)
+
+    def stop(self) -> None:
+        self.update(force=self._progress is None)
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+_NUM = re.compile(r"\d+(\.\d+)?s")
+
+
+def failure_cause(r: RolloutResult) -> str:
+    """A short, groupable cause: 'exit code 3', 'timed out', 'no reward: reward file ... not a number'."""
+    if r.state == "timed_out":
+        return "timed out"
+    if r.state == "cancelled":
+        return "cancelled"
+    err = (r.error or "").split(";")[0].strip()
+    if r.state == "no_reward":
+        if not err or err.startswith("no reward reported"):
+            return "no reward reported"
+        return f"no reward: {err}"
+    return _NUM.sub("Ns", err) or r.state
+
+
+def summary_tables(results: Iterable[RolloutResult]) -> list[Table]:
+    """Reward by task and failures by cause, over each rollout's final attempt."""
+    results = list(results)
+    by_task: dict[str, list[RolloutResult]] = defaultdict(list)
+    for r in results:
+        by_task[r.task_id or "?"].append(r)
+    t1 = Table(title="Reward by task", show_lines=False)
+    for col, just in (("task", "left"), ("rollouts", "right"), ("succeeded", "right"), ("mean reward", "right"),
+                      ("min", "right"), ("max", "right"), ("no reward", "right"), ("failed", "right")):
+        t1.add_column(col, justify=just)
+    for task_id in sorted(by_task):
+        rs = by_task[task_id]
+        vals = [r.reward for r in rs if r.reward is not None]
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        t1.add_row(
+            task_id, str(len(rs)), str(sum(r.state == SUCCEEDED for r in rs)),
+            fmt(fmean(vals) if vals else None), fmt(min(vals) if vals else None), fmt(max(vals) if vals else None),
+            str(sum(r.state == "no_reward" for r in rs)), str(sum(r.state in FAILURES for r in rs)),
+        )
+    causes = Counter(failure_cause(r) for r in results if r.state != SUCCEEDED)
+    t2 = Table(title="Failures by cause")
+    t2.add_column("cause")
+    t2.add_column("rollouts", justify="right")
+    t2.add_column("example log")
+    example = {}
+    for r in results:
+        if r.state != SUCCEEDED:
+            example.setdefault(failure_cause(r), r.log_path or "")
+    for cause, n in causes.most_common():
+        t2.add_row(cause, str(n), example.get(cause, ""))
+    if not causes:
+        t2.add_row("none", "0", "")
+    return [t1, t2]

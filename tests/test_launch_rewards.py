@@ -1,0 +1,72 @@
+"""Rewards: what counts as a reward, where it is read from, and that a missing one stays missing."""
+
+from __future__ import annotations
+
+import math
+import uuid
+import datetime as dt
+
+import pytest
+
+from lightning_harness.launcher.rewards import RewardError, RewardsTable, parse_reward, read_reward_file, run_reward_cmd
+from lightning_harness.schemas import PartWriter
+
+
+@pytest.mark.parametrize("text, value, info", [("1", 1.0, None), (" -0.5\n", -0.5, None), ('{"reward": 2, "info": {"a": 1}}', 2.0, {"a": 1}), ("0", 0.0, None)])
+def test_parse_reward_accepts_numbers_and_json(text, value, info):
+    assert parse_reward(text) == (value, info)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "true", '"1"', '{"score": 1}', "NaN", "Infinity", "[1]", '{"reward": null}'])
+def test_parse_reward_refuses_what_is_not_a_finite_number(text):
+    with pytest.raises(RewardError):
+        parse_reward(text)
+
+
+def test_reward_file(tmp_path):
+    p = tmp_path / "reward.json"
+    assert read_reward_file(p) is None
+    p.write_text('{"reward": 0.25}')
+    r = read_reward_file(p)
+    assert (r.value, r.source) == (0.25, "file")
+    p.write_text("oops")
+    with pytest.raises(RewardError, match="not a number"):
+        read_reward_file(p)
+
+
+def test_reward_cmd_reads_last_line_and_reports_failures(tmp_path):
+    env = {"LIGHTNING_TASK": '{"answer": 4}'}
+    ok = run_reward_cmd('echo scoring >&2; echo noise; python3 -c "import json,os; print(json.loads(os.environ[\'LIGHTNING_TASK\'])[\'answer\'] / 8)"', env, log_path=tmp_path / "log")
+    assert (ok.value, ok.source) == (0.5, "command")
+    assert "scoring" in (tmp_path / "log").read_text()
+    with pytest.raises(RewardError, match="exited with 2"):
+        run_reward_cmd("exit 2", env)
+    with pytest.raises(RewardError, match="printed nothing"):
+        run_reward_cmd("true", env)
+    with pytest.raises(RewardError, match="timed out"):
+        run_reward_cmd("sleep 30", env, timeout=0.5)
+
+
+def _reward_row(rid, attempt, value, source="proxy", at=None):
+    return {"reward_id": uuid.uuid4().hex, "rollout_id": rid, "attempt": attempt, "reward": value,
+            "created_at": at or dt.datetime.now(dt.timezone.utc), "source": source, "info_json": '{"k": 1}'}
+
+
+def test_rewards_table_latest_wins_reads_new_parts_and_flushes_once(tmp_path):
+    flushes = []
+    writer = PartWriter(tmp_path, "rewards", background=False)
+    table = RewardsTable(tmp_path, flush=lambda: flushes.append(1))
+    assert table.lookup("r-a-0", 0) is None
+    assert len(flushes) == 1
+    t0 = dt.datetime.now(dt.timezone.utc)
+    writer.extend([_reward_row("r-a-0", 0, 1.0, at=t0), _reward_row("r-a-0", 0, 0.0, at=t0 + dt.timedelta(seconds=1)),
+                   _reward_row("r-a-0", 1, 0.5)])
+    writer.flush()
+    r = table.lookup("r-a-0", 0)
+    assert r.value == 0.0 and r.info == {"k": 1}  # the latest report wins, and 0.0 is a real reward
+    assert table.lookup("r-a-0", 1).value == 0.5
+    assert table.lookup("r-a-0", 1, sources=("file",)) is None
+    # an attempt that ended before the last flush started does not flush again
+    n = len(flushes)
+    table.lookup("r-b-0", 0, ended_mono=-math.inf)
+    assert len(flushes) == n
