@@ -45,6 +45,7 @@ class Call:
     request_error: str | None = None
     model: str | None = None
     stream: bool = False
+    accept_encoding: str | None = None  # the harness's own Accept-Encoding (upstream gets identity)
     # routing
     upstream: Upstream | None = None  # training upstream replica (None: not routed to the pool)
     upstream_display: str | None = None

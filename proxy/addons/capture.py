@@ -59,9 +59,7 @@ class Capture:
         call.seq = self.state.next_seq(call.rollout_id, call.attempt)
         call.model_version = self.state.model_version
         call.started = time.time()
-        # SSE must reach us uncompressed to be parsed chunk by chunk
-        flow.request.headers["Accept-Encoding"] = "identity"
-        self.state.begin(call)
+        self.state.begin(call)  # (the encoding addon asks upstream for an uncompressed body)
 
     # -- response ---------------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:

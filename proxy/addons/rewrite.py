@@ -3,8 +3,10 @@
 For calls routed to the training pool (and when injection is on for that replica), add
 ``return_token_ids`` and ``logprobs`` to requests that lack them, map the model name
 (``model_map``, then ``served_model``), and strip from the response (JSON or each SSE event)
-exactly what was injected, so the harness sees what it expects. Runs after capture: the span keeps
-the request as sent and the response with its token ids.
+exactly what was injected, so the harness sees what it expects. A mapped model name is mapped
+back in the response (``model`` of the body or of every chunk): a harness that asked for
+``gpt-4o`` gets ``gpt-4o`` back (some check it, some key caches and cost tables on it).
+Runs after capture: the span keeps the request as sent and the response with its token ids.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ def make_stripper(token_ids: bool, logprobs: bool):
                 ch["logprobs"] = None
 
     return strip
+
+
+def make_model_restorer(asked: str):
+    """A function that puts the model name the harness asked for back into a response or chunk."""
+
+    def restore(obj: dict) -> None:
+        if "model" in obj:
+            obj["model"] = asked
+
+    return restore
 
 
 class Rewrite:
@@ -70,6 +82,8 @@ class Rewrite:
             flow.request.content = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
         if call.injected_token_ids or call.injected_logprobs:
             call.event_filters.append(make_stripper(call.injected_token_ids, call.injected_logprobs))
+        if served != model and isinstance(model, str):
+            call.event_filters.append(make_model_restorer(model))
 
     def response(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)

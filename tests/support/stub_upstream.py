@@ -6,7 +6,10 @@ when asked (``"return_token_ids": true`` -> ``prompt_token_ids`` and ``choices[0
 logprobs only when asked (chat: ``"logprobs": true`` -> ``choices[0].logprobs.content[j].logprob``;
 completions: ``"logprobs": N`` -> ``choices[0].logprobs.token_logprobs``). Output is deterministic:
 ``max_tokens`` (default 8, option --tokens) tokens with ids ``100+i``, text ``"w<i> "``,
-logprob ``-0.01*(i+1)``; prompt ids are the prompt's UTF-8 bytes (at most 64).
+logprob ``-0.01*(i+1)``; prompt ids are the prompt's UTF-8 bytes (at most 64). A chat request with
+``tools`` (and ``tool_choice`` not ``"none"``) is answered with one call of the first tool whose
+arguments are ``{"arg": "<the generated text>"}`` (``finish_reason: "tool_calls"``; streamed as
+argument pieces, one per token, like real servers).
 
 Usage::
 
@@ -21,12 +24,14 @@ Usage::
     --tokens N              default number of generated tokens (max_tokens overrides)
 
 Misbehaviour on demand, per request with headers or for all requests with
-``POST /_stub/config {"fail": 500, "delay": 1.0, "malformed": true, "drop": true}``
+``POST /_stub/config {"fail": 500, "delay": 1.0, "malformed": true, "drop": true, "encoding": "gzip"}``
 (``{}`` resets):
     X-Stub-Fail: CODE       answer HTTP CODE with an OpenAI-style error body
     X-Stub-Delay: S         sleep S seconds before answering
     X-Stub-Malformed: 1     answer 200 with a body that is not JSON (or a broken SSE event)
     X-Stub-Drop: 1          close the connection mid-response
+    X-Stub-Encoding: E      compress the body with E (gzip, deflate or br; br needs `brotli`) whatever
+                            the request's Accept-Encoding says (a misbehaving upstream or CDN)
 ``GET /_stub/requests`` returns the last 200 model-call bodies received (what the proxy sent);
 ``POST /_stub/reset`` clears them. Stops on SIGTERM/SIGINT.
 """
@@ -120,15 +125,40 @@ def _usage(p: int, c: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def _tool_name(body: dict) -> str | None:
+    """The tool the stub 'decides' to call: the forced one, else the first; None: answer text."""
+    tools = body.get("tools") or []
+    choice = body.get("tool_choice")
+    if not tools or choice == "none":
+        return None
+    if isinstance(choice, dict):
+        return (choice.get("function") or {}).get("name")
+    first = tools[0] if isinstance(tools[0], dict) else {}
+    return (first.get("function") or {}).get("name") or "tool"
+
+
+def _arg_pieces(toks) -> list[str]:
+    """Tool-call arguments split one piece per token: '{"arg": "' + w0 ... + '"}'."""
+    pieces = [t[1] for t in toks]
+    pieces[0] = '{"arg": "' + pieces[0]
+    pieces[-1] = pieces[-1] + '"}'
+    return pieces
+
+
 def chat_json(body: dict) -> dict:
     n, pids = _n_tokens(body), _prompt_ids(body, True)
     toks = [_tok(i) for i in range(n)]
+    tool = _tool_name(body)
+    message = {"role": "assistant", "content": "".join(t[1] for t in toks)}
+    if tool:
+        message = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_stub_0", "type": "function", "function": {"name": tool, "arguments": "".join(_arg_pieces(toks))}}]}
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": "".join(t[1] for t in toks)},
+        "message": message,
         "logprobs": {"content": [{"token": t[1], "logprob": t[2], "bytes": None, "top_logprobs": []} for t in toks]}
         if _want_chat_logprobs(body) else None,
-        "finish_reason": "length" if body.get("max_tokens") else "stop",
+        "finish_reason": "tool_calls" if tool else "length" if body.get("max_tokens") else "stop",
     }
     out = {"id": f"chatcmpl-{time.time_ns()}", "object": "chat.completion", "created": int(time.time()),
            "model": body.get("model") or DEFAULTS["model"], "choices": [choice], "usage": _usage(len(pids), n)}
@@ -157,13 +187,22 @@ def chat_chunks(body: dict):
     base = {"id": f"chatcmpl-{time.time_ns()}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": body.get("model") or DEFAULTS["model"]}
     ids = bool(body.get("return_token_ids"))
-    first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+    tool = _tool_name(body)
+    pieces = _arg_pieces([_tok(i) for i in range(n)]) if tool else []
+    first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": None if tool else ""}, "logprobs": None, "finish_reason": None}]}
     if ids:
         first["prompt_token_ids"] = pids
     yield first
     for i in range(n):
         t = _tok(i)
-        ch = {"index": 0, "delta": {"content": t[1]}, "finish_reason": "length" if i == n - 1 else None,
+        delta = {"content": t[1]}
+        if tool:
+            tc = {"index": 0, "function": {"arguments": pieces[i]}}
+            if i == 0:
+                tc.update(id="call_stub_0", type="function", function={"name": tool, "arguments": pieces[i]})
+            delta = {"tool_calls": [tc]}
+        last = "tool_calls" if tool else "length"
+        ch = {"index": 0, "delta": delta, "finish_reason": last if i == n - 1 else None,
               "logprobs": {"content": [{"token": t[1], "logprob": t[2], "bytes": None, "top_logprobs": []}]}
               if _want_chat_logprobs(body) else None}
         if ids:
@@ -202,14 +241,42 @@ def _head(status: int, headers: dict) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
-async def _send_json(w: asyncio.StreamWriter, status: int, obj, raw: bytes | None = None) -> None:
+class _Encoder:
+    """Incremental body compression (gzip, deflate, br), flushed per write so SSE stays live."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if name == "br":
+            import brotli
+
+            self._c = brotli.Compressor()
+            self.feed = lambda b: self._c.process(b) + self._c.flush()
+            self.finish = self._c.finish
+        else:
+            import zlib
+
+            self._c = zlib.compressobj(wbits=31 if name == "gzip" else 15)
+            self.feed = lambda b: self._c.compress(b) + self._c.flush(zlib.Z_SYNC_FLUSH)
+            self.finish = self._c.flush
+
+
+async def _send_json(w: asyncio.StreamWriter, status: int, obj, raw: bytes | None = None, encoding: str | None = None) -> None:
     data = raw if raw is not None else json.dumps(obj).encode()
-    w.write(_head(status, {"Content-Type": "application/json", "Content-Length": len(data)}) + data)
+    headers = {"Content-Type": "application/json"}
+    if encoding:
+        enc = _Encoder(encoding)
+        data = enc.feed(data) + enc.finish()
+        headers["Content-Encoding"] = encoding
+    w.write(_head(status, {**headers, "Content-Length": len(data)}) + data)
     await w.drain()
 
 
-async def _send_sse(w: asyncio.StreamWriter, chunks, malformed: bool, drop: bool) -> None:
-    w.write(_head(200, {"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked", "Cache-Control": "no-cache"}))
+async def _send_sse(w: asyncio.StreamWriter, chunks, malformed: bool, drop: bool, encoding: str | None = None) -> None:
+    headers = {"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked", "Cache-Control": "no-cache"}
+    enc = _Encoder(encoding) if encoding else None
+    if enc:
+        headers["Content-Encoding"] = encoding
+    w.write(_head(200, headers))
     delay = float(CONFIG.get("chunk_delay", DEFAULTS["chunk_delay"]))
     for i, obj in enumerate(chunks):
         if drop and i == 2:
@@ -217,18 +284,22 @@ async def _send_sse(w: asyncio.StreamWriter, chunks, malformed: bool, drop: bool
             w.transport.abort()
             raise ConnectionResetError("stub dropped the connection (X-Stub-Drop)")
         payload = b"data: " + (b"{not json" if malformed and i == 1 else json.dumps(obj).encode()) + b"\n\n"
+        if enc:
+            payload = enc.feed(payload)
         w.write(b"%x\r\n%s\r\n" % (len(payload), payload))
         await w.drain()
         if delay:
             await asyncio.sleep(delay)
     end = b"data: [DONE]\n\n"
+    if enc:
+        end = enc.feed(end) + enc.finish()
     w.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(end), end))
     await w.drain()
 
 
 async def _model_call(w, path: str, headers: dict, raw: bytes) -> None:
     opts = {**CONFIG}
-    for h, key in (("x-stub-fail", "fail"), ("x-stub-delay", "delay"), ("x-stub-malformed", "malformed"), ("x-stub-drop", "drop")):
+    for h, key in (("x-stub-fail", "fail"), ("x-stub-delay", "delay"), ("x-stub-malformed", "malformed"), ("x-stub-drop", "drop"), ("x-stub-encoding", "encoding")):
         if h in headers:
             opts[key] = headers[h]
     try:
@@ -246,9 +317,9 @@ async def _model_call(w, path: str, headers: dict, raw: bytes) -> None:
         code = int(opts["fail"])
         return await _send_json(w, code, {"error": {"message": f"stub failure {code}", "type": "stub_error", "code": code}})
     chat = path.rstrip("/").endswith("/chat/completions")
-    malformed, drop = bool(opts.get("malformed")), bool(opts.get("drop"))
+    malformed, drop, encoding = bool(opts.get("malformed")), bool(opts.get("drop")), opts.get("encoding") or None
     if body.get("stream"):
-        return await _send_sse(w, chat_chunks(body) if chat else cmpl_chunks(body), malformed, drop)
+        return await _send_sse(w, chat_chunks(body) if chat else cmpl_chunks(body), malformed, drop, encoding)
     if drop:
         w.write(_head(200, {"Content-Type": "application/json", "Content-Length": 1000}) + b'{"id": "x", ')
         await w.drain()
@@ -256,7 +327,7 @@ async def _model_call(w, path: str, headers: dict, raw: bytes) -> None:
         raise ConnectionResetError("stub dropped the connection (X-Stub-Drop)")
     if malformed:
         return await _send_json(w, 200, None, raw=b'{"id": "broken", "choices": [')
-    await _send_json(w, 200, chat_json(body) if chat else cmpl_json(body))
+    await _send_json(w, 200, chat_json(body) if chat else cmpl_json(body), encoding=encoding)
 
 
 async def _handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:

@@ -1,0 +1,105 @@
+"""Fixtures for compatibility tests: third-party clients run as separate processes that get ONLY the
+environment ``ProxyProcess.env_for()`` prints (Contract 2), plus PATH/HOME so they can start.
+
+``client_env(env)`` builds that environment; ``run_client(cmd, env)`` runs a client program from
+``tests/support/compat/`` and returns its JSON output; ``node_openai`` installs the official
+``openai`` npm package once into ``~/.cache/lightning-harness/node/<key>`` (keyed on the package
+and Node major version, so CI on a fresh clone installs it and later runs reuse it) and returns a
+directory with ``node_modules`` to run Node clients from. It skips only if ``node``/``npm`` are missing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMPAT = Path(__file__).parent / "support" / "compat"
+OPENAI_NODE_VERSION = "6.39.1"  # the official `openai` npm package, pinned: the cache key follows it
+PASS_THROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SYSTEMROOT")
+
+
+def client_env(env: dict[str, str], **extra: str) -> dict[str, str]:
+    """Exactly the printed harness environment plus what any process needs to start at all."""
+    base = {k: os.environ[k] for k in PASS_THROUGH if k in os.environ}
+    return {**base, **env, **extra}
+
+
+def run_client(cmd: list[str], env: dict[str, str], timeout: float = 180, cwd: str | os.PathLike | None = None) -> dict:
+    """Run a client program; it must exit 0 and print one JSON object on its last stdout line."""
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd, start_new_session=True)
+    assert p.returncode == 0, f"{cmd[:3]} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    assert lines, f"{cmd[:3]} printed nothing; stderr:\n{p.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def python_client(name: str, *args: str) -> list[str]:
+    """Command running tests/support/compat/<name> with the training environment's Python."""
+    return [sys.executable, str(COMPAT / name), *map(str, args)]
+
+
+def _node_major() -> str:
+    out = subprocess.run(["node", "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    return out.lstrip("v").split(".")[0] or "unknown"
+
+
+def install_node_package(spec: str, key: str) -> Path:
+    """``npm install spec`` into ``~/.cache/lightning-harness/node/<key>`` once (locked, atomic rename)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning-harness" / "node"
+    base.mkdir(parents=True, exist_ok=True)
+    dest = base / key
+    name = spec.rsplit("@", 1)[0]
+    if (dest / "node_modules" / name / "package.json").exists():
+        return dest
+    with open(base / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (dest / "node_modules" / name / "package.json").exists():
+            return dest
+        tmp = base / f".{key}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        (tmp / "package.json").write_text(json.dumps({"name": f"lh-{key}", "private": True}))
+        # the test process may itself run inside a harness environment: npm must reach its registry directly
+        env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
+        p = subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--no-save", "--loglevel=error", spec],
+            cwd=tmp, capture_output=True, text=True, timeout=600, env=env,
+        )
+        if p.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"npm install {spec} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def node_openai() -> Path:
+    """A directory whose ``node_modules`` holds the official openai npm package."""
+    if not shutil.which("node") or not shutil.which("npm"):
+        pytest.skip("node/npm not installed: the Node openai client cannot be tested here")
+    key = f"openai-{OPENAI_NODE_VERSION}-node{_node_major()}"
+    return install_node_package(f"openai@{OPENAI_NODE_VERSION}", key)
+
+
+@pytest.fixture
+def node_app(node_openai, tmp_path):
+    """``node_app(script)``: command running tests/support/compat/<script> with node_modules beside it."""
+    app = tmp_path / "node-app"
+    app.mkdir(exist_ok=True)
+    link = app / "node_modules"
+    if not link.exists():
+        link.symlink_to(node_openai / "node_modules", target_is_directory=True)
+
+    def make(script: str, *args: str) -> list[str]:
+        shutil.copy(COMPAT / script, app / script)
+        return ["node", str(app / script), *map(str, args)]
+
+    return make
