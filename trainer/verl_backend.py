@@ -1,0 +1,226 @@
+"""verl backend (optional extra): the same samples, advantages and loss weights driving verl's trainer.
+
+Why: one machine trains with ``trainer/update.py``; a cluster trains with verl (FSDP/Megatron,
+many GPUs). Both must optimise the same objective from the same ``samples`` table. verl is not a
+dependency: this module imports it only inside the functions that need it, so it imports (and its
+pure parts run) without verl installed.
+
+How our objective maps onto verl's (exact, not approximate):
+
+* verl's clipped PPO terms are positively homogeneous in the advantage (``max(-A r, -A clip(r))``
+  and the dual-clip bound ``-A c`` scale with any positive factor), so a per-token loss weight can
+  ride inside the advantage. We hand verl ``A' = A * w * T / N`` where ``w`` is the sample's
+  ``loss_weight``, ``T`` the model tokens and ``N`` the units (rollouts, in rollout mode) of the
+  global batch. verl's ``token-mean`` aggregation then computes ``sum(pg(A') ) / T``
+  ``= sum(pg(A) * w) / N``: our ``weights.aggregate_loss``, whatever the micro-batching.
+* ``lightning_rollout`` (registered policy loss) is verl's vanilla clipped loss with aggregation
+  pinned to ``token-mean``, so a config that says otherwise cannot silently change the objective.
+* ``lightning_precomputed`` (registered advantage estimator) passes our precomputed, folded
+  advantages through verl's ``compute_advantage`` unchanged (they travel as
+  ``token_level_rewards``).
+* Behaviour policy: ``old_log_probs`` and ``rollout_log_probs`` are the logprobs the proxy captured;
+  verl's rollout correction in bypass mode with ``rollout_is=token`` and
+  ``rollout_is_threshold=tis_cap`` gives the truncated importance weights.
+
+Keep one optimizer step per batch (``ppo_mini_batch_size = train_batch_size``, ``ppo_epochs=1``):
+``T`` and ``N`` are totals of the batch verl optimises in one step. ``verl_overrides`` sets this.
+
+What was run here (CPU): conversion to ``DataProto``, both registrations and a loss/gradient parity
+check against ``update.py`` (tests/test_verl_backend.py, in ``.venv-verl``), and Hydra composition
+of the overrides against verl's own ``ppo_trainer.yaml``. What was not run: verl's Ray/FSDP trainer
+itself (it needs GPUs), and feeding these batches into it through a custom AgentLoop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+POLICY_LOSS = "lightning_rollout"
+ADV_ESTIMATOR = "lightning_precomputed"
+
+
+# ---------------------------------------------------------------------------------------------
+# samples -> padded tensors (torch + pyarrow only) -> DataProto
+# ---------------------------------------------------------------------------------------------
+def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout",
+                       max_prompt_len: int | None = None, max_response_len: int | None = None) -> tuple[dict, dict, dict]:
+    """``samples`` table -> (tensors, non_tensors, meta) in verl's layout.
+
+    Prompts are left-padded to ``P``, responses right-padded to ``R``; ``input_ids`` is their
+    concatenation, as verl's rollout produces. Response-aligned tensors are ``[B, R]``.
+    """
+    import numpy as np
+    import torch
+
+    from .weights import n_units
+
+    cols = {c: table.column(c).to_pylist() for c in
+            ("sample_id", "rollout_id", "attempt", "group_id", "prompt_token_ids", "response_token_ids",
+             "response_mask", "response_logprobs", "advantage", "loss_weight")}
+    B = table.num_rows
+    if B == 0:
+        raise ValueError("no samples to convert")
+    prompts = [list(p or []) for p in cols["prompt_token_ids"]]
+    resps = [list(r or []) for r in cols["response_token_ids"]]
+    masks = [list(m or []) for m in cols["response_mask"]]
+    lps = [[float("nan") if x is None else float(x) for x in (l or [])] for l in cols["response_logprobs"]]
+    if max_prompt_len:
+        prompts = [p[-max_prompt_len:] for p in prompts]  # keep the end of the prompt, as verl does
+    if max_response_len:
+        resps, masks, lps = ([x[:max_response_len] for x in xs] for xs in (resps, masks, lps))
+    P = max(len(p) for p in prompts)
+    R = max(max(len(r) for r in resps), 1)
+    prompt_t = torch.full((B, P), pad_id, dtype=torch.long)
+    prompt_att = torch.zeros((B, P), dtype=torch.long)
+    resp_t = torch.full((B, R), pad_id, dtype=torch.long)
+    resp_mask = torch.zeros((B, R), dtype=torch.float32)
+    resp_att = torch.zeros((B, R), dtype=torch.long)
+    old = torch.zeros((B, R), dtype=torch.float32)
+    tokw = torch.zeros((B, R), dtype=torch.float32)
+    adv = torch.zeros((B, R), dtype=torch.float32)
+    for b in range(B):
+        p, r, m, lp = prompts[b], resps[b], masks[b], lps[b]
+        if not (len(r) == len(m) == len(lp)):
+            raise ValueError(f"sample {cols['sample_id'][b]}: response ids/mask/logprobs lengths differ")
+        if p:
+            prompt_t[b, P - len(p):] = torch.tensor(p)
+            prompt_att[b, P - len(p):] = 1
+        if r:
+            resp_t[b, : len(r)] = torch.tensor(r)
+            resp_att[b, : len(r)] = 1
+            mk = torch.tensor(m, dtype=torch.float32)
+            resp_mask[b, : len(r)] = mk
+            old[b, : len(r)] = torch.nan_to_num(torch.tensor(lp, dtype=torch.float32), nan=0.0) * mk
+            tokw[b, : len(r)] = float(cols["loss_weight"][b]) * mk
+            adv[b, : len(r)] = float(cols["advantage"][b]) * mk
+    # rollout identity -> the unit count of the whole batch (weights.n_units), model tokens T
+    keys: dict[tuple, int] = {}
+    ridx = np.array([keys.setdefault((cols["rollout_id"][b], cols["attempt"][b]), len(keys)) for b in range(B)])
+    model_tokens = resp_mask.sum(-1).numpy().astype(np.int64)
+    N = n_units(ridx, model_tokens, weight_mode)
+    T = int(model_tokens.sum())
+    if N <= 0 or T <= 0:
+        raise ValueError("no model tokens in the batch")
+    w = tokw if weight_mode != "token-mean" else resp_mask
+    folded = adv * w * (T / N)
+    attention = torch.cat([prompt_att, resp_att], dim=1)
+    position_ids = torch.clamp(torch.cumsum(attention, dim=1) - 1, min=0)
+    tensors = {
+        "prompts": prompt_t,
+        "responses": resp_t,
+        "input_ids": torch.cat([prompt_t, resp_t], dim=1),
+        "attention_mask": attention,
+        "position_ids": position_ids,
+        "response_mask": resp_mask,
+        "old_log_probs": old,
+        "rollout_log_probs": old.clone(),
+        "advantages": folded,
+        "returns": folded.clone(),
+        "token_level_rewards": folded.clone(),  # lightning_precomputed passes these through
+        "token_level_scores": folded.clone(),
+        "loss_weights": w,  # unfolded per-token weight, for inspection
+    }
+    non_tensors = {
+        "uid": np.array([str(g) for g in cols["group_id"]], dtype=object),
+        "rollout_id": np.array(cols["rollout_id"], dtype=object),
+        "sample_id": np.array(cols["sample_id"], dtype=object),
+    }
+    meta = {"lightning_units": int(N), "lightning_model_tokens": T, "lightning_weight_mode": weight_mode,
+            "global_token_num": attention.sum(-1).tolist()}
+    return tensors, non_tensors, meta
+
+
+def samples_to_dataproto(table, **kw):
+    """The samples table as a ``verl.DataProto`` (needs verl)."""
+    from verl import DataProto
+
+    tensors, non_tensors, meta = samples_to_tensors(table, **kw)
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# registrations inside verl
+# ---------------------------------------------------------------------------------------------
+def lightning_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                          config=None, rollout_is_weights=None):
+    """verl's vanilla clipped PPO loss with ``token-mean`` aggregation (weights are folded in A')."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+
+    return compute_policy_loss_vanilla(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
+                                       response_mask=response_mask, loss_agg_mode="token-mean", config=config,
+                                       rollout_is_weights=rollout_is_weights)
+
+
+def lightning_precomputed_advantage(token_level_rewards, response_mask, config=None, index=None, **_: Any):
+    """Advantages computed by ``trainer/samples.py`` (rollout-level, weights folded) pass through."""
+    adv = token_level_rewards * response_mask
+    return adv, adv
+
+
+def register() -> None:
+    """Register ``lightning_rollout`` (policy loss) and ``lightning_precomputed`` (advantage
+    estimator) with verl; idempotent. Call it in the process that builds verl's trainer (e.g. from
+    a custom ``main_ppo`` entry point or a Ray worker's init)."""
+    from verl.trainer.ppo import core_algos
+
+    if core_algos.POLICY_LOSS_REGISTRY.get(POLICY_LOSS) is not lightning_policy_loss:
+        core_algos.register_policy_loss(POLICY_LOSS)(lightning_policy_loss)
+    if core_algos.ADV_ESTIMATOR_REGISTRY.get(ADV_ESTIMATOR) is not lightning_precomputed_advantage:
+        core_algos.ADV_ESTIMATOR_REGISTRY.pop(ADV_ESTIMATOR, None)
+        core_algos.register_adv_est(ADV_ESTIMATOR)(lightning_precomputed_advantage)
+
+
+# ---------------------------------------------------------------------------------------------
+# config composition for a multi-GPU run
+# ---------------------------------------------------------------------------------------------
+def verl_overrides(cfg, *, model_path: str, train_batch_size: int, n_gpus_per_node: int = 8, nnodes: int = 1,
+                   rollout_tp: int = 1, max_prompt_length: int = 2048, max_response_length: int = 2048) -> list[str]:
+    """Hydra overrides for ``python -m verl.trainer.main_ppo`` equivalent to our ``RunConfig``
+    (``cfg``: a ``trainer.config.RunConfig``; only its ``update`` and ``rollout`` sections are used)."""
+    u = cfg.update
+    out = [
+        f"actor_rollout_ref.model.path={model_path}",
+        f"data.train_batch_size={train_batch_size}",
+        f"data.max_prompt_length={max_prompt_length}",
+        f"data.max_response_length={max_response_length}",
+        f"algorithm.adv_estimator={ADV_ESTIMATOR}",
+        "algorithm.use_kl_in_reward=false",
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={POLICY_LOSS}",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={train_batch_size}",
+        "actor_rollout_ref.actor.ppo_epochs=1",
+        f"actor_rollout_ref.actor.clip_ratio_low={u.clip_low}",
+        f"actor_rollout_ref.actor.clip_ratio_high={u.clip_high}",
+        f"actor_rollout_ref.actor.optim.lr={u.lr}",
+        f"actor_rollout_ref.actor.optim.weight_decay={u.weight_decay}",
+        f"actor_rollout_ref.actor.grad_clip={u.max_grad_norm if u.max_grad_norm > 0 else 1e9}",
+        f"actor_rollout_ref.actor.use_kl_loss={'true' if u.kl_coef > 0 else 'false'}",
+        f"actor_rollout_ref.actor.kl_loss_coef={u.kl_coef}",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",  # verl's name for the k3 estimator
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.loss_type=ppo_clip",
+        f"algorithm.rollout_correction.rollout_is={'token' if u.tis_cap > 0 else 'null'}",
+        f"algorithm.rollout_correction.rollout_is_threshold={u.tis_cap if u.tis_cap > 0 else 2.0}",
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.n={cfg.rollout.group_size}",
+        f"actor_rollout_ref.rollout.temperature={cfg.rollout.temperature}",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        f"trainer.n_gpus_per_node={n_gpus_per_node}",
+        f"trainer.nnodes={nnodes}",
+        f"trainer.total_training_steps={cfg.steps}",
+    ]
+    return out
+
+
+def compose_verl_config(overrides: list[str]):
+    """verl's ``ppo_trainer`` config with ``overrides`` applied (Hydra; fails on unknown keys)."""
+    import os
+
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    conf_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=conf_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=list(overrides))
