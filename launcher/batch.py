@@ -342,7 +342,7 @@ class BatchRunner:
         with self._lock:
             self._lock.notify_all()
         self._join_workers()
-        self._flush()
+        self.flush()
 
     def close(self) -> None:
         """Stop the workers once idle (cancels if attempts are still running) and flush everything."""
@@ -361,7 +361,8 @@ class BatchRunner:
         for t in self._workers:
             t.join(timeout=60)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write buffered rollout and reward rows now (the trainer calls this before building samples)."""
         self._rollouts.flush()
         self._rewards.flush()
 
@@ -468,7 +469,7 @@ class BatchRunner:
             })
         self._rollouts.append(result.row())
         if result.state == CANCELLED:
-            self._flush()
+            self.flush()
         return result
 
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import click
 
+from .build import build_command
+from .loop import run_command
+from .update import step_command
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
@@ -16,19 +20,9 @@ def main() -> None:
     """
 
 
-def _register() -> None:
-    # Each command lives beside the code it drives; a missing optional piece must not break the rest.
-    from importlib import import_module
-
-    for module, attr in (("build", "build_command"), ("loop", "run_command"), ("update", "step_command")):
-        try:
-            cmd = getattr(import_module(f"{__package__}.{module}"), attr)
-        except (ImportError, AttributeError):
-            continue
-        main.add_command(cmd)
-
-
-_register()
+main.add_command(build_command, "build")
+main.add_command(run_command, "run")
+main.add_command(step_command, "step")
 
 if __name__ == "__main__":
     main()

