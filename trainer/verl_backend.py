@@ -15,6 +15,9 @@ How our objective maps onto verl's (exact, not approximate):
   ``= sum(pg(A) * w) / N``: our ``weights.aggregate_loss``, whatever the micro-batching.
 * ``lightning_rollout`` (registered policy loss) is verl's vanilla clipped loss with aggregation
   pinned to ``token-mean``, so a config that says otherwise cannot silently change the objective.
+  With ``rollout_correction.bypass_mode`` verl swaps it for its ``bypass_mode`` loss (the same
+  PPO-clip with old = rollout logprobs, under the configured ``loss_agg_mode``); the agent-loop
+  manager (``verl_agent_loop.py``) therefore refuses any aggregation but ``token-mean``.
 * ``lightning_precomputed`` (registered advantage estimator) passes our precomputed, folded
   advantages through verl's ``compute_advantage`` unchanged (they travel as
   ``token_level_rewards``).
@@ -28,7 +31,7 @@ Keep one optimizer step per batch (``ppo_mini_batch_size = train_batch_size``, `
 What was run here (CPU): conversion to ``DataProto``, both registrations and a loss/gradient parity
 check against ``update.py`` (tests/test_verl_backend.py, in ``.venv-verl``), and Hydra composition
 of the overrides against verl's own ``ppo_trainer.yaml``. What was not run: verl's Ray/FSDP trainer
-itself (it needs GPUs), and feeding these batches into it through a custom AgentLoop.
+itself (it needs GPUs). Feeding our rollouts into it: ``verl_agent_loop.py``.
 """
 
 from __future__ import annotations
@@ -174,7 +177,8 @@ def register() -> None:
 # config composition for a multi-GPU run
 # ---------------------------------------------------------------------------------------------
 def verl_overrides(cfg, *, model_path: str, train_batch_size: int, n_gpus_per_node: int = 8, nnodes: int = 1,
-                   rollout_tp: int = 1, max_prompt_length: int = 2048, max_response_length: int = 2048) -> list[str]:
+                   rollout_tp: int = 1, max_prompt_length: int = 2048, max_response_length: int = 2048,
+                   micro_batch_size_per_gpu: int = 4) -> list[str]:
     """Hydra overrides for ``python -m verl.trainer.main_ppo`` equivalent to our ``RunConfig``
     (``cfg``: a ``trainer.config.RunConfig``; only its ``update`` and ``rollout`` sections are used)."""
     u = cfg.update
@@ -189,6 +193,9 @@ def verl_overrides(cfg, *, model_path: str, train_batch_size: int, n_gpus_per_no
         "actor_rollout_ref.actor.loss_agg_mode=token-mean",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={train_batch_size}",
         "actor_rollout_ref.actor.ppo_epochs=1",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro_batch_size_per_gpu}",  # memory only
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro_batch_size_per_gpu}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro_batch_size_per_gpu}",
         f"actor_rollout_ref.actor.clip_ratio_low={u.clip_low}",
         f"actor_rollout_ref.actor.clip_ratio_high={u.clip_high}",
         f"actor_rollout_ref.actor.optim.lr={u.lr}",
