@@ -10,22 +10,13 @@ import time
 import httpx
 import pytest
 
+from fixtures_launch import wait_for
 from fixtures_proxy import StubServer, read_rewards, read_spans
 from lightning_harness.proxy.client import ProxyControl, ProxyError
 
 pytestmark = pytest.mark.timeout(300)
 
 MSG = [{"role": "user", "content": "hi"}]
-
-
-def _poll(fn, timeout=60.0, every=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError("condition not reached")
 
 
 def test_pause_holds_concurrent_requests_then_releases_all(proxy, monkeypatch):
@@ -41,7 +32,7 @@ def test_pause_holds_concurrent_requests_then_releases_all(proxy, monkeypatch):
 
     with cf.ThreadPoolExecutor(n) as pool:
         futs = [pool.submit(call, i) for i in range(n)]
-        _poll(lambda: ctl.state()["held"] == n)
+        wait_for(lambda: ctl.state()["held"] == n)
         time.sleep(0.5)
         st = ctl.state()
         assert st["held"] == n and st["paused"] and st["in_flight"] == 0
@@ -70,7 +61,7 @@ def test_drain_waits_for_in_flight_calls(tmp_path, make_proxy):
 
         with cf.ThreadPoolExecutor(3) as pool:
             futs = [pool.submit(call) for _ in range(3)]
-            _poll(lambda: ctl.state()["in_flight"] == 3)
+            wait_for(lambda: ctl.state()["in_flight"] == 3)
             ctl.pause()
             short = ctl.drain(timeout=0.2)
             assert short["drained"] is False and short["in_flight"] == 3 and short["waited_s"] >= 0.2
@@ -198,8 +189,8 @@ def test_held_request_whose_client_gave_up_is_not_forwarded(proxy, stub_server):
         with pytest.raises(httpx.TimeoutException):
             c.post(url, json={"model": "m", "messages": [{"role": "user", "content": marker}]})
     ctl.resume()
-    _poll(lambda: ctl.state()["held"] == 0)
+    wait_for(lambda: ctl.state()["held"] == 0)
     time.sleep(0.5)
     assert not any(marker in json.dumps(r) for r in stub_server.requests())
-    (span,) = _poll(lambda: read_spans(proxy))
+    (span,) = wait_for(lambda: read_spans(proxy))
     assert span["error_kind"] == "client_disconnect" and ctl.state()["in_flight"] == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from lightning_harness.trainer.weights import aggregate_loss
 from test_update_core import make_samples
 
 ROOT = Path(__file__).resolve().parents[1]
-VERL_PY = ROOT / ".venv-verl" / "bin" / "python"
+VERL_PY = Path(os.environ.get("LIGHTNING_VERL_PYTHON", ROOT / ".venv-verl" / "bin" / "python"))
 
 
 def test_module_imports_without_verl():
