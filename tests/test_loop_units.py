@@ -126,3 +126,25 @@ def test_step_line_reports_the_async_fields():
                             "async/staleness_max": 1, "time/drain_s": 0.25, "time/pause_s": 1.5, "proxy/held": 4})
     for part in ("step 2/5", "v2", "carry-over 3", "stale max 1", "drain 0.25s", "pause 1.50s", "held 4"):
         assert part in line
+
+
+def test_cli_help_build_and_print_config_do_not_import_torch():
+    """`lightning-train --help`, `build --help` and `run --print-config` stay fast: torch (seconds to
+    import) loads only for `run` and `step`."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from lightning_harness.trainer.cli import main\n"
+        "outs = [CliRunner().invoke(main, a) for a in (['--help'], ['build', '--help'], ['run', '--print-config'])]\n"
+        "assert all(o.exit_code == 0 for o in outs), [o.output for o in outs]\n"
+        "assert 'step ' in outs[0].output and 'lr:' in outs[2].output\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
+        "r = CliRunner().invoke(main, ['step', '--help'])\n"
+        "print(r.exit_code, 'TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["NO-TORCH", "0", "TORCH"]

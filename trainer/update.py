@@ -30,7 +30,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from .weights import MODES as LOSS_MODES
+from .config import UpdateConfig
 from .weights import aggregate_loss, n_units as count_units
 
 VERSION_FILE = "lightning_version.json"
@@ -62,41 +62,8 @@ TOKENIZER_FILES = (
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class UpdateConfig:
-    """Every knob of one policy update (the loop's YAML ``update:`` section maps onto this)."""
-
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    clip_low: float = 0.2  # PPO clip range: ratio in [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.28  # asymmetric ("clip-higher") keeps exploration alive
-    tis_cap: float = 2.0  # truncated importance weight cap for pi_prox / mu; <= 0 disables
-    kl_coef: float = 0.0  # k3 KL to the frozen reference; 0 = no reference model loaded
-    max_grad_norm: float = 1.0  # <= 0 disables clipping
-    micro_batch_size: int = 4  # samples per forward/backward (memory only; never changes the result)
-    mini_batches: int = 1  # optimizer steps per update (rollouts split into this many groups)
-    epochs: int = 1  # passes over the samples per update
-    loss_mode: str = "rollout"  # weights.aggregate_loss mode: 'rollout', 'token-mean' or 'seq-mean'
-    #   (must match the mode the samples' loss_weight was built with; the loop keeps them in sync)
-    max_seq_len: int = 4096  # prompt + response longer than this is cut from the right
-    temperature: float = 1.0  # logits / T before log-softmax (match the engine's logprob mode)
-    device: str = "auto"  # 'auto' = cuda if available else cpu
-    dtype: str = "float32"  # training dtype ('float32' on CPU; 'bfloat16' on GPU if you like)
-    seed: int = 0
-    gradient_checkpointing: bool = False
-    skip_zero_advantage: bool = True  # drop samples whose advantage is exactly 0 (no signal)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "UpdateConfig":
-        """From plain data (YAML / --set): unknown keys and wrong types fail with the key named."""
-        from .config import from_dict
-
-        cfg = from_dict(cls, d or {}, "update.")
-        if cfg.loss_mode not in LOSS_MODES:
-            raise ValueError(f"loss_mode {cfg.loss_mode!r}: choose from {LOSS_MODES}")
-        return cfg
+# UpdateConfig (every knob of an update: lr, clip range, TIS cap, KL, micro-batch size, loss mode...)
+# lives in config.py beside the rest of the run's configuration, so reading a config needs no torch.
 
 
 def resolve_device(name: str) -> torch.device:
