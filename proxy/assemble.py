@@ -4,24 +4,67 @@ Pure functions over JSON values; no mitmproxy. vLLM returns token ids as ``promp
 (top level for chat, per choice for completions) and ``choices[i].token_ids``; logprobs as
 ``choices[i].logprobs.content[j].logprob`` (chat) or ``choices[i].logprobs.token_logprobs``
 (completions). Streams carry the same fields per chunk.
+
+The Responses API (``/v1/responses``, what the OpenAI Agents SDK and Codex-style coding agents use)
+has no ``token_ids`` field; vLLM returns the engine's exact prompt and output tokens when asked with
+``enable_response_messages`` (``input_messages[].tokens``, ``output_messages[].tokens``) and the
+sampled tokens' logprobs in ``output[].content[].logprobs`` when ``include`` names
+``message.output_text.logprobs``. A stream ends with ``response.completed`` (or ``.incomplete`` /
+``.failed``), whose ``response`` is the whole object, token fields included.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
+RESPONSES = "responses"
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # Responses API: ask for output token logprobs
 
 
 def endpoint_of(path: str) -> str | None:
-    """'chat.completions' / 'completions' for an OpenAI model-call path, else None."""
+    """'chat.completions' / 'completions' / 'responses' for an OpenAI model-call path, else None."""
     path = path.split("?", 1)[0].rstrip("/")
     if path.endswith("/chat/completions"):
         return CHAT
     if path.endswith("/completions"):
         return COMPLETIONS
+    if path.endswith("/responses"):  # creating a response (not GET /responses/{id} or /cancel)
+        return RESPONSES
     return None
+
+
+def assembler_for(endpoint: str | None):
+    """The stream assembler for an endpoint's event stream."""
+    return ResponsesAssembler() if endpoint == RESPONSES else StreamAssembler(endpoint)
+
+
+class ResponsesAssembler:
+    """Keeps the whole response object a Responses event stream ends with (``response.completed``,
+    ``.incomplete`` or ``.failed``); a stream cut short keeps the last ``response`` seen plus the
+    output items finished so far."""
+
+    def __init__(self) -> None:
+        self.response: dict[str, Any] | None = None
+        self.items: dict[int, dict] = {}
+        self.chunks = 0
+
+    def add(self, event: dict) -> None:
+        self.chunks += 1
+        # copies: the relay's filters then strip injected fields from the event in place
+        resp = event.get("response")
+        if isinstance(resp, dict):
+            self.response = copy.deepcopy(resp)
+        if event.get("type") == "response.output_item.done" and isinstance(event.get("item"), dict):
+            self.items[int(event.get("output_index") or 0)] = copy.deepcopy(event["item"])
+
+    def result(self) -> dict:
+        obj = dict(self.response or {"object": "response"})
+        if not obj.get("output") and self.items:
+            obj["output"] = [self.items[i] for i in sorted(self.items)]
+        return obj
 
 
 def _concat(dst: dict, key: str, value: Any) -> None:
@@ -135,6 +178,8 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
     }
     if not isinstance(obj, dict):
         return out
+    if endpoint == RESPONSES:
+        return _responses_token_fields(obj, out)
     choices = obj.get("choices") or []
     out["n_choices"] = len(choices) if isinstance(choices, list) else None
     first = choices[0] if choices and isinstance(choices[0], dict) else {}
@@ -157,6 +202,50 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
     if out["prompt_tokens"] is None and out["prompt_token_ids"] is not None:
         out["prompt_tokens"] = len(out["prompt_token_ids"])
     if out["completion_tokens"] is None and out["response_token_ids"] is not None and len(choices) == 1:
+        out["completion_tokens"] = len(out["response_token_ids"])
+    return out
+
+
+def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:
+    def tokens(key: str) -> list[int] | None:
+        msgs = obj.get(key)
+        if not isinstance(msgs, list) or not msgs:
+            return None
+        ids: list[int] = []
+        for m in msgs:
+            got = _ints(m.get("tokens")) if isinstance(m, dict) else None
+            if got is None:
+                return None
+            ids += got
+        return ids
+
+    out["n_choices"] = 1
+    out["prompt_token_ids"] = tokens("input_messages")
+    out["response_token_ids"] = tokens("output_messages")
+    items = [it for it in obj.get("output") or () if isinstance(it, dict)]
+    lps: list = []
+    for it in items:
+        parts = it.get("content") if it.get("type") == "message" else None
+        for part in parts if isinstance(parts, list) else ():
+            if isinstance(part, dict) and isinstance(part.get("logprobs"), list):
+                lps += [lp.get("logprob") for lp in part["logprobs"] if isinstance(lp, dict)]
+    out["response_logprobs"] = _floats(lps) if lps else None
+    reason = (obj.get("incomplete_details") or {}).get("reason")
+    if reason:
+        out["finish_reason"] = "length" if reason == "max_output_tokens" else reason
+    elif obj.get("status") in ("failed", "cancelled"):
+        out["finish_reason"] = obj["status"]
+    elif any(it.get("type") == "function_call" for it in items):
+        out["finish_reason"] = "tool_calls"
+    elif obj.get("status") == "completed":
+        out["finish_reason"] = "stop"
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        out["prompt_tokens"] = usage.get("input_tokens")
+        out["completion_tokens"] = usage.get("output_tokens")
+    if out["prompt_tokens"] is None and out["prompt_token_ids"] is not None:
+        out["prompt_tokens"] = len(out["prompt_token_ids"])
+    if out["completion_tokens"] is None and out["response_token_ids"] is not None:
         out["completion_tokens"] = len(out["response_token_ids"])
     return out
 

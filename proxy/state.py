@@ -21,7 +21,7 @@ from .redact import Redactor
 META = "lh"  # key of the Call in flow.metadata
 
 # what a flow is, decided by the attribution addon
-MODEL = "model"  # chat/completions or completions: captured
+MODEL = "model"  # chat/completions, completions or responses: captured
 CONTROL = "control"  # /_lh/* control API
 REWARD = "reward"  # a harness reporting its own reward
 OTHER = "other"  # any other traffic: forwarded untouched, not recorded
@@ -35,7 +35,7 @@ class Call:
     mode: str = "forward"  # 'forward' or 'reverse'
     rollout_id: str | None = None
     attempt: int = 0
-    endpoint: str | None = None  # 'chat.completions' | 'completions'
+    endpoint: str | None = None  # 'chat.completions' | 'completions' | 'responses'
     scheme: str | None = None  # as the harness addressed it
     host: str | None = None
     path: str | None = None  # credentials removed

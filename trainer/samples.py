@@ -225,6 +225,8 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     """
     req = json.loads(request_json or "{}")
     resp = json.loads(response_json or "{}")
+    if "input" in req and "messages" not in req and "prompt" not in req:  # Responses API call
+        req, resp = responses_as_chat(req, resp)
     choice = (resp.get("choices") or [{}])[0]
     logprobs = None
     lp = choice.get("logprobs")
@@ -262,6 +264,50 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     if logprobs is not None and len(logprobs) != len(response):
         logprobs = None
     return prompt, response, logprobs
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text") or "" for p in content or () if isinstance(p, dict))
+
+
+def responses_as_chat(req: dict, resp: dict) -> tuple[dict, dict]:
+    """A Responses API request/response pair as the chat request/completion it renders like:
+    ``instructions`` -> system message; ``input`` messages, ``function_call`` and
+    ``function_call_output`` items -> chat messages, assistant ``tool_calls`` and tool messages;
+    ``output`` -> the assistant message (output text logprobs kept)."""
+    messages: list[dict] = []
+    if req.get("instructions"):
+        messages.append({"role": "system", "content": req["instructions"]})
+    items = req.get("input")
+    for it in [{"role": "user", "content": items}] if isinstance(items, str) else items or ():
+        kind = it.get("type", "message")
+        if kind == "message":
+            messages.append({"role": it.get("role", "user"), "content": _text_of(it.get("content"))})
+        elif kind == "function_call":
+            call = {"id": it.get("call_id"), "type": "function",
+                    "function": {"name": it.get("name"), "arguments": it.get("arguments") or ""}}
+            if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("content"):
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": _text_of(it.get("output"))})
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+             for t in req.get("tools") or () if t.get("type") == "function"]
+    text, calls, logprobs = [], [], []
+    for it in resp.get("output") or ():
+        if it.get("type") == "message":
+            for part in it.get("content") or ():
+                text.append(part.get("text") or "")
+                logprobs += [{"logprob": lp.get("logprob")} for lp in part.get("logprobs") or ()]
+        elif it.get("type") == "function_call":
+            calls.append({"id": it.get("call_id"), "type": "function",
+                          "function": {"name": it.get("name"), "arguments": it.get("arguments") or ""}})
+    msg = {"role": "assistant", "content": "".join(text) or None, **({"tool_calls": calls} if calls else {})}
+    chat_req = {"messages": messages, **({"tools": tools} if tools else {})}
+    return chat_req, {"choices": [{"message": msg, "logprobs": {"content": logprobs} if logprobs else None}]}
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 
 from mitmproxy import http
 
-from ..assemble import StreamAssembler, token_fields
+from ..assemble import assembler_for, token_fields
 from ..sse import SSERelay
 from ..state import META, MODEL, Call, ProxyState
 
@@ -69,7 +69,7 @@ class Capture:
         call.first_byte = time.time()
         ctype = flow.response.headers.get("Content-Type", "")
         if "text/event-stream" in ctype:
-            asm = StreamAssembler(call.endpoint)
+            asm = assembler_for(call.endpoint)
             relay = SSERelay(asm.add, call.event_filters, on_error=self._sse_error(call))
             call.sse = (relay, asm)
 

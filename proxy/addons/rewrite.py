@@ -1,7 +1,8 @@
 """Ask the training upstream for token ids and logprobs; hide them from a harness that did not ask.
 
 For calls routed to the training pool (and when injection is on for that replica), add
-``return_token_ids`` and ``logprobs`` to requests that lack them, map the model name
+``return_token_ids`` and ``logprobs`` to requests that lack them (Responses API:
+``enable_response_messages`` and ``include: [message.output_text.logprobs]``), map the model name
 (``model_map``, then ``served_model``), and strip from the response (JSON or each SSE event)
 exactly what was injected, so the harness sees what it expects. A mapped model name is mapped
 back in the response (``model`` of the body or of every chunk): a harness that asked for
@@ -15,36 +16,9 @@ import json
 
 from mitmproxy import http
 
-from ..assemble import CHAT
+from ..assemble import CHAT, LOGPROBS_INCLUDE, RESPONSES
+from ..filters import make_model_restorer, make_responses_stripper, make_stripper
 from ..state import META, MODEL, Call, ProxyState
-
-
-def make_stripper(token_ids: bool, logprobs: bool):
-    """A function that removes injected fields from a completion object or chunk, in place."""
-
-    def strip(obj: dict) -> None:
-        if token_ids:
-            obj.pop("prompt_token_ids", None)
-        for ch in obj.get("choices") or ():
-            if not isinstance(ch, dict):
-                continue
-            if token_ids:
-                ch.pop("token_ids", None)
-                ch.pop("prompt_token_ids", None)
-            if logprobs and "logprobs" in ch:
-                ch["logprobs"] = None
-
-    return strip
-
-
-def make_model_restorer(asked: str):
-    """A function that puts the model name the harness asked for back into a response or chunk."""
-
-    def restore(obj: dict) -> None:
-        if "model" in obj:
-            obj["model"] = asked
-
-    return restore
 
 
 class Rewrite:
@@ -67,7 +41,15 @@ class Rewrite:
             obj["model"] = served
             changed = True
         call.served_model = served if isinstance(served, str) else None
-        if call.inject:
+        if call.inject and call.endpoint == RESPONSES:
+            if not obj.get("enable_response_messages"):
+                obj["enable_response_messages"] = True
+                call.injected_token_ids = changed = True
+            include = obj.get("include") if isinstance(obj.get("include"), list) else []
+            if LOGPROBS_INCLUDE not in include:
+                obj["include"] = [*include, LOGPROBS_INCLUDE]
+                call.injected_logprobs = changed = True
+        elif call.inject:
             if not obj.get("return_token_ids"):
                 obj["return_token_ids"] = True
                 call.injected_token_ids = changed = True
@@ -81,7 +63,8 @@ class Rewrite:
         if changed:
             flow.request.content = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
         if call.injected_token_ids or call.injected_logprobs:
-            call.event_filters.append(make_stripper(call.injected_token_ids, call.injected_logprobs))
+            make = make_responses_stripper if call.endpoint == RESPONSES else make_stripper
+            call.event_filters.append(make(call.injected_token_ids, call.injected_logprobs))
         if served != model and isinstance(model, str):
             call.event_filters.append(make_model_restorer(model))
 
