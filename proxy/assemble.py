@@ -195,15 +195,7 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
             out["response_logprobs"] = _floats([c.get("logprob") for c in lp["content"] if isinstance(c, dict)])
         elif isinstance(lp.get("token_logprobs"), list):
             out["response_logprobs"] = _floats(lp["token_logprobs"])
-    usage = obj.get("usage")
-    if isinstance(usage, dict):
-        out["prompt_tokens"] = usage.get("prompt_tokens")
-        out["completion_tokens"] = usage.get("completion_tokens")
-    if out["prompt_tokens"] is None and out["prompt_token_ids"] is not None:
-        out["prompt_tokens"] = len(out["prompt_token_ids"])
-    if out["completion_tokens"] is None and out["response_token_ids"] is not None and len(choices) == 1:
-        out["completion_tokens"] = len(out["response_token_ids"])
-    return out
+    return _token_counts(out, obj.get("usage"), "prompt_tokens", "completion_tokens", count_ids=len(choices) == 1)
 
 
 def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:
@@ -239,13 +231,18 @@ def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:
         out["finish_reason"] = "tool_calls"
     elif obj.get("status") == "completed":
         out["finish_reason"] = "stop"
-    usage = obj.get("usage")
+    return _token_counts(out, obj.get("usage"), "input_tokens", "output_tokens", count_ids=True)
+
+
+def _token_counts(out: dict[str, Any], usage: Any, prompt_key: str, completion_key: str, count_ids: bool) -> dict:
+    """Token counts from the usage block, else counted from the ids (completion ids only when they
+    are the whole completion: one choice)."""
     if isinstance(usage, dict):
-        out["prompt_tokens"] = usage.get("input_tokens")
-        out["completion_tokens"] = usage.get("output_tokens")
+        out["prompt_tokens"] = usage.get(prompt_key)
+        out["completion_tokens"] = usage.get(completion_key)
     if out["prompt_tokens"] is None and out["prompt_token_ids"] is not None:
         out["prompt_tokens"] = len(out["prompt_token_ids"])
-    if out["completion_tokens"] is None and out["response_token_ids"] is not None:
+    if out["completion_tokens"] is None and out["response_token_ids"] is not None and count_ids:
         out["completion_tokens"] = len(out["response_token_ids"])
     return out
 
