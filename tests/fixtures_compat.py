@@ -6,6 +6,7 @@ environment ``ProxyProcess.env_for()`` prints (Contract 2), plus PATH/HOME so th
 ``openai`` npm package once into ``~/.cache/lightning-harness/node/<key>`` (keyed on the package
 and Node major version, so CI on a fresh clone installs it and later runs reuse it) and returns a
 directory with ``node_modules`` to run Node clients from. It skips only if ``node``/``npm`` are missing.
+``openai_agents_python`` likewise builds a virtual environment with the OpenAI Agents SDK.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 
 COMPAT = Path(__file__).parent / "support" / "compat"
 OPENAI_NODE_VERSION = "6.39.1"  # the official `openai` npm package, pinned: the cache key follows it
+OPENAI_AGENTS_VERSION = "0.24.0"  # the OpenAI Agents SDK (PyPI `openai-agents`), pinned likewise
 PASS_THROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SYSTEMROOT")
 
 
@@ -50,34 +52,66 @@ def _node_major() -> str:
     return out.lstrip("v").split(".")[0] or "unknown"
 
 
-def install_node_package(spec: str, key: str) -> Path:
-    """``npm install spec`` into ``~/.cache/lightning-harness/node/<key>`` once (locked, atomic rename)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning-harness" / "node"
+def _direct_env() -> dict[str, str]:
+    """The test process may itself run inside a harness environment: installers must reach their
+    registry directly."""
+    return {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
+
+
+def install_once(kind: str, key: str, ready: str, build) -> Path:
+    """Build ``~/.cache/lightning-harness/<kind>/<key>`` once: ``build(tmp_dir)`` fills a temp folder
+    (locked against parallel runs) that is renamed into place; ``ready`` is a path inside it that
+    exists only when a build completed."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning-harness" / kind
     base.mkdir(parents=True, exist_ok=True)
     dest = base / key
-    name = spec.rsplit("@", 1)[0]
-    if (dest / "node_modules" / name / "package.json").exists():
+    if (dest / ready).exists():
         return dest
     with open(base / f".{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (dest / "node_modules" / name / "package.json").exists():
+        if (dest / ready).exists():
             return dest
         tmp = base / f".{key}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        (tmp / "package.json").write_text(json.dumps({"name": f"lh-{key}", "private": True}))
-        # the test process may itself run inside a harness environment: npm must reach its registry directly
-        env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
-        p = subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "--no-save", "--loglevel=error", spec],
-            cwd=tmp, capture_output=True, text=True, timeout=600, env=env,
-        )
-        if p.returncode != 0:
+        try:
+            build(tmp)
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise RuntimeError(f"npm install {spec} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+            raise
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
     return dest
+
+
+def _run_installer(cmd: list[str], cwd: Path) -> None:
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900, env=_direct_env())
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+
+
+def install_node_package(spec: str, key: str) -> Path:
+    """``npm install spec`` into ``~/.cache/lightning-harness/node/<key>`` once."""
+    name = spec.rsplit("@", 1)[0]
+
+    def build(tmp: Path) -> None:
+        (tmp / "package.json").write_text(json.dumps({"name": f"lh-{key}", "private": True}))
+        _run_installer(["npm", "install", "--no-audit", "--no-fund", "--no-save", "--loglevel=error", spec], tmp)
+
+    return install_once("node", key, f"node_modules/{name}/package.json", build)
+
+
+def install_python_app_env(spec: str, key: str) -> Path:
+    """A virtual environment of its own holding ``spec`` (a third-party framework a harness is
+    written with), in ``~/.cache/lightning-harness/pyapps/<key>``; returns its Python."""
+
+    def build(tmp: Path) -> None:
+        # only `<venv>/bin/python -m ...` is used: it keeps working after the folder is renamed
+        _run_installer([sys.executable, "-m", "venv", str(tmp / "venv")], tmp)
+        _run_installer([str(tmp / "venv" / "bin" / "python"), "-m", "pip", "install", "-q",
+                        "--disable-pip-version-check", spec], tmp)
+
+    return install_once("pyapps", key, "venv/bin/python", build) / "venv" / "bin" / "python"
 
 
 @pytest.fixture(scope="session")
@@ -87,6 +121,13 @@ def node_openai() -> Path:
         pytest.skip("node/npm not installed: the Node openai client cannot be tested here")
     key = f"openai-{OPENAI_NODE_VERSION}-node{_node_major()}"
     return install_node_package(f"openai@{OPENAI_NODE_VERSION}", key)
+
+
+@pytest.fixture(scope="session")
+def openai_agents_python() -> Path:
+    """A Python with the OpenAI Agents SDK, in an environment of its own (as a user's app has)."""
+    key = f"openai-agents-{OPENAI_AGENTS_VERSION}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return install_python_app_env(f"openai-agents=={OPENAI_AGENTS_VERSION}", key)
 
 
 @pytest.fixture

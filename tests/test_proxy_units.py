@@ -208,3 +208,13 @@ def test_responses_stream_relayed_with_stripping_still_records_token_ids():
     assert b"input_messages" not in sent and b'"logprob"' not in sent and b"response.completed" in sent
     f = token_fields(asm.result(), RESPONSES)
     assert f["prompt_token_ids"] and len(f["response_token_ids"]) == len(f["response_logprobs"])
+
+
+def test_responses_missing_trailing_logprob_is_nan_not_shifted():
+    obj = json.loads((RECORDED / "vllm_responses.json").read_text())
+    part = obj["output"][0]["content"][0]
+    part["logprobs"] = part["logprobs"][:-1]  # as vLLM's streamed final object sometimes has it
+    f = token_fields(obj, RESPONSES)
+    assert len(f["response_logprobs"]) == len(f["response_token_ids"])
+    assert f["response_logprobs"][:-1] == [lp["logprob"] for lp in part["logprobs"]]
+    assert f["response_logprobs"][-1] != f["response_logprobs"][-1]  # NaN
