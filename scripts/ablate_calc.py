@@ -23,6 +23,12 @@ table and a per-variant table (mean and spread of before, after and gain over th
   .venv/bin/python scripts/ablate_calc.py                     # 3 variants x seeds 0 1 2 (~9 min a run)
   .venv/bin/python scripts/ablate_calc.py --seeds 0 --variants rollout/transition --set steps=4
   .venv/bin/python scripts/ablate_calc.py --report-only       # tables and plot from finished runs
+
+How to read it: each evaluation is 100 held-out tasks sampled at temperature 1.0, so one success
+rate carries about +-4-5 points of binomial noise (the same v0 model scores 18-25% across runs), and
+async runs are not bit-reproducible (rollout timing decides which groups an update takes). Treat
+differences of a few points between variants as noise; "loop min" is the training loop's own time
+(from state.json), "wall min" adds vLLM and proxy start-up.
 """
 
 from __future__ import annotations
@@ -238,6 +244,7 @@ def main() -> None:
             for variant, seed, folder, overrides, how in todo:
                 progress.start_task(tasks[folder])
                 walls[folder] = run_one(folder, overrides, how == "resume", progress, tasks[folder])
+                (folder / "wall_s.txt").write_text(f"{walls[folder]:.1f}\n")  # for later --report-only
                 progress.stop_task(tasks[folder])
     rows = []
     for variant, seed, folder, _, _ in plan:
@@ -245,8 +252,10 @@ def main() -> None:
             console.print(f"[yellow]{folder}: not finished, left out[/]")
             continue
         r = read_run(folder)
-        r.update(variant=variant, seed=seed, folder=str(folder),
-                 wall_min=walls[folder] / 60 if folder in walls else None)
+        wall = walls.get(folder)
+        if wall is None and (folder / "wall_s.txt").exists():
+            wall = float((folder / "wall_s.txt").read_text())
+        r.update(variant=variant, seed=seed, folder=str(folder), wall_min=None if wall is None else wall / 60)
         rows.append(r)
     if not rows:
         raise SystemExit("no finished runs to report")

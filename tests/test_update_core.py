@@ -208,6 +208,25 @@ def test_checkpoint_roundtrip_keeps_version_weights_tokenizer_and_optimizer(tiny
     s1, s2 = up.optimizer.state_dict()["state"], up2.optimizer.state_dict()["state"]
     assert len(s2) == len(s1) > 0
     torch.testing.assert_close(s1[0]["exp_avg"], s2[0]["exp_avg"])
+    # the saved optimizer state carries lr 1e-3; a checkpoint resumed with another lr uses that one
+    up3 = U.PolicyUpdater(out, U.UpdateConfig(lr=2e-4))
+    assert {g["lr"] for g in up3.optimizer.param_groups} == {2e-4}
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_scheduled_lr_runs_from_lr_to_the_final_ratio(schedule):
+    cfg = U.UpdateConfig(lr=1e-3, lr_schedule=schedule, lr_final_ratio=0.2)
+    lrs = [U.scheduled_lr(cfg, s, 12) for s in range(1, 13)]
+    assert lrs[0] == pytest.approx(1e-3)
+    if schedule == "constant":
+        assert lrs == [1e-3] * 12
+    else:
+        assert lrs[-1] == pytest.approx(2e-4) and all(a > b for a, b in zip(lrs, lrs[1:]))
+    if schedule == "linear":
+        assert lrs[6] - lrs[5] == pytest.approx(lrs[1] - lrs[0])
+    assert U.scheduled_lr(cfg, 1, 1) == pytest.approx(1e-3)  # a one-step run keeps lr
+    with pytest.raises(ValueError, match="lr_schedule"):
+        U.UpdateConfig.from_dict({"lr_schedule": "step"})
 
 
 def test_bad_samples_fail_clearly_and_zero_advantage_is_skipped(tiny_model):

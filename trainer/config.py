@@ -20,6 +20,8 @@ import yaml
 
 from .weights import MODES as LOSS_MODES
 
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
 
 class ConfigError(ValueError):
     """The configuration cannot be used; the message names the key and why."""
@@ -30,6 +32,8 @@ class UpdateConfig:
     """Every knob of one policy update (the loop's YAML ``update:`` section maps onto this)."""
 
     lr: float = 1e-5
+    lr_schedule: str = "constant"  # 'constant', or 'linear' / 'cosine' decay over the run's steps...
+    lr_final_ratio: float = 0.1  # ...to lr * this at the last step (lightning-train run only)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -57,6 +61,8 @@ class UpdateConfig:
         cfg = from_dict(cls, d or {}, "update.")
         if cfg.loss_mode not in LOSS_MODES:
             raise ValueError(f"loss_mode {cfg.loss_mode!r}: choose from {LOSS_MODES}")
+        if cfg.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule {cfg.lr_schedule!r}: choose from {LR_SCHEDULES}")
         return cfg
 
 
@@ -220,6 +226,8 @@ class RunConfig:
         elif self.update.loss_mode != self.samples.weight_mode:
             # the samples' loss_weight and the update's divisor must come from the same mode
             self.update.loss_mode = self.samples.weight_mode
+        if self.update.lr_schedule not in LR_SCHEDULES:
+            problems.append(f"update.lr_schedule: {self.update.lr_schedule!r} is not one of {LR_SCHEDULES}")
         if self.engine.sleep_on_update not in ("auto", "always", "never"):
             problems.append("engine.sleep_on_update: one of auto, always, never")
         if problems:
@@ -234,8 +242,10 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _suggest(key: str, known: Iterable[str]) -> str:
     known = list(known)
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-    if not close:  # 'lr_rate' -> 'lr': a known key that starts the typo
+    # 'lr_rate' -> 'lr': a known key the typo extends by a word comes first
+    close = sorted((k for k in known if key.startswith(k + "_")), key=len, reverse=True)[:1]
+    close = close or difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    if not close:
         close = sorted((k for k in known if key.startswith(k) or k.startswith(key)), key=len, reverse=True)[:1]
     return f" (did you mean {close[0]!r}?)" if close else ""
 

@@ -359,6 +359,7 @@ class TrainingRun:
         from lightning_harness.schemas import PartWriter
 
         from .samples import build_samples
+        from .update import scheduled_lr
 
         cfg, ctl, rep = self.cfg, self.proxy.control, {}
         version = int(self.state["model_version"])
@@ -397,8 +398,11 @@ class TrainingRun:
             rep["time/samples_s"] = time.monotonic() - t0
             # the update
             self.progress.update(phase="update")
+            lr = scheduled_lr(self.cfg.update, step, self.cfg.steps)
+            self.updater.set_lr(lr)
             m = self.updater.update(table)
             rep.update(m)
+            rep["update/lr"] = lr
             new_version = version + 1
             self.updater.version = new_version  # one version per step, even if nothing was trainable
             t0 = time.monotonic()

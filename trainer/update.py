@@ -66,6 +66,18 @@ TOKENIZER_FILES = (
 # lives in config.py beside the rest of the run's configuration, so reading a config needs no torch.
 
 
+def scheduled_lr(cfg: UpdateConfig, step: int, total: int) -> float:
+    """The learning rate of update ``step`` (1-based) of ``total``: constant, or decayed linearly or
+    along a half cosine from ``lr`` at the first update to ``lr * lr_final_ratio`` at the last."""
+    if cfg.lr_schedule == "constant" or total <= 1:
+        return cfg.lr
+    frac = min(max((step - 1) / (total - 1), 0.0), 1.0)
+    low = cfg.lr * cfg.lr_final_ratio
+    if cfg.lr_schedule == "linear":
+        return cfg.lr - (cfg.lr - low) * frac
+    return low + (cfg.lr - low) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -349,8 +361,13 @@ class PolicyUpdater:
         opt_path = self.model_dir / TRAINER_STATE_DIR / "optimizer.pt"
         if load_optimizer and opt_path.exists():
             self.optimizer.load_state_dict(torch.load(opt_path, map_location=self.device))
+            self.set_lr(self.cfg.lr)  # the saved state carries the old lr; the config's wins
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) else 0
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     # -- one update ------------------------------------------------------------------------
     def update(self, samples: pa.Table | list[Sample]) -> dict[str, float]:
