@@ -43,7 +43,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "calc" / "config.yaml"
@@ -81,7 +80,8 @@ def plan_run(folder: Path, overrides: list[str]) -> str:
     if not saved.exists():
         return "start"
     wanted = comparable(load_config(CONFIG, overrides).to_dict())
-    have = comparable(yaml.safe_load(saved.read_text()) or {})
+    # read back through the config classes: keys added since that run was made take their defaults
+    have = comparable(load_config(saved, validate=False).to_dict())
     if wanted != have:
         diff = sorted(k for k in set(wanted) | set(have) if wanted.get(k) != have.get(k))
         raise SystemExit(f"{folder} holds a run of a different config (differs in: {', '.join(diff)}); "
@@ -142,7 +142,12 @@ def read_run(folder: Path) -> dict:
     curve = {int(v): e["eval/success"] for v, e in summary["evals"].items() if "eval/success" in e}
     n_eval = max(int(e.get("eval/rollouts", 0)) for e in summary["evals"].values())
     versions = sorted(curve)
-    return {"curve": curve, "eval_tasks": n_eval, "before": curve[versions[0]], "after": curve[versions[-1]],
+    from lightning_harness.trainer.views import connect
+
+    # what the merging did: trained samples per rollout and model-generated tokens per sample
+    per_rollout, tokens = connect(folder / "traces").execute(
+        "SELECT count(*) / count(DISTINCT rollout_id), avg(list_sum(response_mask)) FROM samples").fetchone()
+    return {"curve": curve, "samples_per_rollout": per_rollout or float("nan"), "model_tokens": tokens or float("nan"), "eval_tasks": n_eval, "before": curve[versions[0]], "after": curve[versions[-1]],
             "best": max(curve.values()), "final_version": versions[-1],
             "loop_min": state.get("elapsed_s", float("nan")) / 60, "checkpoint": summary["checkpoint"]}
 
@@ -160,11 +165,13 @@ def report(out: Path, rows: list[dict], console) -> None:
     n_eval = sorted({r["eval_tasks"] for r in rows})
     t = Table(title=f"calc ablation: held-out success per run ({'/'.join(map(str, n_eval))} held-out tasks)")
     for col, j in (("variant", "left"), ("seed", "right"), ("before", "right"), ("after", "right"),
-                   ("gain (pts)", "right"), ("best", "right"), ("loop min", "right"), ("wall min", "right")):
+                   ("gain (pts)", "right"), ("best", "right"), ("samples/rollout", "right"),
+                   ("loop min", "right"), ("wall min", "right")):
         t.add_column(col, justify=j)
     for r in rows:
         t.add_row(r["variant"], str(r["seed"]), f"{r['before']:.0%}", f"{r['after']:.0%}",
-                  f"{(r['after'] - r['before']) * 100:+.0f}", f"{r['best']:.0%}", f"{r['loop_min']:.1f}",
+                  f"{(r['after'] - r['before']) * 100:+.0f}", f"{r['best']:.0%}", f"{r['samples_per_rollout']:.2f}",
+                  f"{r['loop_min']:.1f}",
                   "-" if r.get("wall_min") is None else f"{r['wall_min']:.1f}")
     console.print(t)
 
