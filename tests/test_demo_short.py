@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_calc_demo_config_runs_two_updates(tmp_path: Path):
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_calc_demo_config_runs_two_updates(tmp_path: Path, api: str):
+    """Also with the harness on the Responses API: the same loop trains on Responses spans."""
     run_dir = tmp_path / "run"
     overrides = {
         "run_dir": str(run_dir),
@@ -31,6 +33,7 @@ def test_calc_demo_config_runs_two_updates(tmp_path: Path):
         "harness.concurrency": 4,
         "eval.max_tasks": 4,
         "eval.every": 2,
+        "harness.command": json.dumps(["{python}", "harness.py", "--temperature", "{temperature}", "--api", api]),
     }
     cmd = [sys.executable, "-m", "lightning_harness.trainer.cli", "run",
            "--config", str(ROOT / "examples/calc/config.yaml")]
@@ -48,6 +51,8 @@ def test_calc_demo_config_runs_two_updates(tmp_path: Path):
     n, n_reward, n_model_tokens = con.execute(
         f"SELECT count(*), count(reward), sum(list_sum(response_mask)) FROM {glob('samples')}").fetchone()
     assert n >= 1 and n_reward == n and n_model_tokens > 0
+    endpoints = {r[0] for r in con.execute(f"SELECT DISTINCT endpoint FROM {glob('spans')}").fetchall()}
+    assert endpoints == {"responses" if api == "responses" else "chat.completions"}
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["model_version"] == 2
     final = Path(summary["checkpoint"])

@@ -65,7 +65,18 @@ def load_task(argv_task: str | None, question: str | None) -> dict:
     return json.loads(raw)
 
 
-def run(task: dict, model: str, temperature: float, max_tokens: int) -> str | None:
+def ask(client, api: str, model: str, messages: list[dict], temperature: float, max_tokens: int) -> str:
+    """One model call through the Chat Completions API or the Responses API (same conversation)."""
+    if api == "responses":
+        reply = client.responses.create(model=model, input=messages, temperature=temperature,
+                                        max_output_tokens=max_tokens)
+        return reply.output_text
+    reply = client.chat.completions.create(model=model, messages=messages,
+                                           temperature=temperature, max_tokens=max_tokens)
+    return reply.choices[0].message.content or ""
+
+
+def run(task: dict, model: str, temperature: float, max_tokens: int, api: str = "chat") -> str | None:
     """One episode: ask, call the calculator when asked, stop at the first ANSWER."""
     from openai import OpenAI
 
@@ -73,9 +84,7 @@ def run(task: dict, model: str, temperature: float, max_tokens: int) -> str | No
     messages = [{"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": task["question"]}]
     for _ in range(MAX_TURNS):
-        reply = client.chat.completions.create(model=model, messages=messages,
-                                               temperature=temperature, max_tokens=max_tokens)
-        text = (reply.choices[0].message.content or "").strip()
+        text = ask(client, api, model, messages, temperature, max_tokens).strip()
         print(f"[assistant] {text}", file=sys.stderr)
         messages.append({"role": "assistant", "content": text})
         answer = _ANSWER.search(text)
@@ -97,8 +106,10 @@ def main() -> None:
     parser.add_argument("--model", default=os.environ.get("OPENAI_MODEL", "calc-tiny"))
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--api", choices=["chat", "responses"], default="chat",
+                        help="the OpenAI API the agent calls: Chat Completions or Responses")
     args = parser.parse_args()
-    answer = run(load_task(args.task, args.question), args.model, args.temperature, args.max_tokens)
+    answer = run(load_task(args.task, args.question), args.model, args.temperature, args.max_tokens, args.api)
     print(f"ANSWER: {answer}" if answer is not None else "NO ANSWER")
 
 
