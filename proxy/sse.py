@@ -5,6 +5,8 @@ the end. Without rewriting, every chunk is forwarded unchanged the moment it arr
 parsed for the span. With rewriting (stripping injected token ids / logprobs), only complete
 events can be rewritten, so a partial event waits for its end (never longer than the upstream takes
 to send it). An empty list, never ``b""``, means "nothing to send yet": ``b""`` ends an HTTP/1.1 body.
+The sink sees each event as upstream sent it; the filters then rewrite that same object in place, so
+a sink that keeps parts of an event must copy them (the Responses assembler does).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import re
 import statistics
@@ -101,10 +102,7 @@ def run_one(folder: Path, overrides: list[str], resume: bool, progress, task) ->
         cmd += ["--set", o]
     if resume:
         cmd.append("--resume")
-    env = dict(os.environ)
-    proxy_python = ROOT / ".venv-proxy" / "bin" / "python"
-    if "LIGHTNING_PROXY_PYTHON" not in env and proxy_python.exists():
-        env["LIGHTNING_PROXY_PYTHON"] = str(proxy_python)
+    env = dict(os.environ)  # (the loop finds .venv-proxy itself: proxy/locate.py)
     env["COLUMNS"] = "160"
     env["PYTHONUNBUFFERED"] = "1"  # step lines arrive as they happen (they drive the progress bar)
     log_path = folder.with_name(folder.name + ".log")
@@ -135,8 +133,6 @@ def run_one(folder: Path, overrides: list[str], resume: bool, progress, task) ->
 
 def read_run(folder: Path) -> dict:
     """Held-out success per model version and wall time of one finished run."""
-    import json
-
     summary = json.loads((folder / "summary.json").read_text())
     state = json.loads((folder / "state.json").read_text())
     curve = {int(v): e["eval/success"] for v, e in summary["evals"].items() if "eval/success" in e}

@@ -8,10 +8,6 @@ actor's bypass-mode loss against update.py. Not run here: Ray workers, vLLM, FSD
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,19 +16,15 @@ import torch
 from lightning_harness.trainer import verl_agent_loop as VA
 from lightning_harness.trainer import verl_backend as VB
 
+from fixtures_verl import attribute_without, needs_verl, run_in_verl
 from test_update_core import make_samples
 
 ROOT = Path(__file__).resolve().parents[1]
-VERL_PY = Path(os.environ.get("LIGHTNING_VERL_PYTHON", ROOT / ".venv-verl" / "bin" / "python"))
 
 
 def test_module_imports_without_verl():
-    code = ("import sys; sys.modules['verl'] = None; sys.modules['ray'] = None\n"
-            "import lightning_harness.trainer.verl_agent_loop as va\n"
-            "print(va.MANAGER_FQN)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "lightning_harness.trainer.verl_agent_loop.LightningAgentLoopManager"
+    fqn = attribute_without(["verl", "ray"], "lightning_harness.trainer.verl_agent_loop", "MANAGER_FQN")
+    assert fqn == "lightning_harness.trainer.verl_agent_loop.LightningAgentLoopManager"
 
 
 def test_pack_fills_rows_with_samples_then_inert_padding():
@@ -86,17 +78,13 @@ def test_task_rows_round_trip_through_the_dataset(tmp_path):
         VA.tasks_of({"extra_info": np.array([{"index": 0}], dtype=object)})
 
 
-@pytest.mark.skipif(not VERL_PY.exists(), reason=f"{VERL_PY} absent (build it with scripts/setup_envs.sh verl)")
+@needs_verl
 def test_manager_drives_verls_trainer_step_on_cpu(tmp_path):
     import pyarrow.parquet as pq
 
     table = make_samples(seed=23)
     pq.write_table(table, tmp_path / "samples.parquet")
-    res = subprocess.run([str(VERL_PY), str(ROOT / "scripts" / "verl_check_agent_loop.py"),
-                          str(tmp_path / "samples.parquet")], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, res.stderr[-4000:]
-    out = json.loads(lines[-1][7:])
+    out = run_in_verl(ROOT / "scripts" / "verl_check_agent_loop.py", tmp_path / "samples.parquet", cwd=tmp_path)
     tasks = list(dict.fromkeys(table.column("task_id").to_pylist()))
     assert out["config"] == {"cls": VA.MANAGER_FQN, "n": 6, "use_v1": False, "group_size": 2, "bypass": True,
                              "harness": "python agent.py --task {task_id}"}

@@ -6,12 +6,6 @@ training environment: transformers pins conflict). Not run here: verl's Ray/FSDP
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -19,19 +13,12 @@ from lightning_harness.trainer import verl_backend as VB
 from lightning_harness.trainer.update import UpdateConfig, ppo_token_loss
 from lightning_harness.trainer.weights import aggregate_loss
 
+from fixtures_verl import attribute_without, needs_verl, run_in_verl
 from test_update_core import make_samples
-
-ROOT = Path(__file__).resolve().parents[1]
-VERL_PY = Path(os.environ.get("LIGHTNING_VERL_PYTHON", ROOT / ".venv-verl" / "bin" / "python"))
 
 
 def test_module_imports_without_verl():
-    code = ("import sys; sys.modules['verl'] = None\n"
-            "import lightning_harness.trainer.verl_backend as vb\n"
-            "print(vb.POLICY_LOSS)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "lightning_rollout"
+    assert attribute_without(["verl"], "lightning_harness.trainer.verl_backend", "POLICY_LOSS") == "lightning_rollout"
 
 
 def test_tensors_layout_matches_the_samples():
@@ -135,7 +122,7 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-@pytest.mark.skipif(not VERL_PY.exists(), reason=f"{VERL_PY} absent (build it with scripts/setup_envs.sh)")
+@needs_verl
 def test_parity_registration_and_config_composition_inside_verl(tmp_path):
     import pyarrow.parquet as pq
 
@@ -143,11 +130,7 @@ def test_parity_registration_and_config_composition_inside_verl(tmp_path):
     pq.write_table(make_samples(seed=13), path)
     script = tmp_path / "verl_check.py"
     script.write_text(VERL_SCRIPT)
-    res = subprocess.run([str(VERL_PY), str(script), str(path)], capture_output=True, text=True, timeout=600,
-                         cwd=tmp_path)
-    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, res.stderr[-4000:]
-    out = json.loads(lines[-1][7:])
+    out = run_in_verl(script, path, cwd=tmp_path)
     assert out["len"] == make_samples(seed=13).num_rows
     assert {"input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_probs",
             "advantages"} <= set(out["keys"])

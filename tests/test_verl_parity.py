@@ -8,25 +8,20 @@ built by scripts/setup_envs.sh).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from fixtures_verl import VERL_PY, needs_verl
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _verl_python() -> Path:
-    return Path(os.environ.get("LIGHTNING_VERL_PYTHON") or ROOT / ".venv-verl" / "bin" / "python")
-
-
+@needs_verl
 def test_advantages_and_aggregation_match_verl():
-    py = _verl_python()
-    if not py.exists():
-        pytest.skip(f"verl environment not found at {py} (build it with scripts/setup_envs.sh or set LIGHTNING_VERL_PYTHON)")
     p = subprocess.run(
-        [str(py), str(ROOT / "scripts" / "verl_parity.py"), "--batches", "40"],
+        [str(VERL_PY), str(ROOT / "scripts" / "verl_parity.py"), "--batches", "40"],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
