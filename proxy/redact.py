@@ -91,3 +91,16 @@ class Redactor:
         if not path:
             return path
         return self.text(_QUERY_SECRET.sub(lambda m: m.group(1) + MASK, path))
+
+    def scrub_row(self, row: dict, secrets: Iterable[str] = (), *, request_is_json: bool = True) -> dict:
+        """A span row with secrets removed from every text column (the one place capture calls).
+
+        ``secrets``: values known to be secret for this call (its credentials, header keys).
+        """
+        req = row.get("request_json")
+        row["request_json"] = self.json_text(req) if request_is_json else self.raw_text(req)
+        if row.get("response_json"):
+            row["response_json"] = self.json_text(row["response_json"])
+        row["path"] = self.path(row.get("path"))
+        row["error"] = self.text(row.get("error"))
+        return row

@@ -67,6 +67,9 @@ class Call:
     response_obj: dict | None = None
     response_error: str | None = None
     event_filters: list[Callable[[dict], None]] = field(default_factory=list)
+    # hygiene
+    secrets: set[str] = field(default_factory=set)  # values secret for this call (credentials, header keys): never recorded
+    salvaged: bool = False  # some bytes were not valid UTF-8 (decoded with replacement) or a field was out of range
 
 
 class ProxyState:

@@ -65,6 +65,8 @@ SPANS = _schema(
         _f("token_ids_injected", pa.bool_(), "True when the proxy added return_token_ids/logprobs the harness did not ask for."),
         _f("error_kind", pa.string(), "Null on success; else 'upstream_status', 'upstream_unreachable', 'timeout', 'client_disconnect', 'malformed_request', 'malformed_response'."),
         _f("error", pa.string(), "Human-readable error message; null on success."),
+        _f("salvaged", pa.bool_(), "True when the call's bytes were not valid UTF-8 (or a field was out of range) and were recorded with replacement characters instead of being lost."),
+        _f("secret_detected", pa.bool_(), "True when a known secret (API key, proxy credential, a header's credential) appeared in the call's text: it is masked in every text column, the token id and logprob columns are emptied, and training leaves the call out by default."),
     ],
 )
 

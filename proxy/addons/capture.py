@@ -109,7 +109,7 @@ class Capture:
         if resp.status_code >= 400:
             kind = "upstream_status"
             body = (response_json or "")[:MAX_ERROR_BODY]
-            err = f"upstream answered HTTP {resp.status_code}: {self.redact.text(body)}"
+            err = f"upstream answered HTTP {resp.status_code}: {body}"
         if call.request_error:
             kind, err = "malformed_request", call.request_error + (f"; {err}" if err else "")
         self._finish(flow, call, kind, err, response_json=response_json, status=resp.status_code)
@@ -152,11 +152,6 @@ class Capture:
         call.done = True
         self.state.end(call)
         now = time.time()
-        req_text = call.request_text
-        if call.request_obj is not None:
-            request_json = self.redact.json_text(req_text)
-        else:
-            request_json = self.redact.raw_text(req_text)
         toks = token_fields(call.response_obj, call.endpoint)
         row = {
             "span_id": uuid.uuid4().hex,
@@ -172,20 +167,21 @@ class Capture:
             "method": flow.request.method,
             "scheme": call.scheme,
             "host": call.host,
-            "path": self.redact.path(call.path),
+            "path": call.path,
             "upstream": call.upstream_display,
             "model": call.model,
             "served_model": call.served_model or call.model,
             "model_version": call.model_version if call.model_version is not None else self.state.model_version,
             "status_code": status,
             "stream": call.stream,
-            "request_json": request_json,
-            "response_json": self.redact.json_text(response_json) if response_json else None,
+            "request_json": call.request_text,
+            "response_json": response_json,
             "token_ids_injected": call.injected_token_ids or call.injected_logprobs,
             "error_kind": kind,
             "error": err,
             **toks,
         }
+        row = self.redact.scrub_row(row, call.secrets, request_is_json=call.request_obj is not None)
         if kind:
             self.state.errors += 1
             log.info("error span %s/%s seq=%s: %s: %s", call.rollout_id, call.attempt, call.seq, kind, err)
