@@ -15,6 +15,16 @@ from typing import Any, Mapping
 import yaml
 
 
+# capture_failure: what the proxy does with new model calls while capture is unhealthy
+CAPTURE_FAILURE_POLICIES = {
+    # training (default): answer 503 + Retry-After, forward nothing that could not be recorded;
+    # the harness retries, the trainer sees healthy=false in /_lh/state and stops
+    "reject": "new model calls get 503 (Retry-After) while spans cannot be written",
+    # production capture: keep serving; spans that cannot be buffered are counted (spans_dropped) and logged
+    "serve": "model calls are forwarded; spans that cannot be recorded are counted and logged",
+}
+
+
 @dataclass
 class Upstream:
     """One replica of the training upstream (an OpenAI-compatible server such as vLLM)."""
@@ -86,6 +96,10 @@ class ProxyConfig:
     flush_rows: int = 5000
     flush_bytes: int = 16 << 20
     fsync: bool = True
+    # what happens to model calls while spans cannot be written (disk full, permissions), see
+    # CAPTURE_FAILURE_POLICIES; and how many bytes of unwritten rows a writer may hold meanwhile
+    capture_failure: str = "reject"
+    max_buffer_bytes: int = 256 << 20
 
     @property
     def control_secret(self) -> str | None:
@@ -113,6 +127,9 @@ class ProxyConfig:
         for key in ("route_hosts", "no_intercept"):
             if isinstance(values.get(key), str):
                 values[key] = [values[key]]
+        if values.get("capture_failure", "reject") not in CAPTURE_FAILURE_POLICIES:
+            raise ValueError(f"capture_failure must be one of {sorted(CAPTURE_FAILURE_POLICIES)}, "
+                             f"got {values['capture_failure']!r}")
         return cls(**values)
 
     @classmethod

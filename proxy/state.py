@@ -10,13 +10,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..schemas import PartWriter
+from ..schemas import BufferFull, PartWriter
 from .config import ProxyConfig, Upstream
 from .redact import Redactor
+
+log = logging.getLogger("lightning.proxy")
 
 META = "lh"  # key of the Call in flow.metadata
 
@@ -82,8 +86,14 @@ class ProxyState:
         self.spans = PartWriter(
             config.traces, "spans", flush_rows=config.flush_rows, flush_bytes=config.flush_bytes,
             flush_seconds=config.flush_seconds, fsync=config.fsync,
+            max_buffer_bytes=config.max_buffer_bytes, on_full=self._spans_refused,
         )
-        self.rewards = PartWriter(config.traces, "rewards", flush_seconds=config.flush_seconds, fsync=config.fsync)
+        # a full rewards buffer raises BufferFull: the control API answers 503 and the harness retries
+        self.rewards = PartWriter(config.traces, "rewards", flush_seconds=config.flush_seconds, fsync=config.fsync,
+                                  max_buffer_bytes=config.max_buffer_bytes)
+        self.spans_dropped = 0  # spans refused by a full buffer (counted and logged, see _spans_refused)
+        self.capture_rejected = 0  # model calls answered 503 because capture was unhealthy (reject policy)
+        self._drop_logged_at = float("-inf")
         self.paused = False
         self.held = 0
         self.in_flight = 0
@@ -158,6 +168,43 @@ class ProxyState:
                 self._sticky.popitem(last=False)
         return pool[idx]
 
+    # -- capture health ---------------------------------------------------------------------
+    def capture_healthy(self) -> bool:
+        """Both writers stored their last part and have buffer room (see ``PartWriter.healthy``)."""
+        return self.spans.healthy and self.rewards.healthy
+
+    def retry_after_s(self) -> int:
+        """Seconds a rejected harness should wait: until the writers' next retry, at least 1."""
+        left = max(self.spans.retry_in, self.rewards.retry_in)
+        return max(1, math.ceil(left))
+
+    def _spans_refused(self, rows: list[dict], exc: BufferFull) -> None:
+        """A finished call's span did not fit in the full buffer: counted, logged (at most 1 line/s)."""
+        self.spans_dropped += len(rows)
+        now = time.monotonic()
+        if now - self._drop_logged_at >= 1.0:
+            self._drop_logged_at = now
+            which = ", ".join(f"{r.get('rollout_id')}~{r.get('attempt')} seq {r.get('seq')}" for r in rows)
+            log.warning("span not recorded (%s); %d dropped in all: %s", which, self.spans_dropped, exc)
+
+    def capture_health(self) -> dict:
+        spans, rewards = self.spans.health(), self.rewards.health()
+        latest = max((spans, rewards), key=lambda h: h["last_error_at"] or 0)
+        return {
+            "healthy": spans["healthy"] and rewards["healthy"],
+            "capture_failure": self.config.capture_failure,
+            "capture_error": latest["last_error"],
+            "capture_error_at": latest["last_error_at"],
+            "write_failures": spans["write_failures"] + rewards["write_failures"],
+            "rows_lost": spans["rows_lost"] + rewards["rows_lost"],
+            "spans_pending": spans["rows_pending"],
+            "spans_salvaged": spans["rows_salvaged"],
+            "spans_dropped": self.spans_dropped,
+            "rewards_pending": rewards["rows_pending"],
+            "rewards_refused": rewards["rows_refused"],
+            "capture_rejected": self.capture_rejected,
+        }
+
     def snapshot(self) -> dict:
         return {
             "paused": self.paused,
@@ -171,15 +218,25 @@ class ProxyState:
             "model_version": self.model_version,
             "errors": self.errors,
             "rejected": self.rejected,
+            **self.capture_health(),
             "uptime_s": round(time.time() - self.started_at, 3),
             "forward_port": self.config.forward_port,
             "reverse_port": self.config.reverse_port,
         }
 
     def flush(self) -> None:
-        self.spans.flush()
-        self.rewards.flush()
+        """Write what is buffered now; a storage error is not raised but shows in ``snapshot()``."""
+        for writer in (self.spans, self.rewards):
+            try:
+                writer.flush()
+            except Exception:
+                pass  # recorded in writer.health() and logged by the writer
 
     def close(self) -> None:
-        self.spans.close()
-        self.rewards.close()
+        """Flush and stop both writers; rows that still cannot be written are reported, not hidden."""
+        for writer in (self.spans, self.rewards):
+            try:
+                writer.close()
+            except Exception as exc:
+                log.error("%d %s row(s) could not be written at shutdown and are lost: %s",
+                          writer.buffered, writer.table, exc)

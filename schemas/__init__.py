@@ -16,7 +16,8 @@ from .tables import (
     TABLES,
     describe,
 )
-from .parts import PartWriter, read_table, table_glob
+from .checked import finished_parts
+from .parts import BufferFull, PartWriter, read_table, table_glob
 
 __all__ = [
     "METRICS",
@@ -26,8 +27,10 @@ __all__ = [
     "SCHEMA_VERSION",
     "SPANS",
     "TABLES",
+    "BufferFull",
     "PartWriter",
     "describe",
+    "finished_parts",
     "read_table",
     "table_glob",
 ]

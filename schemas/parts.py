@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import datetime as _dt
 import itertools
+import logging
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .checked import finished_parts, mark_bad
+from .salvage import encode_rows
 from .tables import SCHEMA_VERSION, TABLES
+
+log = logging.getLogger("lightning.schemas")
 
 _counter = itertools.count()
 
@@ -41,11 +46,31 @@ def _row_bytes(row: dict[str, Any]) -> int:
     return n
 
 
+class BufferFull(RuntimeError):
+    """The writer already holds ``max_buffer_bytes`` of rows it could not write: new rows are refused.
+
+    Why a refusal and not an ever-growing buffer: while the disk is full every accepted row stays
+    in memory; past the bound the owner must stop accepting work (the proxy answers 503) or count
+    what it drops, instead of the process running out of memory and losing everything.
+    """
+
+
 class PartWriter:
     """Buffers rows of one table and writes them as Parquet parts, flushing by rows, bytes and age.
 
     Thread-safe. ``flush_seconds`` bounds how long a row may sit in memory (what a SIGKILL can
     lose); a daemon thread enforces it when ``background=True``. ``close()`` flushes everything.
+
+    Hostile input and failing disks (see ``health()``):
+
+    - a row whose values do not fit the schema is salvaged or counted lost (``schemas.salvage``);
+      it never blocks the rows behind it;
+    - a part that cannot be stored (disk full, permissions) leaves no temporary file; its rows stay
+      buffered, first in line, and are retried with exponential backoff (``retry_min_seconds`` ..
+      ``retry_max_seconds``), at most ``flush_rows`` rows / ``flush_bytes`` bytes per part, so a
+      retry never grows; the writer heals by itself once a write succeeds;
+    - buffered rows are bounded by ``max_buffer_bytes``: past it ``extend`` raises
+      :class:`BufferFull` (or calls ``on_full(rows, exc)`` when given) and keeps nothing of them.
     """
 
     def __init__(
@@ -58,18 +83,35 @@ class PartWriter:
         flush_seconds: float = 1.0,
         background: bool = True,
         fsync: bool = True,
+        max_buffer_bytes: int = 256 << 20,
+        retry_min_seconds: float = 0.5,
+        retry_max_seconds: float = 30.0,
+        on_full: Callable[[list[dict[str, Any]], BufferFull], None] | None = None,
     ) -> None:
         if table not in TABLES:
             raise ValueError(f"unknown table {table!r}; known: {sorted(TABLES)}")
         self.root = Path(root)
         self.table = table
         self.schema = TABLES[table]
-        self.flush_rows = flush_rows
+        self.flush_rows = max(1, flush_rows)
         self.flush_bytes = flush_bytes
         self.flush_seconds = flush_seconds
         self.fsync = fsync
+        self.max_buffer_bytes = max_buffer_bytes
+        self.retry_min_seconds = retry_min_seconds
+        self.retry_max_seconds = retry_max_seconds
+        self.on_full = on_full
         self.rows_written = 0
         self.parts_written = 0
+        self.rows_salvaged = 0  # rows written with some value repaired (salvaged=True where the table has it)
+        self.rows_lost = 0  # rows that could not be encoded even after salvage (logged)
+        self.rows_refused = 0  # rows refused because the buffer was full (BufferFull)
+        self.write_failures = 0  # failed attempts to store a part
+        self.last_error: str | None = None
+        self.last_error_at: float | None = None  # time.time()
+        self._write_ok = True
+        self._backoff = 0.0
+        self._retry_at = 0.0  # time.monotonic() before which automatic flushes do not retry
         self._rows: list[dict[str, Any]] = []
         self._bytes = 0
         self._oldest: float | None = None
@@ -86,42 +128,71 @@ class PartWriter:
         self.extend([row])
 
     def extend(self, rows: Iterable[dict[str, Any]]) -> None:
-        due = False
+        """Buffer ``rows`` (all or none); raises ``BufferFull`` past ``max_buffer_bytes``."""
+        rows = list(rows)
+        for row in rows:
+            unknown = set(row) - set(self.schema.names)
+            if unknown:
+                raise ValueError(f"{self.table}: unknown columns {sorted(unknown)}")
+        size = sum(_row_bytes(r) for r in rows)
         with self._lock:
-            for row in rows:
-                unknown = set(row) - set(self.schema.names)
-                if unknown:
-                    raise ValueError(f"{self.table}: unknown columns {sorted(unknown)}")
-                self._rows.append(row)
-                self._bytes += _row_bytes(row)
-                if self._oldest is None:
+            full = bool(self._rows) and self._bytes + size > self.max_buffer_bytes
+            if full:
+                self.rows_refused += len(rows)
+            else:
+                self._rows.extend(rows)
+                self._bytes += size
+                if self._oldest is None and rows:
                     self._oldest = time.monotonic()
             due = len(self._rows) >= self.flush_rows or self._bytes >= self.flush_bytes
-        if due:
-            self.flush()
+        if full:
+            self._refuse(rows, size)
+        elif due:
+            self._auto_flush()
 
     @property
     def buffered(self) -> int:
         with self._lock:
             return len(self._rows)
 
+    @property
+    def healthy(self) -> bool:
+        """The last attempt to store a part succeeded and the buffer has room."""
+        return self._write_ok and self._bytes < self.max_buffer_bytes
+
+    @property
+    def retry_in(self) -> float:
+        """Seconds until automatic flushes retry a failed write (0 when not backing off)."""
+        return max(0.0, self._retry_at - time.monotonic())
+
+    def health(self) -> dict[str, Any]:
+        """Counters and the last storage error, for ``/_lh/state`` and logs."""
+        with self._lock:
+            pending, pending_bytes = len(self._rows), self._bytes
+        return {
+            "healthy": self.healthy, "rows_written": self.rows_written, "rows_pending": pending,
+            "bytes_pending": pending_bytes, "rows_salvaged": self.rows_salvaged, "rows_lost": self.rows_lost,
+            "rows_refused": self.rows_refused, "write_failures": self.write_failures,
+            "last_error": self.last_error, "last_error_at": self.last_error_at,
+        }
+
     def flush(self) -> Path | None:
-        """Write everything buffered as one part; returns its path (None if nothing to write)."""
+        """Write everything buffered now (parts of at most ``flush_rows``/``flush_bytes``), ignoring
+        the retry backoff; returns the last part written. A storage error is recorded in
+        ``health()``, the rows stay buffered, and the error is raised."""
+        last = None
         with self._write_lock:
-            with self._lock:
-                rows, self._rows = self._rows, []
-                self._bytes, self._oldest = 0, None
-            if not rows:
-                return None
-            try:
-                return self._write(rows)
-            except BaseException:
-                # Disk full, permissions...: keep the rows for the next flush instead of losing them.
-                with self._lock:
-                    self._rows[:0] = rows
-                    self._bytes += sum(_row_bytes(r) for r in rows)
-                    self._oldest = self._oldest or time.monotonic()
-                raise
+            while True:
+                chunk, oldest = self._take_chunk()
+                if not chunk:
+                    return last
+                try:
+                    last = self._write_rows(chunk) or last
+                except BaseException as exc:
+                    self._requeue(chunk, oldest)
+                    self._failed(exc)
+                    raise
+                self._succeeded()
 
     def write_table(self, table: pa.Table) -> Path:
         """Write an already-built Arrow table as one part (bypasses the buffer)."""
@@ -140,20 +211,85 @@ class PartWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- internals --------------------------------------------------------------------------
+    # -- buffer -----------------------------------------------------------------------------
+    def _take_chunk(self) -> tuple[list[dict[str, Any]], float | None]:
+        """The oldest rows, at most one part's worth (a retry never grows past it)."""
+        with self._lock:
+            n, size = 0, 0
+            while n < len(self._rows) and n < self.flush_rows and (n == 0 or size < self.flush_bytes):
+                size += _row_bytes(self._rows[n])
+                n += 1
+            chunk, self._rows = self._rows[:n], self._rows[n:]
+            oldest = self._oldest
+            self._bytes -= size
+            if not self._rows:
+                self._bytes, self._oldest = 0, None
+            return chunk, oldest
+
+    def _requeue(self, rows: list[dict[str, Any]], oldest: float | None) -> None:
+        with self._lock:
+            self._rows[:0] = rows
+            self._bytes += sum(_row_bytes(r) for r in rows)
+            self._oldest = oldest if oldest is not None else (self._oldest or time.monotonic())
+
+    def _refuse(self, rows: list[dict[str, Any]], size: int) -> None:
+        exc = BufferFull(
+            f"{self.table}: {self._bytes:,} bytes already wait to be written (max_buffer_bytes="
+            f"{self.max_buffer_bytes:,}); {len(rows)} new row(s) refused; last error: {self.last_error}"
+        )
+        if self.on_full is None:
+            raise exc
+        self.on_full(rows, exc)
+
+    # -- health -----------------------------------------------------------------------------
+    def _failed(self, exc: BaseException) -> None:
+        self.write_failures += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"[:1000]
+        self.last_error_at = time.time()
+        self._write_ok = False
+        self._backoff = min(self.retry_max_seconds, max(self.retry_min_seconds, self._backoff * 2))
+        self._retry_at = time.monotonic() + self._backoff
+        log.warning("writing %s under %s failed (%s rows kept, retry in %.1f s): %s",
+                    self.table, self.root, self.buffered, self._backoff, self.last_error)
+
+    def _succeeded(self) -> None:
+        if not self._write_ok:
+            log.warning("writing %s under %s works again", self.table, self.root)
+        self._write_ok, self._backoff, self._retry_at = True, 0.0, 0.0
+
+    def _auto_flush(self) -> None:
+        """A flush that respects the retry backoff and never raises (the error is in health())."""
+        if time.monotonic() < self._retry_at:
+            return
+        try:
+            self.flush()
+        except Exception:
+            pass  # recorded and logged by _failed
+
     def _ticker(self) -> None:
         period = max(0.05, self.flush_seconds / 4)
         while not self._closed.wait(period):
             with self._lock:
                 old = self._oldest is not None and time.monotonic() - self._oldest >= self.flush_seconds
             if old:
-                try:
-                    self.flush()
-                except Exception as exc:  # keep flushing later; never kill the host process
-                    print(f"[lightning] flush of {self.table} failed: {exc}", flush=True)
+                self._auto_flush()
 
-    def _write(self, rows: list[dict[str, Any]]) -> Path:
-        return self._write_arrow(pa.Table.from_pylist(rows, schema=self.schema))
+    # -- storage ----------------------------------------------------------------------------
+    def _write_rows(self, rows: list[dict[str, Any]]) -> Path | None:
+        """Encode (salvaging bad rows, counting lost ones) then store one part."""
+        enc = encode_rows(rows, self.schema)
+        if enc.lost:
+            self.rows_lost += len(enc.lost)
+            log.warning("%s: %d row(s) could not be encoded and are lost; first error: %s",
+                        self.table, len(enc.lost), enc.lost[0])
+        if enc.salvaged:
+            self.rows_salvaged += enc.salvaged
+            log.warning("%s: %d row(s) held values the schema cannot store; written with replacements",
+                        self.table, enc.salvaged)
+        rows[:] = enc.rows  # a retry after a storage failure re-encodes nothing
+        if enc.table.num_rows == 0:
+            return None
+        return self._write_arrow(enc.table)
 
     def _write_arrow(self, table: pa.Table) -> Path:
         day = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
@@ -164,24 +300,37 @@ class PartWriter:
         table = table.replace_schema_metadata(
             {**(self.schema.metadata or {}), b"lightning.schema_version": str(SCHEMA_VERSION).encode()}
         )
-        with open(tmp, "wb") as fh:
-            pq.write_table(table, fh, compression="zstd")
-            fh.flush()
-            if self.fsync:
-                os.fsync(fh.fileno())
-        final = folder / name
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as fh:
+                pq.write_table(table, fh, compression="zstd")
+                fh.flush()
+                if self.fsync:
+                    os.fsync(fh.fileno())
+            final = folder / name
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind (disk full: frees the space)
+            except OSError:
+                pass
+            raise
         self.rows_written += table.num_rows
         self.parts_written += 1
         return final
 
 
 def read_table(root: str | os.PathLike, table: str) -> pa.Table:
-    """Read every finished part of a table (an empty table with the schema if there is none)."""
+    """Read every finished part of a table (an empty table with the schema if there is none).
+
+    A corrupt part is skipped with one warning naming it (``schemas.checked``), so one damaged
+    file does not hide all the others.
+    """
     schema = TABLES[table]
-    base = Path(root) / table
-    files = sorted(p for p in base.glob("**/*.parquet") if not p.name.startswith(".")) if base.exists() else []
-    if not files:
-        return schema.empty_table()
-    parts = [pq.read_table(f, schema=schema) for f in files]
-    return pa.concat_tables(parts)
+    files, _skipped = finished_parts(root, table)
+    parts = []
+    for f in files:
+        try:
+            parts.append(pq.read_table(f, schema=schema))
+        except Exception as exc:  # footer fine, data damaged: same policy as an unreadable footer
+            mark_bad(f, f"{type(exc).__name__}: {exc}")
+    return pa.concat_tables(parts) if parts else schema.empty_table()

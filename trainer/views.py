@@ -16,6 +16,10 @@
 Views re-read the directory on every query (DuckDB binds globs per query), so a live traces
 directory can be watched from one connection; only a table that had no file at connect time stays
 empty until the next ``connect``.
+
+A corrupt part file (truncated, damaged footer) is skipped with one warning line naming it
+(``schemas.checked``: checks cached by path, size and mtime); while a table has one, its view
+reads the list of readable parts found at ``connect``/``define_views`` time instead of the glob.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from ..schemas import TABLES
+from ..schemas import TABLES, finished_parts
 
 RAW_VIEWS = {"spans": "spans", "rewards": "rewards", "rollouts": "rollouts_raw", "samples": "samples", "metrics": "metrics"}
 
@@ -35,19 +39,18 @@ def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-def _has_parts(root: Path, table: str) -> bool:
-    base = root / table
-    return base.is_dir() and any(not p.name.startswith(".") for p in base.glob("**/*.parquet"))
-
-
 def _create_raw_view(con: duckdb.DuckDBPyConnection, root: Path, table: str, view: str) -> None:
     schema: pa.Schema = TABLES[table]
-    if _has_parts(root, table):
-        glob = str(root / table / "**" / "*.parquet")
+    good, bad = finished_parts(root, table)  # corrupt parts: skipped with one warning each
+    if good:
+        # All parts readable: the glob, re-read by every query (a live directory can be watched).
+        # Some corrupt: the list of readable parts as of now (define_views again to see new ones).
+        source = _sql_str(str(root / table / "**" / "*.parquet")) if not bad else (
+            "[" + ", ".join(_sql_str(str(f)) for f in good) + "]")
         # union_by_name: parts written by an older schema version still read; hive columns (day=)
         # are not added so the view has exactly the schema's columns (plus any newer ones).
         con.execute(
-            f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM read_parquet({_sql_str(glob)}, "
+            f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM read_parquet({source}, "
             "union_by_name = true, hive_partitioning = false)"
         )
     else:

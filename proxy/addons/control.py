@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 
 from mitmproxy import http
 
+from ...schemas import BufferFull
 from ..state import CONTROL, META, REWARD, ProxyState
 
 
@@ -78,6 +79,8 @@ class Control:
             await self._dispatch(flow)
         except BadRequest as exc:
             _json_response(flow, 400, {"error": str(exc)})
+        except BufferFull as exc:  # rewards cannot be buffered while writes fail: the caller retries
+            _json_response(flow, 503, {"error": str(exc)})
 
     def _authorized(self, flow: http.HTTPFlow) -> bool:
         secret = self.state.config.control_secret

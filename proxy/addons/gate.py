@@ -1,15 +1,24 @@
-"""Pause: hold new model requests (never reject them) until resume.
+"""Pause: hold new model requests (never reject them) until resume. Capture health: reject them
+while spans cannot be written, under the ``capture_failure: reject`` policy.
 
 Must be the first addon with a ``request`` hook: mitmproxy runs addons in order and waits for an
 async hook, so nothing after the gate (routing, capture, model-version stamping) sees a held
 request before it is released. A request whose client gave up while held is not forwarded.
+
+Why reject while capture is unhealthy (disk full, no permission, buffer bound reached): a call
+forwarded but not recorded is training data lost without anyone noticing. A 503 with
+``Retry-After`` makes the harness's client retry until the writer has recovered, and the trainer
+sees ``healthy: false`` in ``/_lh/state``. Under ``capture_failure: serve`` calls go on and what
+cannot be recorded is counted (``spans_dropped``) instead.
 """
 
 from __future__ import annotations
 
+import json
+
 from mitmproxy import http
 
-from ..state import META, MODEL, ProxyState
+from ..state import META, MODEL, Call, ProxyState
 
 
 class Gate:
@@ -18,7 +27,9 @@ class Gate:
 
     async def request(self, flow: http.HTTPFlow) -> None:
         call = flow.metadata.get(META)
-        if call is None or call.kind != MODEL or call.done or not self.state.paused:
+        if call is None or call.kind != MODEL or call.done:
+            return
+        if self._reject_unrecorded(flow, call) or not self.state.paused:
             return
         self.state.held += 1
         try:
@@ -26,3 +37,22 @@ class Gate:
                 await self.state.resume_event.wait()
         finally:
             self.state.held -= 1
+        self._reject_unrecorded(flow, call)  # health may have changed while held
+
+    def _reject_unrecorded(self, flow: http.HTTPFlow, call: Call) -> bool:
+        """Answer 503 (policy ``reject``) when the call could not be recorded; True if answered."""
+        st = self.state
+        if st.config.capture_failure != "reject" or st.capture_healthy():
+            return False
+        st.capture_rejected += 1
+        call.done = True  # nothing downstream records or forwards it
+        health = st.capture_health()
+        body = {"error": {
+            "message": "lightning-proxy cannot record model calls right now "
+                       f"({health['capture_error'] or 'buffer full'}); retry later",
+            "type": "capture_unavailable", "code": 503,
+        }}
+        flow.response = http.Response.make(
+            503, json.dumps(body), {"Content-Type": "application/json", "Retry-After": str(st.retry_after_s())},
+        )
+        return True

@@ -1,0 +1,82 @@
+"""Which part files of a table a reader can trust: a corrupt part is skipped with one warning.
+
+Why: parts are written atomically, but a traces directory can still hold a damaged file (copied
+half-way, truncated by a full disk on another machine, edited by hand). DuckDB's
+``read_parquet(glob)`` and pyarrow fail the whole read on it, so one bad file made every query,
+even ``SELECT 1``, and every sample build fail. Readers list parts through :func:`finished_parts`
+instead: each file's Parquet footer is read once (pyarrow), and a file whose footer cannot be read
+is left out with one warning line naming it. Policy: *skip, never move or delete* (a reader must
+not change the data it reads; the file stays for inspection or repair).
+
+Checks are cached by (path, size, mtime), so listing a large directory again costs one ``stat`` per
+file; a file that is replaced is checked again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+log = logging.getLogger("lightning.schemas")
+
+_cache: dict[str, tuple[int, int, str | None]] = {}  # path -> (size, mtime_ns, error or None)
+_cache_lock = threading.Lock()
+_MAX_CACHE = 1_000_000
+
+
+def part_files(root: str | os.PathLike, table: str) -> list[Path]:
+    """Every finished part of ``table`` (``*.parquet``, hidden temporary files excluded), sorted."""
+    base = Path(root) / table
+    if not base.is_dir():
+        return []
+    return sorted(p for p in base.glob("**/*.parquet") if not p.name.startswith("."))
+
+
+def part_error(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a readable Parquet file (None when its footer reads); cached, warns once."""
+    key = str(path)
+    try:
+        st = os.stat(key)
+    except OSError as exc:  # removed meanwhile: not a part any more
+        return f"{type(exc).__name__}: {exc}"
+    with _cache_lock:
+        hit = _cache.get(key)
+    if hit is not None and hit[:2] == (st.st_size, st.st_mtime_ns):
+        return hit[2]
+    try:
+        pq.read_metadata(key)
+        error = None
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError...; any failure means unreadable
+        error = f"{type(exc).__name__}: {exc}"
+        log.warning("skipping corrupt Parquet part %s (%s)", key, error)
+    with _cache_lock:
+        if len(_cache) > _MAX_CACHE:
+            _cache.clear()
+        _cache[key] = (st.st_size, st.st_mtime_ns, error)
+    return error
+
+
+def finished_parts(root: str | os.PathLike, table: str) -> tuple[list[Path], list[Path]]:
+    """``(readable, skipped)`` part files of ``table`` under ``root``."""
+    good, bad = [], []
+    for path in part_files(root, table):
+        (bad if part_error(path) else good).append(path)
+    return good, bad
+
+
+def mark_bad(path: str | os.PathLike, error: str) -> None:
+    """Remember that ``path`` failed to read past its footer (a damaged data page), warning once."""
+    key = str(path)
+    try:
+        st = os.stat(key)
+    except OSError:
+        return
+    with _cache_lock:
+        known = _cache.get(key)
+        _cache[key] = (st.st_size, st.st_mtime_ns, error)
+    if known is None or known[2] is None:
+        log.warning("skipping corrupt Parquet part %s (%s)", key, error)

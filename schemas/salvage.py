@@ -1,0 +1,133 @@
+"""Turn buffered rows into an Arrow table even when some rows hold values the schema cannot encode.
+
+Why: one hostile row (a lone surrogate or invalid UTF-8 in a body, an attempt number beyond 64
+bits) used to make the whole batch fail to encode, and since failed batches were retried first,
+every later row stayed in memory forever. Here the fast path encodes the batch in one go; only when
+that fails are rows encoded one by one, and a row that fails is *salvaged* value by value:
+
+- text: lone surrogates and undecodable bytes become U+FFFD (replacement character); other
+  objects in a string column become their ``str()``;
+- integers out of the column's range become null (a clamped value would look like a real
+  attempt number or version); in a non-nullable integer column they are clamped instead;
+- any other value that does not fit its column becomes null.
+
+A salvaged row gets ``salvaged = True`` when the table has that column (``spans`` has). A row that
+still cannot be encoded (e.g. null in a non-nullable column) is reported as lost with its error;
+the caller counts and logs it, it is never dropped silently.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+# what pyarrow raises for a value that does not fit its column
+ENCODE_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeError, OverflowError, TypeError, ValueError)
+
+
+@dataclass
+class Encoded:
+    """The outcome of encoding a batch: the table, how many rows were salvaged, which were lost."""
+
+    table: pa.Table
+    rows: list[dict[str, Any]]  # the rows as encoded: salvaged copies in place, lost rows left out
+    salvaged: int = 0
+    lost: list[str] = field(default_factory=list)  # one error text per row that could not be encoded
+
+
+def encode_rows(rows: list[dict[str, Any]], schema: pa.Schema) -> Encoded:
+    """Encode ``rows`` with ``schema``; bad rows are salvaged or reported, never block the others."""
+    try:
+        return Encoded(pa.Table.from_pylist(rows, schema=schema), rows)
+    except ENCODE_ERRORS:
+        pass
+    tables, kept, salvaged, lost = [], [], 0, []
+    for row in rows:
+        try:
+            tables.append(pa.Table.from_pylist([row], schema=schema))
+            kept.append(row)
+            continue
+        except ENCODE_ERRORS:
+            pass
+        try:
+            fixed = salvage_row(row, schema)
+            tables.append(pa.Table.from_pylist([fixed], schema=schema))
+            kept.append(fixed)
+            salvaged += 1
+        except ENCODE_ERRORS as exc:
+            lost.append(f"{type(exc).__name__}: {exc}"[:500])
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    return Encoded(table, kept, salvaged, lost)
+
+
+def salvage_row(row: dict[str, Any], schema: pa.Schema) -> dict[str, Any]:
+    """A copy of ``row`` whose every value fits its column (see the module doc); raises if impossible."""
+    out = dict(row)
+    for name, value in row.items():
+        f = schema.field(name)
+        if value is not None and not _fits(value, f.type):
+            out[name] = salvage_value(value, f.type, nullable=f.nullable)
+        if out[name] is None and not f.nullable:
+            raise ValueError(f"column {name!r} cannot be null and its value {_short(value)} cannot be salvaged")
+    if "salvaged" in schema.names:
+        out["salvaged"] = True
+    return out
+
+
+def salvage_value(value: Any, typ: pa.DataType, *, nullable: bool = True) -> Any:
+    """The nearest value of ``typ`` to ``value`` (None when there is none)."""
+    if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+        return clean_text(value)
+    if pa.types.is_integer(typ):
+        return _salvage_int(value, typ, nullable)
+    if pa.types.is_floating(typ):
+        try:
+            return float(value)
+        except (TypeError, ValueError, OverflowError):
+            return None
+    if pa.types.is_list(typ) or pa.types.is_large_list(typ):
+        if not isinstance(value, (list, tuple)):
+            return None
+        inner = typ.value_type
+        return [v if v is None or _fits(v, inner) else salvage_value(v, inner) for v in value]
+    if pa.types.is_boolean(typ):
+        return value if isinstance(value, bool) else None
+    if pa.types.is_timestamp(typ):
+        return value if isinstance(value, (_dt.datetime, _dt.date)) else None
+    return None
+
+
+def clean_text(value: Any) -> str:
+    """Valid UTF-8 text: lone surrogates and undecodable bytes become U+FFFD."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "replace")
+    text = value if isinstance(value, str) else str(value)
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def _salvage_int(value: Any, typ: pa.DataType, nullable: bool) -> int | None:
+    try:
+        n = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    bits = typ.bit_width
+    lo, hi = (0, 2**bits - 1) if pa.types.is_unsigned_integer(typ) else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    if lo <= n <= hi:
+        return n
+    return min(max(n, lo), hi) if not nullable else None
+
+
+def _fits(value: Any, typ: pa.DataType) -> bool:
+    try:
+        pa.array([value], type=typ)
+        return True
+    except ENCODE_ERRORS:
+        return False
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
