@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from lightning_harness.proxy.health import CaptureUnhealthy, capture_baseline, require_capture
 from lightning_harness.schemas import PartWriter
 
 from .attempt import WORK_DIR, AttemptSettings, attempt_dir, make_result, run_attempt
@@ -170,6 +171,7 @@ class BatchRunner:
         self._rollouts = PartWriter(self.traces_dir, "rollouts", flush_seconds=flush_seconds)
         self._rewards = PartWriter(self.traces_dir, "rewards", flush_seconds=flush_seconds)
         control = self.proxy.control if self.proxy else None
+        self._capture_baseline = capture_baseline(control) if control else None  # see _check_capture
         self._settings = AttemptSettings(
             traces_dir=self.traces_dir, harness=harness, runner=self.runner, proxy=self.proxy,
             reward_table=RewardsTable(self.traces_dir, control.flush if control else None), timeout=timeout,
@@ -304,9 +306,25 @@ class BatchRunner:
                 if left is not None and left <= 0:
                     break
                 self._lock.wait(0.5 if left is None else min(0.5, left))
+            complete = all(g.done for g in self._groups.values()) and not self._cancel.is_set()
         if self._cancel.is_set():
             self._join_workers()
+        if complete:
+            self._check_capture()
         return self.results()
+
+    def _check_capture(self) -> None:
+        """After the phase: a proxy that could not record every call marks the batch failed
+        (``self.error``; ``run_batch`` raises :class:`BatchAborted`), see ``proxy/health.py``."""
+        if self.proxy is None:
+            return
+        try:
+            self._capture_baseline = require_capture(self.proxy.control, self._capture_baseline)
+        except CaptureUnhealthy as exc:
+            with self._lock:
+                self.error = self.error or str(exc)
+        except Exception as exc:  # proxy gone: its process check reports that; say it once here too
+            print(f"[lightning] could not check the capture proxy's health: {exc}", flush=True)
 
     def results(self) -> list[RolloutResult]:
         with self._lock:

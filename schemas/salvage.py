@@ -19,6 +19,7 @@ the caller counts and logs it, it is never dropped silently.
 from __future__ import annotations
 
 import datetime as _dt
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,8 @@ import pyarrow as pa
 
 # what pyarrow raises for a value that does not fit its column
 ENCODE_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeError, OverflowError, TypeError, ValueError)
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass
@@ -105,7 +108,7 @@ def clean_text(value: Any) -> str:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value).decode("utf-8", "replace")
     text = value if isinstance(value, str) else str(value)
-    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return _SURROGATE.sub("\ufffd", text)  # one U+FFFD per lone surrogate (or surrogate-escaped byte)
 
 
 def _salvage_int(value: Any, typ: pa.DataType, nullable: bool) -> int | None:

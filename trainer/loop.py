@@ -130,6 +130,7 @@ class TrainingRun:
         self.console = console or Console(stderr=True)
         self.run_dir = cfg.run_path
         self.traces = self.run_dir / "traces"
+        self.capture_state: dict | None = None  # proxy state after the last rollout phase (proxy/health.py)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.logs = self.run_dir / "logs"
         self.engine = self.proxy = self.runner = self.updater = self.metrics = self.progress = None
@@ -356,6 +357,7 @@ class TrainingRun:
         import pyarrow as pa
         import pyarrow.compute as pc
 
+        from lightning_harness.proxy.health import require_capture
         from lightning_harness.schemas import PartWriter
 
         from .samples import build_samples
@@ -379,7 +381,8 @@ class TrainingRun:
             # samples of exactly the groups this update consumes
             t0 = time.monotonic()
             self.progress.update(phase="samples")
-            ctl.flush()
+            # spans on disk, and all of them: stop rather than train on a partial phase
+            self.capture_state = require_capture(ctl, self.capture_state)
             flush = self.runner.flush
             flush()
             gids = sorted(g.group_id for g in groups)
