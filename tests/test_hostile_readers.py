@@ -1,0 +1,87 @@
+"""Readers survive a corrupt part, and the launcher stops on a proxy that cannot record.
+
+`lightning-sql` and `lightning-train build` run as a user runs them (installed console scripts)
+on traces holding one truncated part; the launcher runs the real test harness through a real proxy
+whose disk is full.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures_traces import reward, rollout, span, write_traces
+from lightning_harness.launcher.batch import BatchAborted, run_batch
+from lightning_harness.launcher.tasks import tasks_from_rows
+from lightning_harness.trainer.views import connect
+
+pytestmark = pytest.mark.timeout(300)
+BIN = Path(sys.executable).parent
+
+
+def _run(*args) -> subprocess.CompletedProcess:
+    p = subprocess.run([str(BIN / args[0]), *map(str, args[1:])], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, f"{args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+    return p
+
+
+@pytest.fixture
+def damaged(tmp_path) -> tuple[Path, Path]:
+    """Traces with two good rollouts plus one truncated spans part of a third; (root, bad part)."""
+    root = write_traces(
+        tmp_path / "traces",
+        spans=[span("a", 0, [1, 2], [10, 11]), span("b", 0, [1, 2], [14])],
+        rollouts=[rollout("a", task_id="t1", reward=1.0), rollout("b", task_id="t1", reward=0.0)],
+        rewards=[reward("b", 0.25)],
+    )
+    extra = write_traces(tmp_path / "extra", spans=[span("c", 0, [3], [4])])
+    (part,) = (extra / "spans").rglob("*.parquet")
+    data = part.read_bytes()
+    bad = next((root / "spans").rglob("*.parquet")).parent / "part-truncated.parquet"
+    bad.write_bytes(data[: len(data) // 2])
+    return root, bad
+
+
+def _one_warning(stderr: str, bad: Path) -> None:
+    lines = [line for line in stderr.splitlines() if str(bad) in line]
+    assert len(lines) == 1 and "corrupt" in lines[0], stderr
+    assert "Traceback" not in stderr
+
+
+def test_lightning_sql_skips_a_truncated_part_with_one_warning(damaged):
+    root, bad = damaged
+    p = _run("lightning-sql", root, "SELECT 1 AS one", "--format", "json")
+    assert json.loads(p.stdout) == [{"one": 1}]
+    _one_warning(p.stderr, bad)
+    p = _run("lightning-sql", root, "SELECT rollout_id, response_len FROM calls ORDER BY rollout_id", "--format", "json")
+    assert [(r["rollout_id"], r["response_len"]) for r in json.loads(p.stdout)] == [("a", 2), ("b", 1)]
+    _one_warning(p.stderr, bad)
+
+
+def test_lightning_train_build_goes_past_a_truncated_part(damaged):
+    root, bad = damaged
+    p = _run("lightning-train", "build", root, "--json")
+    _one_warning(p.stderr, bad)
+    con = connect(root)
+    assert sorted(r[0] for r in con.sql("SELECT rollout_id FROM samples").fetchall()) == ["a", "b"]
+
+
+def test_views_stay_live_when_every_part_is_good(tmp_path):
+    root = write_traces(tmp_path / "t", spans=[span("a", 0, [1], [2])])
+    con = connect(root)
+    write_traces(root, spans=[span("b", 0, [1], [2])])
+    assert con.sql("SELECT count(*) FROM calls").fetchall() == [(2,)]
+
+
+def test_launcher_batch_stops_when_the_proxy_cannot_record(make_proxy, harness_cmd, small_disk, tmp_path):
+    p = make_proxy(traces_dir=small_disk.path / "traces", flush_seconds=0.2, extra_args=["--capture-failure", "serve"])
+    tasks = tasks_from_rows([{"id": "t", "turns": 1, "behave": "none"}])
+    results = run_batch(tasks, harness_cmd, traces_dir=tmp_path / "launch", run_id="ok", proxy=p, timeout=120)
+    assert [r.state for r in results] == ["no_reward"]  # healthy capture: the batch passes
+    small_disk.fill()
+    with pytest.raises(BatchAborted, match="capture proxy incomplete: spans cannot be written .*No space"):
+        run_batch(tasks, harness_cmd, traces_dir=tmp_path / "launch", run_id="full", proxy=p, timeout=120)
