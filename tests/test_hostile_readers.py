@@ -85,3 +85,23 @@ def test_launcher_batch_stops_when_the_proxy_cannot_record(make_proxy, harness_c
     small_disk.fill()
     with pytest.raises(BatchAborted, match="capture proxy incomplete: spans cannot be written .*No space"):
         run_batch(tasks, harness_cmd, traces_dir=tmp_path / "launch", run_id="full", proxy=p, timeout=120)
+
+
+def test_lightning_sql_goes_past_a_part_whose_data_pages_are_damaged(tmp_path):
+    import os
+
+    from lightning_harness.schemas import PartWriter
+
+    w = PartWriter(tmp_path, "spans", background=False)
+    for i in range(2):
+        w.extend([{"span_id": f"{i}-{j}", "seq": j, "request_json": os.urandom(1000).hex()} for j in range(200)])
+        w.flush()
+    bad = sorted((tmp_path / "spans").rglob("*.parquet"))[0]
+    data = bytearray(bad.read_bytes())
+    for k in range(len(data) // 2, len(data) // 2 + 5000):  # mid-file: the footer still reads
+        data[k] ^= 0x5A
+    bad.write_bytes(bytes(data))
+    p = _run("lightning-sql", tmp_path, "SELECT count(*) AS n, sum(length(request_json)) AS chars FROM spans",
+             "--format", "json")
+    assert json.loads(p.stdout) == [{"n": 200, "chars": 400_000}]
+    _one_warning(p.stderr, bad)

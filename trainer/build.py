@@ -89,6 +89,7 @@ def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std,
     import json
 
     from .samples import build_samples
+    from .views import past_damaged_parts
 
     console = Console(stderr=as_json)
     out_root = Path(out) if out else Path(traces_dir)
@@ -102,12 +103,13 @@ def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std,
     t0 = time.perf_counter()
     with console.status("building samples ..."):
         try:
-            table, stats = build_samples(
+            # a part whose data is damaged is skipped and the build runs again (it reconnects)
+            table, stats = past_damaged_parts(lambda: build_samples(
                 traces_dir, mode=mode, tokenizer=tokenizer, group_by=group_by, advantage=advantage,
                 norm_by_std=not no_std, failed_policy=failed_policy, failed_reward=failed_reward,
                 weight_mode=weight_mode, max_prompt_len=max_prompt_len, max_response_len=max_response_len,
                 steps=list(steps) or None, where=where,
-            )
+            ), lambda: None)
         except (ValueError, FileNotFoundError) as exc:
             raise click.ClickException(str(exc)) from exc
         path = None

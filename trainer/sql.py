@@ -22,7 +22,7 @@ import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
 
-from .views import VIEW_NAMES, connect
+from .views import VIEW_NAMES, connect, define_views, past_damaged_parts
 
 CANNED: dict[str, tuple[str, str]] = {
     "tokens_per_rollout": (
@@ -145,6 +145,13 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str) -> pa.Table | None:
     return rel.to_arrow_table()
 
 
+def _run_skipping(con: duckdb.DuckDBPyConnection, query: str, traces_dir: str | None) -> pa.Table | None:
+    """:func:`run_query`, going on past a part whose data turns out damaged (views.past_damaged_parts)."""
+    if traces_dir is None:
+        return run_query(con, query)
+    return past_damaged_parts(lambda: run_query(con, query), lambda: define_views(con, traces_dir))
+
+
 def list_queries(out=None) -> None:
     t = Table(title="canned queries (-q NAME)", show_header=True, header_style="bold")
     t.add_column("name")
@@ -190,7 +197,7 @@ def shell(con: duckdb.DuckDBPyConnection, traces_dir: str, fmt: str = "table", m
         line = read("lightning> " if not buf else "      ...> ")
         if line is None:
             if buf and "".join(buf).strip():
-                _shell_exec(con, "\n".join(buf), fmt, max_rows, out)
+                _shell_exec(con, "\n".join(buf), fmt, max_rows, out, traces_dir)
             if interactive:
                 out.write("\n")
             return
@@ -213,7 +220,7 @@ def shell(con: duckdb.DuckDBPyConnection, traces_dir: str, fmt: str = "table", m
                 if args[0] not in CANNED:
                     out.write(f"unknown query {args[0]!r}; .queries lists them\n")
                 else:
-                    _shell_exec(con, CANNED[args[0]][1], fmt, max_rows, out)
+                    _shell_exec(con, CANNED[args[0]][1], fmt, max_rows, out, traces_dir)
             elif cmd == ".format" and args and args[0] in ("table", "csv", "json"):
                 fmt = args[0]
             else:
@@ -221,13 +228,13 @@ def shell(con: duckdb.DuckDBPyConnection, traces_dir: str, fmt: str = "table", m
             continue
         buf.append(line)
         if stripped.endswith(";"):
-            _shell_exec(con, "\n".join(buf), fmt, max_rows, out)
+            _shell_exec(con, "\n".join(buf), fmt, max_rows, out, traces_dir)
             buf = []
 
 
-def _shell_exec(con, sql: str, fmt: str, max_rows: int, out) -> None:
+def _shell_exec(con, sql: str, fmt: str, max_rows: int, out, traces_dir: str | None = None) -> None:
     try:
-        result = run_query(con, sql)
+        result = _run_skipping(con, sql, traces_dir)
     except duckdb.Error as exc:
         out.write(f"error: {exc}\n")
         return
@@ -283,7 +290,7 @@ def main(traces_dir, query, name, list_, fmt, output, max_rows, show_sql) -> Non
         shell(con, traces_dir, "table" if fmt == "parquet" else fmt, max_rows)
         return
     try:
-        result = run_query(con, query)
+        result = _run_skipping(con, query, traces_dir)
     except duckdb.Error as exc:
         raise click.ClickException(f"query failed: {exc}") from exc
     if result is None:

@@ -25,12 +25,17 @@ reads the list of readable parts found at ``connect``/``define_views`` time inst
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import duckdb
 import pyarrow as pa
 
 from ..schemas import TABLES, finished_parts
+from ..schemas.checked import mark_bad
+
+T = TypeVar("T")
 
 RAW_VIEWS = {"spans": "spans", "rewards": "rewards", "rollouts": "rollouts_raw", "samples": "samples", "metrics": "metrics"}
 
@@ -156,6 +161,30 @@ def connect(traces_dir: str | os.PathLike, *, threads: int | None = None) -> duc
     if threads:
         con.execute(f"SET threads = {int(threads)}")
     return define_views(con, root)
+
+
+_PART_IN_ERROR = re.compile(r"""["']([^"']+\.parquet)["']""")
+
+
+def past_damaged_parts(run: Callable[[], T], redefine: Callable[[], object], *, attempts: int = 100) -> T:
+    """``run()``; when DuckDB fails on a part whose footer read fine but whose data is damaged (the
+    error names the file), mark it corrupt (one warning), ``redefine()`` the views and run again.
+
+    Why: :func:`finished_parts` checks footers only (cheap); a damaged data page shows up only
+    when a query reads it. Same policy then: skip the file, keep it on disk, go on.
+    """
+    seen: set[str] = set()
+    while True:
+        try:
+            return run()
+        except duckdb.Error as exc:
+            m = _PART_IN_ERROR.search(str(exc))
+            path = m.group(1) if m else None
+            if path is None or path in seen or len(seen) >= attempts or not os.path.isfile(path):
+                raise
+            seen.add(path)
+            mark_bad(path, f"{type(exc).__name__}: {exc}")
+            redefine()
 
 
 VIEW_NAMES = ("spans", "rewards", "rollouts_raw", "calls", "rollouts", "samples", "metrics")
