@@ -140,3 +140,16 @@ def test_read_table_skips_a_truncated_part_with_one_warning(tmp_path, caplog):
     w.append(span(1))
     w.flush()
     assert finished_parts(tmp_path, "spans")[1] == []
+
+
+def test_many_bad_rows_among_good_ones_keep_their_order(tmp_path):
+    w = PartWriter(tmp_path, "spans", background=False)
+    w.extend([span(i, request_json="bad \udcff" if i % 7 == 3 else "ok", attempt=2**40 if i % 11 == 5 else 0)
+              for i in range(1000)])
+    w.flush()
+    rows = read_table(tmp_path, "spans").to_pylist()
+    assert [r["seq"] for r in rows] == list(range(1000))
+    bad = {i for i in range(1000) if i % 7 == 3 or i % 11 == 5}
+    assert {r["seq"] for r in rows if r["salvaged"]} == bad and w.rows_salvaged == len(bad)
+    assert all(r["request_json"] == ("bad \ufffd" if r["seq"] % 7 == 3 else "ok") for r in rows)
+    assert all(r["attempt"] == (None if r["seq"] % 11 == 5 else 0) for r in rows)
