@@ -133,3 +133,17 @@ def test_full_disk_serve_policy_forwards_and_counts_dropped_spans(make_proxy, sm
     small_disk.free()
     _wait(lambda: (s := p.control.state())["healthy"] and s["spans_pending"] == 0, "recovered", 60)
     assert [r["rollout_id"] for r in read_table(small_disk.path / "traces", "spans").to_pylist()] == ["kept"]
+
+
+def test_out_of_range_attempt_and_model_version_do_not_block_later_spans(proxy):
+    proxy.control.set_model_version(2**70)  # the control API takes any JSON integer
+    url = proxy.env_for("huge", attempt=0)["OPENAI_BASE_URL"].replace("huge~0", f"huge~{2**70}")
+    with httpx.Client(trust_env=False, timeout=60) as c:
+        c.post(url + "/chat/completions", json=BODY)
+    proxy.control.set_model_version(1)
+    assert _post(proxy, "after").status_code == 200
+    rows = {r["rollout_id"]: r for r in read_spans(proxy)}
+    assert rows["after"]["model_version"] == 1 and not rows["after"]["salvaged"]
+    assert rows["huge"]["salvaged"] is True and rows["huge"]["model_version"] is None
+    assert rows["huge"]["attempt"] in (None, 0)  # nulled here, or refused/sanitized at the source
+    assert proxy.control.state()["healthy"]
