@@ -182,10 +182,12 @@ class PartWriter:
         ``health()``, the rows stay buffered, and the error is raised."""
         last = None
         with self._write_lock:
-            while True:
-                chunk, oldest = self._take_chunk()
+            left = self.buffered  # rows arriving meanwhile wait for the next flush: this one ends
+            while left > 0:
+                chunk, oldest = self._take_chunk(left)
                 if not chunk:
-                    return last
+                    break
+                left -= len(chunk)
                 try:
                     last = self._write_rows(chunk) or last
                 except BaseException as exc:
@@ -193,6 +195,7 @@ class PartWriter:
                     self._failed(exc)
                     raise
                 self._succeeded()
+        return last
 
     def write_table(self, table: pa.Table) -> Path:
         """Write an already-built Arrow table as one part (bypasses the buffer)."""
@@ -212,11 +215,11 @@ class PartWriter:
         self.close()
 
     # -- buffer -----------------------------------------------------------------------------
-    def _take_chunk(self) -> tuple[list[dict[str, Any]], float | None]:
+    def _take_chunk(self, at_most: int) -> tuple[list[dict[str, Any]], float | None]:
         """The oldest rows, at most one part's worth (a retry never grows past it)."""
         with self._lock:
-            n, size = 0, 0
-            while n < len(self._rows) and n < self.flush_rows and (n == 0 or size < self.flush_bytes):
+            n, size, limit = 0, 0, min(len(self._rows), self.flush_rows, at_most)
+            while n < limit and (n == 0 or size < self.flush_bytes):
                 size += _row_bytes(self._rows[n])
                 n += 1
             chunk, self._rows = self._rows[:n], self._rows[n:]
