@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from fixtures_proxy import read_spans
+from lightning_harness.proxy.client import ProxyError
 from lightning_harness.proxy.health import CaptureUnhealthy, require_capture
 from lightning_harness.schemas import read_table
 
@@ -147,3 +148,34 @@ def test_out_of_range_attempt_and_model_version_do_not_block_later_spans(proxy):
     assert rows["huge"]["salvaged"] is True and rows["huge"]["model_version"] is None
     assert rows["huge"]["attempt"] in (None, 0)  # nulled here, or refused/sanitized at the source
     assert proxy.control.state()["healthy"]
+
+
+def test_a_harness_client_retries_through_a_full_disk(make_proxy, small_disk, openai_from_env):
+    """The official client honours 503 + Retry-After: the call succeeds once space returns, recorded."""
+    traces = small_disk.path / "traces"
+    p = make_proxy(traces_dir=traces, flush_seconds=0.2)
+    small_disk.fill()
+    assert _post(p, "first").status_code == 200
+    _wait(lambda: p.control.state()["healthy"] is False, "unhealthy")
+    threading.Timer(1.5, small_disk.free).start()
+    client = openai_from_env(p.env_for("retrying")).with_options(max_retries=8)
+    reply = client.chat.completions.create(model="m", messages=BODY["messages"], max_tokens=2)
+    assert reply.choices[0].message.content
+    st = p.control.state()
+    assert st["capture_rejected"] >= 1 and st["healthy"]
+    _wait(lambda: p.control.state()["spans_pending"] == 0, "everything written")
+    assert sorted(r["rollout_id"] for r in read_table(traces, "spans").to_pylist()) == ["first", "retrying"]
+
+
+def test_rewards_on_a_full_buffer_get_503_and_shutdown_reports_what_is_lost(make_proxy, small_disk):
+    p = make_proxy(traces_dir=small_disk.path / "traces", flush_seconds=0.2, extra_args=["--max-buffer-bytes", "3000"])
+    small_disk.fill()
+    big = {"note": "x" * 4000}
+    p.control.reward("r", 0, 1.0, big)  # an empty buffer takes it
+    _wait(lambda: p.control.state()["healthy"] is False, "unhealthy")
+    with pytest.raises(ProxyError, match="503"):
+        p.control.reward("r", 0, 0.5, big)
+    assert p.control.state()["rewards_refused"] == 1
+    p.stop()  # SIGTERM with the disk still full: the loss is reported, not hidden
+    assert "1 rewards row(s) could not be written at shutdown" in p.log_path.read_text()
+    assert small_disk.temp_files() == []
