@@ -25,8 +25,9 @@ from typing import Any
 
 import pyarrow as pa
 
-# what pyarrow raises for a value that does not fit its column
-ENCODE_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeError, OverflowError, TypeError, ValueError)
+# What encoding a value can raise. Any failure here comes from the data (the disk is not touched
+# yet), so it must lead to salvage or a counted loss, never to a retry of the same batch.
+ENCODE_ERRORS = (Exception,)
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -48,7 +49,7 @@ def encode_rows(rows: list[dict[str, Any]], schema: pa.Schema) -> Encoded:
     costs about two encodings of the batch, not 5,000 single-row ones).
     """
     try:
-        return Encoded(pa.Table.from_pylist(rows, schema=schema), rows)
+        return Encoded(_table(rows, schema=schema), rows)
     except ENCODE_ERRORS:
         pass
     out = Encoded(schema.empty_table(), [])
@@ -63,7 +64,7 @@ def _encode_split(rows: list[dict[str, Any]], schema: pa.Schema, tables: list[pa
     if len(rows) == 1:
         try:
             fixed = salvage_row(rows[0], schema)
-            tables.append(pa.Table.from_pylist([fixed], schema=schema))
+            tables.append(_table([fixed], schema=schema))
         except ENCODE_ERRORS as exc:
             out.lost.append(f"{type(exc).__name__}: {exc}"[:500])
             return
@@ -73,10 +74,20 @@ def _encode_split(rows: list[dict[str, Any]], schema: pa.Schema, tables: list[pa
     mid = len(rows) // 2
     for half in (rows[:mid], rows[mid:]):
         try:
-            tables.append(pa.Table.from_pylist(half, schema=schema))
+            tables.append(_table(half, schema=schema))
             out.rows.extend(half)
         except ENCODE_ERRORS:
             _encode_split(half, schema, tables, out)
+
+
+def _table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    """``pa.Table.from_pylist``, plus the check it skips: no null in a non-nullable column (the
+    Parquet writer would refuse the whole part later)."""
+    table = pa.Table.from_pylist(rows, schema=schema)
+    for f in schema:
+        if not f.nullable and table.column(f.name).null_count:
+            raise ValueError(f"column {f.name!r} cannot be null")
+    return table
 
 
 def salvage_row(row: dict[str, Any], schema: pa.Schema) -> dict[str, Any]:

@@ -50,10 +50,13 @@ def test_a_row_that_cannot_be_salvaged_is_counted_lost_and_logged(tmp_path, capl
     w = PartWriter(tmp_path, "rewards", background=False)
     w.append({"reward_id": "a", "rollout_id": "r", "reward": 1.0})
     w.append({"reward_id": "b", "rollout_id": "r", "reward": "not a number"})  # non-nullable double
+    w.append({"reward_id": None, "rollout_id": "r", "reward": 1.0})  # Parquet would refuse the whole part
+    w.append({"rollout_id": "r", "reward": 1.0})  # same, key missing
+    w.append({"reward_id": "c", "rollout_id": "r", "reward": 0.5})
     with caplog.at_level(logging.WARNING, logger="lightning.schemas"):
         w.flush()
-    assert [r["reward_id"] for r in read_table(tmp_path, "rewards").to_pylist()] == ["a"]
-    assert w.health()["rows_lost"] == 1
+    assert [r["reward_id"] for r in read_table(tmp_path, "rewards").to_pylist()] == ["a", "c"]
+    assert w.health()["rows_lost"] == 3 and w.healthy and w.buffered == 0
     assert any("could not be encoded" in m and "reward" in m for m in caplog.messages)
 
 
