@@ -132,8 +132,9 @@ def test_full_disk_serve_policy_forwards_and_counts_dropped_spans(make_proxy, sm
         require_capture(p.control)
     assert "span not recorded (dropped~0 seq 0)" in p.log_path.read_text()
     small_disk.free()
-    _wait(lambda: (s := p.control.state())["healthy"] and s["spans_pending"] == 0, "recovered", 60)
+    st = _wait(lambda: (s := p.control.state())["healthy"] and s["spans_pending"] == 0 and s, "recovered", 60)
     assert [r["rollout_id"] for r in read_table(small_disk.path / "traces", "spans").to_pylist()] == ["kept"]
+    assert st["spans_captured"] == st["spans_written"] + st["spans_pending"] + st["spans_dropped"] == 2
 
 
 def test_out_of_range_attempt_and_model_version_do_not_block_later_spans(proxy):
