@@ -180,3 +180,12 @@ def test_rewards_on_a_full_buffer_get_503_and_shutdown_reports_what_is_lost(make
     p.stop()  # SIGTERM with the disk still full: the loss is reported, not hidden
     assert "1 rewards row(s) could not be written at shutdown" in p.log_path.read_text()
     assert small_disk.temp_files() == []
+
+
+def test_capture_failure_policy_is_validated():
+    from lightning_harness.proxy.config import ProxyConfig
+
+    assert ProxyConfig.from_mapping({}).capture_failure == "reject"
+    assert ProxyConfig.from_mapping({"capture_failure": "serve"}).capture_failure == "serve"
+    with pytest.raises(ValueError, match="capture_failure must be one of \\['reject', 'serve'\\]"):
+        ProxyConfig.from_mapping({"capture_failure": "drop"})
