@@ -79,7 +79,7 @@ def test_invalid_utf8_request_does_not_block_later_spans(proxy):
     assert not any(rows[f"after-{i}"]["salvaged"] for i in range(3))
 
 
-def test_invalid_utf8_upstream_answer_does_not_block_later_spans(make_proxy, bad_bytes_upstream, stub_upstream):
+def test_invalid_utf8_upstream_answer_does_not_block_later_spans(make_proxy, bad_bytes_upstream):
     p = make_proxy(upstreams=[bad_bytes_upstream])
     assert _post(p, "bad-resp").status_code == 200
     assert _post(p, "after").status_code == 200
