@@ -1,6 +1,6 @@
 """What the hostile-input safety nets cost: PartWriter on clean vs poisoned batches, part checks.
 
-    .venv/bin/python scripts/bench_hostile.py [--rows 20000] [--parts 2000]
+    .venv/bin/python scripts/bench_writer.py [--rows 20000] [--parts 2000]
 
 Prints (1) rows/s of PartWriter.flush for clean span rows and for the same batch with one row
 holding a lone surrogate (the per-row salvage path), (2) the time to list N parts with their
