@@ -310,3 +310,38 @@ def test_launcher_gives_no_token_and_ends_the_attempt(proxy, monkeypatch):
         assert c.post(env["OPENAI_BASE_URL"] + "/chat/completions", json=BODY).status_code == 401
         assert c.post(env["LIGHTNING_REWARD_URL"], json={"reward": 5.0}).status_code == 401
     assert [r["reward"] for r in read_rewards(proxy)] == [1.0]
+
+
+def test_serve_generates_a_separate_control_token_that_ctl_reads(tmp_path, stub_upstream):
+    import os
+    import signal
+    import stat
+    import time
+
+    from conftest import free_port
+
+    conf, fwd, rev = tmp_path / "conf", free_port(), free_port()
+    base = {"PATH": os.environ["PATH"], "LIGHTNING_PROXY_TOKEN": "harness-master-secret"}
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([proxy_python(), "-m", "lightning_harness.proxy", "serve", "--traces", str(tmp_path / "t"),
+                             "--upstream", stub_upstream, "--forward-port", str(fwd), "--reverse-port", str(rev),
+                             "--confdir", str(conf)], env=base, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        path = conf / f"control-token-{rev}"
+        url = f"http://127.0.0.1:{rev}"
+        ctl = [proxy_python(), "-m", "lightning_harness.proxy", "ctl", "--url", url, "--confdir", str(conf), "state"]
+        deadline = time.monotonic() + 60
+        while subprocess.run(ctl, capture_output=True, env=base).returncode != 0:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.3)
+        token = path.read_text().strip()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(token) >= 32 and token != "harness-master-secret"
+        with pytest.raises(ProxyError, match="401"):  # the proxy token is no control token
+            ProxyControl(url, "harness-master-secret").pause()
+        assert ProxyControl(url, token).state()["paused"] is False
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+        log.close()
+    text = (tmp_path / "serve.log").read_text()
+    assert str(path) in text and token not in text and "harness-master-secret" not in text
