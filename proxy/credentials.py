@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import operator
 import re
 import urllib.parse
 
@@ -44,19 +45,30 @@ def check_rollout_id(value: object) -> str:
     return value
 
 
+def _integer(value: object) -> int | None:
+    """Any integral value (int, numpy integer) as int; None for bools, floats, strings."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def check_attempt(value: object) -> int:
-    """An int (or a string of digits) within 0..2**31-1; bools and floats are refused."""
-    if isinstance(value, str) and _DIGITS.fullmatch(value):
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ATTEMPT:
+    """An integer within 0..2**31-1 (the ``attempt`` column is int32); bools, floats, strings refused."""
+    n = _integer(value)
+    if n is None or not 0 <= n <= MAX_ATTEMPT:
         raise InvalidId(f"invalid attempt {short_repr(value)}: {ATTEMPT_RULE}")
-    return value
+    return n
 
 
 def check_model_version(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_MODEL_VERSION:
+    """An integer within 0..2**63-1 (the ``model_version`` column is int64)."""
+    n = _integer(value)
+    if n is None or not 0 <= n <= MAX_MODEL_VERSION:
         raise InvalidId(f"invalid model version {short_repr(value)}: {MODEL_VERSION_RULE}")
-    return value
+    return n
 
 
 def rollout_user(rollout_id: str, attempt: int = 0) -> str:
@@ -72,7 +84,7 @@ def parse_user(user: str) -> tuple[str, int]:
         return check_rollout_id(user), 0
     if not _DIGITS.fullmatch(att):
         raise InvalidId(f"invalid attempt {short_repr(att)}: {ATTEMPT_RULE}")
-    return check_rollout_id(rid), check_attempt(att)
+    return check_rollout_id(rid), check_attempt(int(att))
 
 
 def attempt_credential(token: str, rollout_id: str, attempt: int) -> str:

@@ -235,7 +235,8 @@ def test_bad_ids_get_400_naming_the_rule_and_forge_no_log_line(proxy, stub_serve
         for body, rule in (({"rollout_id": "a\r\nb", "attempt": 0, "reward": 1}, "rollout id"),
                            ({"rollout_id": "x" * 100_000, "attempt": 0, "reward": 1}, "rollout id"),
                            ({"rollout_id": "a", "attempt": 2**64, "reward": 1}, "attempt is an integer"),
-                           ({"rollout_id": "a", "attempt": True, "reward": 1}, "attempt is an integer")):
+                           ({"rollout_id": "a", "attempt": True, "reward": 1}, "attempt is an integer"),
+                           ({"rollout_id": "a", "attempt": "7", "reward": 1}, "attempt is an integer")):
             r = c.post(proxy.reverse_url + "/_lh/reward", json=body, headers=ctl)
             assert r.status_code == 400 and rule in r.text
             assert c.post(proxy.reverse_url + "/_lh/end", json=body, headers=ctl).status_code == 400
