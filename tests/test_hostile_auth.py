@@ -178,6 +178,25 @@ def test_ended_attempt_is_refused_everywhere_even_in_an_open_tunnel(proxy):
     assert read_rewards(proxy) == []
 
 
+def test_a_post_begun_before_the_end_and_finished_after_it_is_refused(proxy):
+    """A stalled reward POST: headers (credential checked) before /_lh/end, body after it."""
+    import socket
+    import time
+
+    env = proxy.env_for("stall", 0)
+    u = urllib.parse.urlsplit(env["LIGHTNING_REWARD_URL"])
+    body = b'{"reward": 1.0}'
+    head = f"POST {u.path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(head.encode())
+        time.sleep(0.5)
+        proxy.control.end("stall", 0)
+        s.sendall(body)
+        answer = s.recv(65536)
+    assert answer.split(b" ", 2)[1] == b"401" and b"stall~0 has ended" in answer
+    assert read_rewards(proxy) == []
+
+
 # -- control calls never leave the proxy -------------------------------------------------------------
 def test_control_calls_are_answered_by_the_proxy_never_forwarded(make_proxy, recorder, tmp_path):
     p = make_proxy(upstreams=[recorder.url], flush_seconds=3600)

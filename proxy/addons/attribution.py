@@ -123,6 +123,15 @@ class Attribution:
             flow.metadata.setdefault(META, Call())
             self._refuse(flow, 400, f"request not understood: {type(exc).__name__}")
 
+    def request(self, flow: http.HTTPFlow) -> None:
+        """Checked again once the body is in: a request begun before ``/_lh/end`` whose body comes
+        after it (a stalled reward POST) is refused too. Runs after the gate's hold."""
+        call = flow.metadata.get(META)
+        if call is None or call.done or flow.response is not None or call.rollout_id is None:
+            return
+        if call.kind != CONTROL and (call.rollout_id, call.attempt) in self.state.revoked:
+            self._refuse(flow, 407 if call.mode == "forward" else 401, f"attempt {call.rollout_id}~{call.attempt} has ended")
+
     # -- modes ------------------------------------------------------------------------------
     def _forward(self, flow: http.HTTPFlow) -> None:
         req = flow.request
@@ -133,7 +142,7 @@ class Attribution:
             ident = self.from_proxy_auth(header)
         else:
             ident = self.still_valid(self.by_conn.get(flow.client_conn.id) or self.identify(None, None))
-        if req.host == CONTROL_HOST:
+        if req.host.lower().rstrip(".") == CONTROL_HOST:
             call.kind = REWARD if req.path.split("?")[0].rstrip("/") == "/reward" else CONTROL
             if call.kind == CONTROL:
                 return  # answered by the control addon, which checks its own bearer token

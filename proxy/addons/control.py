@@ -26,7 +26,7 @@ import logging
 
 from mitmproxy import http
 
-from ..credentials import InvalidId, check_attempt, check_model_version, check_rollout_id
+from ..credentials import InvalidId, check_attempt, check_model_version, check_rollout_id, log_safe
 from ..state import CONTROL, META, REWARD, ProxyState
 
 log = logging.getLogger("lightning.proxy")
@@ -83,7 +83,7 @@ class Control:
         except (BadRequest, InvalidId) as exc:
             _json_response(flow, 400, {"error": str(exc)})
         except Exception as exc:  # answered here, never forwarded (see module doc)
-            log.exception("control call %s failed", call.path)
+            log.exception("control call %s failed", log_safe(call.path or ""))
             _json_response(flow, 500, {"error": f"control call failed: {type(exc).__name__}: {exc}"})
         finally:
             flow.request.headers.pop("Authorization", None)
