@@ -368,3 +368,28 @@ def test_serve_generates_a_separate_control_token_that_ctl_reads(tmp_path, stub_
         log.close()
     text = (tmp_path / "serve.log").read_text()
     assert str(path) in text and token not in text and "harness-master-secret" not in text
+
+
+SCORER = (
+    "import json, os, sys, urllib.request, urllib.error\n"
+    "env = json.load(open(os.path.join(os.environ['LIGHTNING_OUTPUT_DIR'], 'env.json')))\n"
+    "req = urllib.request.Request(env['LIGHTNING_REWARD_URL'], data=b'{\"reward\": 9}', method='POST',\n"
+    "                             headers={'Content-Type': 'application/json'})\n"
+    "opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))\n"
+    "try:\n"
+    "    print(opener.open(req, timeout=30).status)\n"
+    "except urllib.error.HTTPError as exc:\n"
+    "    print(exc.code)\n"
+)
+
+
+def test_the_attempt_is_ended_before_the_reward_command_runs(proxy, tmp_path):
+    from lightning_harness.launcher.batch import run_batch
+
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text(SCORER)
+    [res] = run_batch([{"id": "t"}], [sys.executable, "-c", HARNESS], traces_dir=proxy.traces_dir, run_id="rc",
+                      proxy=proxy, timeout=120, reward_cmd=f"{sys.executable} {scorer}")
+    assert res.state == "succeeded" and res.reward == 401.0  # the harness credential was dead already
+    posted = [r["reward"] for r in read_rewards(proxy) if r["source"] == "proxy"]
+    assert posted == [1.0]  # only what the harness posted while alive
