@@ -362,12 +362,22 @@ def test_serve_generates_a_separate_control_token_that_ctl_reads(tmp_path, stub_
         with pytest.raises(ProxyError, match="401"):  # the proxy token is no control token
             ProxyControl(url, "harness-master-secret").pause()
         assert ProxyControl(url, token).state()["paused"] is False
+        from lightning_harness.launcher.proxy_link import ProxyLink
+
+        link = ProxyLink.attach(url, "harness-master-secret", ca_bundle=conf / "lightning-ca-bundle.pem")
+        assert link.control_token == token and link.forward_url == f"http://127.0.0.1:{fwd}"  # read from the file
+        assert link.end_attempt("some-rollout", 3) is None
+        bad = subprocess.run([*ctl[:-1], "model-version", str(2**63)], capture_output=True, text=True, env=base)
+        assert bad.returncode == 2 and "model version is an integer 0..9223372036854775807" in bad.stderr
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
         log.close()
     text = (tmp_path / "serve.log").read_text()
     assert str(path) in text and token not in text and "harness-master-secret" not in text
+    bad = subprocess.run([proxy_python(), "-m", "lightning_harness.proxy", "serve", "--model-version", str(2**63)],
+                         capture_output=True, text=True, env=base)
+    assert bad.returncode == 2 and "model version is an integer 0..9223372036854775807" in bad.stderr
 
 
 SCORER = (
