@@ -8,6 +8,7 @@ when it happens. Runners (local.py, k8s.py) only start and stop things.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from .proxy_link import ProxyLink
 from .results import CANCELLED, FAILED, NO_REWARD, SUCCEEDED, TIMED_OUT, RolloutResult
 from .rewards import Reward, RewardError, RewardsTable, read_reward_file, run_reward_cmd
 
+log = logging.getLogger("lightning.launcher")
 WORK_DIR = "launch"  # TRACES/launch/<run_id>/<rollout_id>/<attempt>/ holds task.json, reward.json, harness.log, out/
 NO_REWARD_ERROR = "no reward reported (no reward file, nothing POSTed to LIGHTNING_REWARD_URL)"
 
@@ -108,6 +110,10 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel, mod
     )
     outcome = s.runner.run(job, cancel)
     ended_mono = time.monotonic()
+    if s.proxy is not None:  # the harness is gone: its credential dies before any reward is judged
+        problem = s.proxy.end_attempt(spec.rollout_id, attempt)
+        if problem:
+            log.warning("%s", problem)
 
     reward: Reward | None = None
     error = outcome.error

@@ -92,18 +92,18 @@ def _as_link(proxy: Any) -> ProxyLink | None:
         return proxy
     if hasattr(proxy, "forward_url") and hasattr(proxy, "env_for"):
         return ProxyLink.from_process(proxy)
-    if isinstance(proxy, (tuple, list)) and len(proxy) == 2:
-        return ProxyLink.attach(proxy[0], proxy[1])
+    if isinstance(proxy, (tuple, list)) and len(proxy) in (2, 3):
+        return ProxyLink.attach(proxy[0], proxy[1], control_token=proxy[2] if len(proxy) == 3 else None)
     if isinstance(proxy, str):
         return ProxyLink.attach(proxy, None)
-    raise TypeError(f"proxy must be a ProxyProcess, ProxyLink, (url, token) or URL, got {type(proxy).__name__}")
+    raise TypeError(f"proxy must be a ProxyProcess, ProxyLink, (url, token[, control_token]) or URL, got {type(proxy).__name__}")
 
 
 class BatchRunner:
     """Runs rollouts of submitted tasks; see the module doc. Use as a context manager.
 
     ``harness``: argv list or shell command line, with ``{placeholders}`` (see :mod:`.command`).
-    ``proxy``: a ``ProxyProcess``, a :class:`ProxyLink`, ``(reverse_url, token)``, or None (no capture).
+    ``proxy``: a ``ProxyProcess``, a :class:`ProxyLink`, ``(reverse_url, token[, control_token])``, or None (no capture).
     ``model_version``: stamped on rows; None reads the proxy's current version per attempt. The trainer
     may assign ``runner.model_version`` after each update.
     """

@@ -1,8 +1,10 @@
 """Rollout identities: ``<run>-<task>-<sample>`` (``<run>-s<step>-<task>-<sample>`` in training), groups, attempts.
 
-Why: the rollout id travels inside proxy credentials (``<rollout_id>~<attempt>:<token>@``) and URL
-paths (``/lh/<rollout_id>~<attempt>/<token>``), so it must be URL-safe and must never contain ``~``;
-and it must be deterministic, so re-running the same batch finds the rollouts it already finished.
+Why: the rollout id travels inside proxy credentials (``<rollout_id>~<attempt>:<credential>@``) and
+URL paths (``/lh/<rollout_id>~<attempt>/<credential>``), so it must follow the one rule the proxy
+enforces (``lightning_harness.proxy.credentials``: [A-Za-z0-9._-], at most 255 characters, never
+``~``), and an attempt must fit 0..2**31-1; ids are built to fit and refused otherwise. It must be
+deterministic, so re-running the same batch finds the rollouts it already finished.
 A retry keeps the rollout id and takes the next attempt number. Splits other than 'train' are
 part of the id, so an evaluation of the same task at the same step never collides with training.
 """
@@ -13,6 +15,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+from lightning_harness.proxy.credentials import check_attempt, check_rollout_id, rollout_user
 
 from .tasks import Task
 
@@ -36,7 +40,7 @@ def rollout_id(run_id: str, task_id: str, sample_index: int, step: int | None = 
     if step is not None:
         parts.append(f"s{step}")
     parts += [safe_id(task_id), str(sample_index)]
-    return "-".join(parts)
+    return check_rollout_id("-".join(parts))
 
 
 def default_group(task: Task, step: int | None, split: str = "train") -> str:
@@ -60,9 +64,12 @@ class RolloutSpec:
     step: int | None = None
     split: str = "train"
 
+    def __post_init__(self) -> None:
+        check_rollout_id(self.rollout_id)  # InvalidId (a ValueError) naming the rule
+
     def credential(self, attempt: int) -> str:
         """The ``<rollout_id>~<attempt>`` string used as proxy username and URL segment."""
-        return f"{self.rollout_id}~{attempt}"
+        return rollout_user(self.rollout_id, check_attempt(attempt))
 
 
 def plan_rollouts(

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shlex
 import sys
+import urllib.parse
 
 import click
 
-from .client import BUNDLE_NAME, ProxyControl, ProxyError, harness_env
+from .client import BUNDLE_NAME, ProxyControl, ProxyError, control_token_path, default_confdir, harness_env, read_control_token
 from .config import ProxyConfig, parse_model_map
+from .credentials import InvalidId
 
 
 def _load(config_path, **flags) -> ProxyConfig:
@@ -27,7 +31,7 @@ def main() -> None:
     Quick start:
       lightning-proxy serve --traces traces --upstream http://127.0.0.1:8000 --token SECRET
       eval "$(lightning-proxy env rollout-1 --token SECRET)"   # then run any harness
-      lightning-proxy ctl --token SECRET state
+      lightning-proxy ctl state      # control token from the file `serve` wrote in its confdir
     """
 
 
@@ -38,7 +42,7 @@ def main() -> None:
 @click.option("--forward-port", type=int, help="Forward-proxy port (HTTP_PROXY/HTTPS_PROXY). [default: 8080]")
 @click.option("--reverse-port", type=int, help="Reverse-proxy port (OPENAI_BASE_URL) and control API. [default: 8081]")
 @click.option("--token", envvar="LIGHTNING_PROXY_TOKEN", help="Proxy token harnesses must present; without one anyone can write traces. [env LIGHTNING_PROXY_TOKEN]")
-@click.option("--control-token", envvar="LIGHTNING_PROXY_CONTROL_TOKEN", help="Bearer token of the control API. [default: --token]")
+@click.option("--control-token", envvar="LIGHTNING_PROXY_CONTROL_TOKEN", help="Bearer token of the control API, never given to harnesses. [default: generated, written to CONFDIR/control-token-<reverse port> (0600)]")
 @click.option("--confdir", help="mitmproxy confdir holding the CA. [default: ~/.cache/lightning-harness/proxy-conf]")
 @click.option("--upstream", "upstreams", multiple=True, help="Training upstream replica URL (repeat for a pool; each rollout sticks to one).")
 @click.option("--route-host", "route_hosts", multiple=True, help="Host whose calls go to the pool (e.g. api.openai.com; '*' = every host). Repeatable.")
@@ -65,6 +69,7 @@ def serve(config_path, model_map, **flags) -> None:
         raise click.UsageError(str(exc)) from None
     config = _load(config_path, model_map=mm, **flags)
     _reexec_if_no_mitmproxy()
+    _ensure_control_token(config)
     from .server import serve as run_server  # imports mitmproxy
 
     sys.exit(run_server(config))
@@ -87,6 +92,27 @@ def _reexec_if_no_mitmproxy() -> None:
         raise click.ClickException(f"{python} cannot import mitmproxy; set LIGHTNING_PROXY_PYTHON")
     os.environ["LIGHTNING_PROXY_REEXEC"] = "1"
     os.execv(python, [python, "-m", "lightning_harness.proxy", *sys.argv[1:]])
+
+
+def _ensure_control_token(config: ProxyConfig) -> None:
+    """Without --control-token, generate one (never the harness token) into a 0600 file that
+    `lightning-proxy ctl` reads; ``--control-token ""`` leaves the control API open on purpose."""
+    if config.control_token == "":
+        click.echo("warning: --control-token '': anyone reaching the reverse port can drive the proxy", err=True)
+        return
+    if config.control_token is not None:
+        if config.token and config.control_token == config.token:
+            click.echo("warning: control token = proxy token, set explicitly", err=True)
+        return
+    config.control_token = secrets.token_urlsafe(24)
+    path = control_token_path(config.resolved_confdir, config.reverse_port)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(config.control_token + "\n")
+    os.replace(tmp, path)
+    click.echo(f"control token generated: {path} (read by `lightning-proxy ctl --confdir {path.parent}`)", err=True)
 
 
 def _format_env(env: dict[str, str], fmt: str) -> str:
@@ -119,19 +145,27 @@ def env(rollout_id, attempt, config_path, public_host, forward_port, reverse_por
     bundle = cfg.resolved_confdir / BUNDLE_NAME
     if not bundle.exists():
         click.echo(f"warning: {bundle} does not exist yet; start `lightning-proxy serve` first", err=True)
-    out = harness_env(
-        rollout_id, attempt, cfg.token, f"http://{host}:{cfg.forward_port}", f"http://{host}:{cfg.reverse_port}", bundle, api_key
-    )
+    try:  # the harness gets a credential for this attempt only, never the token itself
+        out = harness_env(
+            rollout_id, attempt, cfg.token, f"http://{host}:{cfg.forward_port}", f"http://{host}:{cfg.reverse_port}", bundle, api_key
+        )
+    except InvalidId as exc:
+        raise click.BadParameter(str(exc)) from None
     click.echo(_format_env(out, fmt))
 
 
 @main.group()
 @click.option("--url", envvar="LIGHTNING_PROXY_URL", default=None, help="Reverse listener URL. [env LIGHTNING_PROXY_URL, default http://127.0.0.1:8081]")
-@click.option("--token", envvar=["LIGHTNING_PROXY_CONTROL_TOKEN", "LIGHTNING_PROXY_TOKEN"], help="Control token. [env LIGHTNING_PROXY_CONTROL_TOKEN or LIGHTNING_PROXY_TOKEN]")
+@click.option("--token", envvar="LIGHTNING_PROXY_CONTROL_TOKEN", help="Control token. [env LIGHTNING_PROXY_CONTROL_TOKEN, else the file `serve` generated in --confdir]")
+@click.option("--confdir", help="The proxy's confdir (holds control-token-<port>). [default: ~/.cache/lightning-harness/proxy-conf]")
 @click.pass_context
-def ctl(ctx, url, token) -> None:
+def ctl(ctx, url, token, confdir) -> None:
     """Drive a running proxy's control API; prints its JSON answer."""
-    ctx.obj = ProxyControl(url or "http://127.0.0.1:8081", token)
+    url = url or "http://127.0.0.1:8081"
+    if not token:
+        port = urllib.parse.urlsplit(url).port or 80
+        token = read_control_token(confdir or default_confdir(), port)
+    ctx.obj = ProxyControl(url, token)
 
 
 def _run(fn, *args):
@@ -139,6 +173,8 @@ def _run(fn, *args):
         click.echo(json.dumps(fn(*args), indent=2))
     except ProxyError as exc:
         raise click.ClickException(str(exc)) from None
+    except InvalidId as exc:
+        raise click.BadParameter(str(exc)) from None
     except OSError as exc:
         raise click.ClickException(f"cannot reach the proxy: {exc}") from None
 
@@ -200,6 +236,15 @@ def reward(c: ProxyControl, rollout_id, reward, attempt, info) -> None:
     except ValueError as exc:
         raise click.BadParameter(f"--info is not JSON: {exc}") from None
     _run(c.reward, rollout_id, attempt, reward, info_obj)
+
+
+@ctl.command()
+@click.argument("rollout_id")
+@click.option("--attempt", type=int, default=0, show_default=True)
+@click.pass_obj
+def end(c: ProxyControl, rollout_id, attempt) -> None:
+    """Revoke ROLLOUT_ID~ATTEMPT's credential (its model calls and reward posts are refused)."""
+    _run(c.end, rollout_id, attempt)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from .credentials import attempt_credential, check_attempt, check_model_version, check_rollout_id, rollout_user
 from .locate import proxy_python
 
 PLACEHOLDER_API_KEY = "sk-lightning-placeholder"
 NO_TOKEN = "-"  # path segment used in reverse URLs when the proxy runs without a token
 BUNDLE_NAME = "lightning-ca-bundle.pem"
+CONTROL_TOKEN_FILE = "control-token-{port}"  # in the confdir, 0600: written by `serve` when it generates one
 
 
 class ProxyError(RuntimeError):
@@ -77,24 +79,38 @@ class ProxyControl:
 
     def set_model_version(self, n: int) -> dict:
         """Stamp ``n`` on every span forwarded from now on."""
-        return self._call("POST", "/_lh/model_version", {"version": int(n)})
+        return self._call("POST", "/_lh/model_version", {"version": check_model_version(n)})
 
     def reward(self, rollout_id: str, attempt: int, reward: float, info: Mapping | None = None) -> dict:
         """Append a reward row for ``(rollout_id, attempt)`` (source ``api``)."""
-        body = {"rollout_id": rollout_id, "attempt": int(attempt), "reward": float(reward), "info": info or {}}
+        body = {"rollout_id": check_rollout_id(rollout_id), "attempt": check_attempt(attempt),
+                "reward": float(reward), "info": info or {}}
         return self._call("POST", "/_lh/reward", body)
+
+    def end(self, rollout_id: str, attempt: int) -> dict:
+        """Revoke the attempt's credential: its model calls and reward posts are refused from now on."""
+        body = {"rollout_id": check_rollout_id(rollout_id), "attempt": check_attempt(attempt)}
+        return self._call("POST", "/_lh/end", body)
 
     def flush(self) -> dict:
         """Write buffered spans and rewards to Parquet now."""
         return self._call("POST", "/_lh/flush", {})
 
 
+def control_token_path(confdir: str | os.PathLike, reverse_port: int) -> Path:
+    """Where `lightning-proxy serve` keeps the control token it generated (one file per listener)."""
+    return Path(confdir) / CONTROL_TOKEN_FILE.format(port=int(reverse_port))
+
+
+def read_control_token(confdir: str | os.PathLike, reverse_port: int) -> str | None:
+    """The generated control token of the proxy on ``reverse_port``, if its file is readable."""
+    try:
+        return control_token_path(confdir, reverse_port).read_text().strip() or None
+    except OSError:
+        return None
+
+
 # -- Contract 2: the harness environment -------------------------------------------------------
-def rollout_user(rollout_id: str, attempt: int = 0) -> str:
-    """The proxy username / path segment that identifies a rollout attempt."""
-    return f"{rollout_id}~{int(attempt)}"
-
-
 def harness_env(
     rollout_id: str,
     attempt: int,
@@ -108,9 +124,11 @@ def harness_env(
 
     ``forward_url``/``reverse_url`` are the proxy listeners as the harness reaches them (e.g.
     ``http://127.0.0.1:PORT``). The launcher adds ``LIGHTNING_TASK``, ``LIGHTNING_OUTPUT_DIR`` etc.
+    ``token`` is the proxy token; the harness gets only the credential derived from it for this
+    attempt (the harness is untrusted: it may run model-written commands).
     """
     user = rollout_user(rollout_id, attempt)
-    secret = token or NO_TOKEN
+    secret = attempt_credential(token, rollout_id, attempt) if token else NO_TOKEN
     fwd = urllib.parse.urlsplit(forward_url)
     userinfo = f"{urllib.parse.quote(user, safe='~')}:{urllib.parse.quote(secret, safe='')}"
     proxy = f"{fwd.scheme or 'http'}://{userinfo}@{fwd.netloc}"
@@ -131,7 +149,7 @@ def harness_env(
         "OPENAI_BASE_URL": f"{prefix}/v1",
         "OPENAI_API_KEY": api_key or PLACEHOLDER_API_KEY,
         "LIGHTNING_ROLLOUT_ID": rollout_id,
-        "LIGHTNING_ATTEMPT": str(int(attempt)),
+        "LIGHTNING_ATTEMPT": str(attempt),
         "LIGHTNING_REWARD_URL": f"{prefix}/reward",
     }
     return env
@@ -193,7 +211,8 @@ class ProxyProcess:
         self.model_map = dict(model_map or {})
         self.listen_host = listen_host
         self.public_host = public_host or ("127.0.0.1" if listen_host in ("0.0.0.0", "::") else listen_host)
-        self.control_token = control_token
+        # separate from the token and never given to a harness; "" = control API without auth
+        self.control_token = control_token if control_token is not None else secrets.token_urlsafe(24)
         self.ssl_insecure = ssl_insecure
         self.upstream_ca = upstream_ca
         self.flush_seconds = flush_seconds
@@ -220,7 +239,7 @@ class ProxyProcess:
 
     @property
     def control(self) -> ProxyControl:
-        return ProxyControl(self.reverse_url, self.control_token or self.token)
+        return ProxyControl(self.reverse_url, self.control_token or None)
 
     @property
     def pid(self) -> int | None:
@@ -255,11 +274,14 @@ class ProxyProcess:
             cmd += ["--upstream-ca", str(self.upstream_ca)]
         if self.flush_seconds is not None:
             cmd += ["--flush-seconds", str(self.flush_seconds)]
+        if self.control_token == "":
+            cmd += ["--control-token", ""]  # explicitly none (not a secret, so argv is fine)
         return cmd + self.extra_args
 
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ if self.env is None else self.env)
         env["LIGHTNING_PROXY_TOKEN"] = self.token  # secrets travel by environment, not argv
+        env.pop("LIGHTNING_PROXY_CONTROL_TOKEN", None)
         if self.control_token:
             env["LIGHTNING_PROXY_CONTROL_TOKEN"] = self.control_token
         env["PYTHONUNBUFFERED"] = "1"

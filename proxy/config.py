@@ -103,7 +103,9 @@ class ProxyConfig:
 
     @property
     def control_secret(self) -> str | None:
-        return self.control_token or self.token
+        """The control API's bearer token. Never falls back to ``token``: harness credentials are
+        derived from that one, and the control token must stay out of every harness's reach."""
+        return self.control_token or None
 
     @property
     def resolved_confdir(self) -> Path:
@@ -122,6 +124,10 @@ class ProxyConfig:
         values = dict(data)
         if "upstreams" in values:
             values["upstreams"] = [parse_upstream(u) for u in values["upstreams"] or []]
+        if "model_version" in values:
+            from .credentials import check_model_version
+
+            check_model_version(values["model_version"])
         if values.get("reverse_target"):
             parse_upstream(values["reverse_target"])  # fail early on a bad URL
         for key in ("route_hosts", "no_intercept"):

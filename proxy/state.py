@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from ..schemas import BufferFull, PartWriter
 from .config import ProxyConfig, Upstream
+from .credentials import Revocations
 from .redact import Redactor
 
 log = logging.getLogger("lightning.proxy")
@@ -101,6 +102,7 @@ class ProxyState:
         self.rewards_captured = 0
         self.errors = 0
         self.rejected = 0
+        self.revoked = Revocations()  # attempts ended by POST /_lh/end (credentials refused)
         self.started_at = time.time()
         self._resume: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None

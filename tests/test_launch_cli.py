@@ -117,12 +117,13 @@ def test_uses_a_running_proxy_and_leaves_it_running(tmp_path, write_tasks, make_
     traces = proxy.traces_dir
     tasks = write_tasks([{"id": "fwd", "base_url": "https://api.openai.com/v1"}, {"id": "rev"}])
     res = launch(tasks, "--traces", traces, "--proxy-url", proxy.reverse_url, "--proxy-token", proxy.token,
-                 "--proxy-ca", proxy.ca_bundle, "--no-progress", "--", sys.executable, HARNESS)
+                 "--proxy-control-token", proxy.control_token, "--proxy-ca", proxy.ca_bundle, "--no-progress",
+                 "--", sys.executable, HARNESS)
     assert res.returncode == 0, res.stderr
     assert f"forward {proxy.forward_url}" in res.stderr
     assert sorted((r["task_id"], r["state"], r["reward_source"]) for r in rows(traces, "rollouts")) == [
         ("fwd", "succeeded", "proxy"), ("rev", "succeeded", "proxy")]
     assert proxy.control.state()["rewards_written"] == 2  # still running: not ours to stop
-    res = launch(tasks, "--traces", traces, "--proxy-url", proxy.reverse_url, "--proxy-token", "wrong",
-                 "--no-progress", "--", sys.executable, HARNESS)
+    res = launch(tasks, "--traces", traces, "--proxy-url", proxy.reverse_url, "--proxy-token", proxy.token,
+                 "--proxy-control-token", "wrong", "--no-progress", "--", sys.executable, HARNESS)
     assert res.returncode == 1 and "cannot use the proxy" in res.stderr and "401" in res.stderr

@@ -144,7 +144,7 @@ def test_one_step_swaps_served_weights_and_holds_requests_during_the_pause(tmp_p
         """Send a model call while the update holds the proxy; it must wait, then be answered."""
         ctl = run.proxy.control
         assert ctl.state()["paused"]
-        url = f"{run.proxy.reverse_url}/lh/probe~0/{run.proxy.token}/v1/chat/completions"
+        url = run.proxy.env_for("probe", 0)["OPENAI_BASE_URL"] + "/chat/completions"  # a harness's own credential
 
         def call():
             t0 = time.monotonic()

@@ -12,6 +12,7 @@ import pytest
 
 from fixtures_proxy import read_rewards, read_spans
 from lightning_harness.proxy.client import harness_env
+from lightning_harness.proxy.credentials import attempt_credential
 from lightning_harness.proxy.locate import proxy_python
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,14 +27,15 @@ def _cli(*args, env=None, check=True):
 
 
 def test_env_formats_match_contract(tmp_path):
-    args = ["env", "roll/1", "--attempt", "2", "--token", "t0k", "--forward-port", "1111", "--reverse-port", "2222",
+    args = ["env", "roll.1", "--attempt", "2", "--token", "t0k", "--forward-port", "1111", "--reverse-port", "2222",
             "--confdir", str(tmp_path)]
     as_json = json.loads(_cli(*args, "--format", "json", env={"OPENAI_API_KEY": ""}).stdout)
-    expected = harness_env("roll/1", 2, "t0k", "http://127.0.0.1:1111", "http://127.0.0.1:2222",
+    expected = harness_env("roll.1", 2, "t0k", "http://127.0.0.1:1111", "http://127.0.0.1:2222",
                            tmp_path / "lightning-ca-bundle.pem")
     assert as_json == expected
-    assert as_json["HTTPS_PROXY"] == "http://roll%2F1~2:t0k@127.0.0.1:1111"
-    assert as_json["OPENAI_BASE_URL"] == "http://127.0.0.1:2222/lh/roll%2F1~2/t0k/v1"
+    cred = attempt_credential("t0k", "roll.1", 2)  # the harness never sees the token itself
+    assert as_json["HTTPS_PROXY"] == f"http://roll.1~2:{cred}@127.0.0.1:1111"
+    assert as_json["OPENAI_BASE_URL"] == f"http://127.0.0.1:2222/lh/roll.1~2/{cred}/v1"
     assert as_json["OPENAI_API_KEY"] == "sk-lightning-placeholder" and as_json["NO_PROXY"] == ""
     # export lines evaluate in a shell to the same values
     exported = _cli(*args).stdout
@@ -41,8 +43,10 @@ def test_env_formats_match_contract(tmp_path):
     got = dict(kv.split("=", 1) for kv in shell.stdout.decode().split("\0") if "=" in kv)
     assert all(got.get(k) == v for k, v in expected.items())
     dotenv = _cli(*args, "--format", "dotenv").stdout
-    assert "LIGHTNING_ROLLOUT_ID=roll/1" in dotenv
+    assert "LIGHTNING_ROLLOUT_ID=roll.1" in dotenv
     assert "warning" in _cli(*args).stderr  # no CA bundle yet in that confdir
+    bad = _cli("env", "roll/1", "--confdir", str(tmp_path), check=False)  # outside the id rule
+    assert bad.returncode == 2 and "[A-Za-z0-9._-]" in bad.stderr
 
 
 def test_user_api_key_is_passed_through(tmp_path):
@@ -51,14 +55,18 @@ def test_user_api_key_is_passed_through(tmp_path):
 
 
 def test_ctl_commands(proxy):
-    env = {"LIGHTNING_PROXY_URL": proxy.reverse_url, "LIGHTNING_PROXY_TOKEN": proxy.token}
+    env = {"LIGHTNING_PROXY_URL": proxy.reverse_url, "LIGHTNING_PROXY_CONTROL_TOKEN": proxy.control_token}
     assert json.loads(_cli("ctl", "pause", env=env).stdout)["paused"] is True
     assert json.loads(_cli("ctl", "resume", env=env).stdout)["paused"] is False
     assert json.loads(_cli("ctl", "model-version", "5", env=env).stdout)["model_version"] == 5
     assert json.loads(_cli("ctl", "drain", "--timeout", "1", env=env).stdout)["drained"] is True
     _cli("ctl", "reward", "cli-r", "0.75", "--attempt", "1", "--info", '{"ok": true}', env=env)
     assert json.loads(_cli("ctl", "flush", env=env).stdout)["rewards_written"] == 1
-    bad = _cli("ctl", "state", env={**env, "LIGHTNING_PROXY_TOKEN": "wrong"}, check=False)
+    bad = _cli("ctl", "state", env={**env, "LIGHTNING_PROXY_CONTROL_TOKEN": "wrong"}, check=False)
+    assert bad.returncode != 0 and "401" in bad.stderr
+    harness_token = {"LIGHTNING_PROXY_URL": proxy.reverse_url, "LIGHTNING_PROXY_TOKEN": proxy.token,
+                     "LIGHTNING_PROXY_CONTROL_TOKEN": "", "XDG_CACHE_HOME": str(proxy.traces_dir)}
+    bad = _cli("ctl", "pause", env=harness_token, check=False)  # no fallback to the proxy token
     assert bad.returncode != 0 and "401" in bad.stderr
     bad = _cli("ctl", "reward", "x", "1", "--info", "{oops", env=env, check=False)
     assert bad.returncode != 0 and "--info is not JSON" in bad.stderr

@@ -13,6 +13,7 @@ import pytest
 from fixtures_launch import wait_for
 from fixtures_proxy import StubServer, read_rewards, read_spans
 from lightning_harness.proxy.client import ProxyControl, ProxyError
+from lightning_harness.proxy.credentials import attempt_credential
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,7 +84,7 @@ def test_rewards_from_api_and_from_harness(proxy):
         bad = c.post(env["LIGHTNING_REWARD_URL"], json={"reward": "lots"})
         assert bad.status_code == 400 and "number" in bad.text
     with httpx.Client(trust_env=False, timeout=60) as c:  # a forged token writes nothing
-        forged = env["LIGHTNING_REWARD_URL"].replace(proxy.token, "forged")
+        forged = env["LIGHTNING_REWARD_URL"].replace(attempt_credential(proxy.token, "r-harness", 3), "forged")
         assert c.post(forged, json={"reward": 1.0}).status_code == 401
     rows = sorted(read_rewards(proxy), key=lambda r: r["rollout_id"])
     assert [(r["rollout_id"], r["attempt"], r["reward"], r["source"]) for r in rows] == [
@@ -105,7 +106,7 @@ def test_control_api_requires_its_token(proxy):
     assert proxy.control.state()["paused"] is False
     # in forward mode the control API answers on the host lightning.proxy
     with httpx.Client(proxy=proxy.forward_url, trust_env=False, timeout=30) as c:
-        r = c.get("http://lightning.proxy/_lh/state", headers={"Authorization": f"Bearer {proxy.token}"})
+        r = c.get("http://lightning.proxy/_lh/state", headers={"Authorization": f"Bearer {proxy.control_token}"})
         assert r.status_code == 200 and r.json()["model_version"] == 0
         assert c.get("http://lightning.proxy/_lh/state").status_code == 401
 
@@ -114,7 +115,8 @@ def test_bad_credentials_are_refused_and_write_nothing(proxy, stub_server):
     body = {"model": "m", "messages": MSG}
     env = proxy.env_for("good")
     before = len(stub_server.requests())
-    bad_proxy = env["HTTP_PROXY"].replace(proxy.token, "nope")
+    cred = attempt_credential(proxy.token, "good", 0)
+    bad_proxy = env["HTTP_PROXY"].replace(cred, "nope")
     with httpx.Client(proxy=bad_proxy, trust_env=False, timeout=30) as c:  # forward http, wrong token
         assert c.post("http://api.openai.com/v1/chat/completions", json=body).status_code == 407
     with httpx.Client(proxy=proxy.forward_url, trust_env=False, timeout=30) as c:  # no credentials at all
@@ -124,11 +126,11 @@ def test_bad_credentials_are_refused_and_write_nothing(proxy, stub_server):
             c.post("https://api.openai.com/v1/chat/completions", json=body)
     with httpx.Client(trust_env=False, timeout=30) as c:  # reverse mode
         base = env["OPENAI_BASE_URL"]
-        assert c.post(base.replace(proxy.token, "nope") + "/chat/completions", json=body).status_code == 401
+        assert c.post(base.replace(cred, "nope") + "/chat/completions", json=body).status_code == 401
         assert c.post(proxy.reverse_url + "/v1/chat/completions", json=body).status_code == 401
         h = {"X-Lightning-Rollout": "hdr~1", "X-Lightning-Token": "nope"}
         assert c.post(proxy.reverse_url + "/v1/chat/completions", json=body, headers=h).status_code == 401
-        h["X-Lightning-Token"] = proxy.token  # headers work as credentials too
+        h["X-Lightning-Token"] = attempt_credential(proxy.token, "hdr", 1)  # headers work as credentials too
         assert c.post(proxy.reverse_url + "/v1/chat/completions", json=body, headers=h).status_code == 200
     spans = read_spans(proxy)
     assert [(s["rollout_id"], s["attempt"]) for s in spans] == [("hdr", 1)]
@@ -162,15 +164,15 @@ def test_reward_through_forward_proxy_host(proxy):
     env = proxy.env_for("fwd-reward", 4)
     with httpx.Client(proxy=env["HTTP_PROXY"], trust_env=False, timeout=30) as c:
         assert c.post("http://lightning.proxy/reward", json={"reward": -1}).status_code == 200
-    with httpx.Client(proxy=env["HTTP_PROXY"].replace(proxy.token, "bad"), trust_env=False, timeout=30) as c:
+    with httpx.Client(proxy=env["HTTP_PROXY"].replace(attempt_credential(proxy.token, "fwd-reward", 4), "bad"), trust_env=False, timeout=30) as c:
         assert c.post("http://lightning.proxy/reward", json={"reward": 5}).status_code == 407
     rows = read_rewards(proxy)
     assert [(r["rollout_id"], r["attempt"], r["reward"]) for r in rows] == [("fwd-reward", 4, -1.0)]
 
 
 def test_without_token_calls_are_accepted_and_attributed_when_possible(make_proxy):
-    p = make_proxy(token="")
-    assert p.token == ""
+    p = make_proxy(token="", control_token="")
+    assert p.token == "" and p.control_token == ""
     body = {"model": "m", "messages": MSG, "max_tokens": 1}
     with httpx.Client(trust_env=False, timeout=30) as c:
         assert c.post(p.reverse_url + "/v1/chat/completions", json=body).status_code == 200

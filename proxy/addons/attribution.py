@@ -1,19 +1,25 @@
 """Who is calling: map every flow to a rollout attempt, or refuse it.
 
-Forward mode: clients send ``Proxy-Authorization: Basic <rollout~attempt:token>`` with every
+Forward mode: clients send ``Proxy-Authorization: Basic <rollout~attempt:credential>`` with every
 plain-http request but only on the CONNECT of an HTTPS tunnel, so it is read in ``http_connect``
-and remembered per client connection. Reverse mode: a path prefix ``/lh/<rollout~attempt>/<token>/``
-or ``X-Lightning-Rollout`` / ``X-Lightning-Token`` headers. With a token configured, a request
-without valid credentials gets 407 (forward) or 401 (reverse) and nothing is recorded. Credentials
-are removed before anything is forwarded.
+and remembered per client connection. Reverse mode: a path prefix
+``/lh/<rollout~attempt>/<credential>/`` or ``X-Lightning-Rollout`` / ``X-Lightning-Token`` headers.
+
+The credential is derived from the proxy token for that one attempt (``credentials.py``): the
+harness is untrusted, so it can only act as itself. With a token configured, a request with a
+wrong credential, or one of an attempt ended by ``/_lh/end`` (checked on every request, also
+inside an open tunnel), gets 407 (forward) or 401 (reverse); an id outside the rules gets 400.
+Nothing refused is recorded or forwarded. Credentials are removed before anything is forwarded,
+and log lines carry neither credentials nor raw control characters.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hmac
+import json
 import logging
+import re
 import urllib.parse
 from dataclasses import dataclass
 
@@ -22,12 +28,14 @@ from mitmproxy.proxy.mode_specs import ReverseMode
 
 from ..assemble import endpoint_of
 from ..client import NO_TOKEN
+from ..credentials import InvalidId, credential_ok, log_safe, parse_user
 from ..state import CONTROL, META, MODEL, OTHER, REWARD, Call, ProxyState
 
 log = logging.getLogger("lightning.proxy")
 
 CONTROL_HOST = "lightning.proxy"
 LOCAL_NAMES = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+_CRED_SEGMENT = re.compile(r"(/lh/[^/?#]*/)[^/?#]*")
 
 
 @dataclass(frozen=True)
@@ -36,15 +44,19 @@ class Identity:
     attempt: int
     ok: bool  # credentials valid (or no token configured)
     why: str = ""
+    malformed: bool = False  # the id broke a rule (400), rather than a wrong/revoked credential
+    secret: str | None = None  # the credential presented (masked from traces)
 
 
-def parse_user(user: str) -> tuple[str, int]:
-    """``rollout~attempt`` (attempt optional, default 0)."""
-    user = urllib.parse.unquote(user)
-    rid, sep, att = user.rpartition("~")
-    if sep and rid and att.isdigit():
-        return rid, int(att)
-    return user, 0
+def is_control_path(path: str) -> bool:
+    """``/_lh`` and everything below it: answered by the proxy itself, never forwarded."""
+    path = path.split("?", 1)[0]
+    return path == "/_lh" or path.startswith("/_lh/")
+
+
+def loggable_url(flow: http.HTTPFlow) -> str:
+    """The request URL for a log line: credential segment masked, control characters escaped."""
+    return log_safe(_CRED_SEGMENT.sub(r"\1***", flow.request.pretty_url))
 
 
 class Attribution:
@@ -59,12 +71,20 @@ class Attribution:
             if self.token:
                 return Identity(None, 0, False, "no rollout credentials")
             return Identity(None, 0, True)
-        rid, att = parse_user(user)
-        if self.token:
-            given = urllib.parse.unquote(secret or "")
-            if not hmac.compare_digest(given.encode(), self.token.encode()):
-                return Identity(rid, att, False, "invalid proxy token")
-        return Identity(rid, att, True)
+        try:
+            rid, att = parse_user(user)
+        except InvalidId as exc:
+            return Identity(None, 0, False, str(exc), malformed=True)
+        given = urllib.parse.unquote(secret or "")
+        if self.token and not credential_ok(self.token, rid, att, given):
+            return Identity(rid, att, False, f"invalid credential for {rid}~{att}")
+        return self.still_valid(Identity(rid, att, True, secret=given if self.token else None))
+
+    def still_valid(self, ident: Identity) -> Identity:
+        """``ident``, or a refusal once its attempt has ended (``/_lh/end``)."""
+        if ident.ok and ident.rollout_id is not None and (ident.rollout_id, ident.attempt) in self.state.revoked:
+            return Identity(ident.rollout_id, ident.attempt, False, f"attempt {ident.rollout_id}~{ident.attempt} has ended")
+        return ident
 
     def from_proxy_auth(self, value: str | None) -> Identity:
         if not value:
@@ -83,7 +103,7 @@ class Attribution:
         ident = self.from_proxy_auth(flow.request.headers.get("Proxy-Authorization"))
         flow.request.headers.pop("Proxy-Authorization", None)
         if not ident.ok:
-            self._refuse(flow, 407, ident.why)
+            self._deny(flow, ident, 407)
             return
         self.by_conn[flow.client_conn.id] = ident
 
@@ -93,10 +113,24 @@ class Attribution:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:  # already answered (e.g. refused CONNECT)
             return
-        if isinstance(flow.client_conn.proxy_mode, ReverseMode):
-            self._reverse(flow)
-        else:
-            self._forward(flow)
+        try:
+            if isinstance(flow.client_conn.proxy_mode, ReverseMode):
+                self._reverse(flow)
+            else:
+                self._forward(flow)
+        except Exception as exc:  # never let a request we could not classify through unchecked
+            log.exception("attribution failed")
+            flow.metadata.setdefault(META, Call())
+            self._refuse(flow, 400, f"request not understood: {type(exc).__name__}")
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        """Checked again once the body is in: a request begun before ``/_lh/end`` whose body comes
+        after it (a stalled reward POST) is refused too. Runs after the gate's hold."""
+        call = flow.metadata.get(META)
+        if call is None or call.done or flow.response is not None or call.rollout_id is None:
+            return
+        if call.kind != CONTROL and (call.rollout_id, call.attempt) in self.state.revoked:
+            self._refuse(flow, 407 if call.mode == "forward" else 401, f"attempt {call.rollout_id}~{call.attempt} has ended")
 
     # -- modes ------------------------------------------------------------------------------
     def _forward(self, flow: http.HTTPFlow) -> None:
@@ -107,15 +141,15 @@ class Attribution:
         if header is not None:
             ident = self.from_proxy_auth(header)
         else:
-            ident = self.by_conn.get(flow.client_conn.id) or self.identify(None, None)
-        if req.host == CONTROL_HOST:
+            ident = self.still_valid(self.by_conn.get(flow.client_conn.id) or self.identify(None, None))
+        if req.host.lower().rstrip(".") == CONTROL_HOST:
             call.kind = REWARD if req.path.split("?")[0].rstrip("/") == "/reward" else CONTROL
             if call.kind == CONTROL:
-                return  # the control addon checks its own bearer token
+                return  # answered by the control addon, which checks its own bearer token
         if not ident.ok:
-            self._refuse(flow, 407, ident.why)
+            self._deny(flow, ident, 407)
             return
-        call.rollout_id, call.attempt = ident.rollout_id, ident.attempt
+        self._admit(call, ident)
         if call.kind == REWARD:
             return
         cfg = self.state.config
@@ -139,31 +173,40 @@ class Attribution:
         flow.metadata[META] = call
         req.headers.pop("Proxy-Authorization", None)
         path = req.path
-        if path.startswith("/_lh/") or path == "/_lh":
+        if is_control_path(path):
             call.kind, call.path = CONTROL, path.split("?")[0]
             return
         user = req.headers.pop("X-Lightning-Rollout", None)
         secret = req.headers.pop("X-Lightning-Token", None)
         if path.startswith("/lh/"):
-            parts = path.split("/", 4)  # ['', 'lh', user, token, rest]
+            parts = path.split("/", 4)  # ['', 'lh', user, credential, rest]
             if len(parts) < 4 or not parts[2]:
-                self._refuse(flow, 401, "malformed /lh/<rollout~attempt>/<token>/ prefix")
+                self._refuse(flow, 401, "malformed /lh/<rollout~attempt>/<credential>/ prefix")
                 return
             user, secret = parts[2], parts[3]
             path = "/" + (parts[4] if len(parts) > 4 else "")
-            req.path = path
         if secret == NO_TOKEN and not self.token:
             secret = None
         ident = self.identify(user, secret)
         if not ident.ok:
-            self._refuse(flow, 401, ident.why)
+            self._deny(flow, ident, 401)  # logged with the /lh/<user>/*** prefix it came with
             return
-        call.rollout_id, call.attempt = ident.rollout_id, ident.attempt
+        req.path = path
+        self._admit(call, ident)
         call.path = path
+        if is_control_path(path):  # /lh/<user>/<credential>/_lh/...: still ours, never forwarded
+            call.kind, call.path = CONTROL, path.split("?")[0]
+            return
         if path.split("?")[0].rstrip("/") == "/reward" and user:
             call.kind = REWARD
             return
         self._classify(flow, call)
+
+    @staticmethod
+    def _admit(call: Call, ident: Identity) -> None:
+        call.rollout_id, call.attempt = ident.rollout_id, ident.attempt
+        if ident.secret:
+            call.secrets.add(ident.secret)  # masked wherever it might appear in the trace
 
     def _classify(self, flow: http.HTTPFlow, call: Call) -> None:
         call.path = call.path or flow.request.path
@@ -172,6 +215,10 @@ class Attribution:
             call.kind, call.endpoint = MODEL, endpoint
         else:
             call.kind = OTHER
+
+    def _deny(self, flow: http.HTTPFlow, ident: Identity, auth_status: int) -> None:
+        """400 for an id that breaks a rule, else the credential status (401 or 407)."""
+        self._refuse(flow, 400 if ident.malformed else auth_status, ident.why)
 
     def _refuse(self, flow: http.HTTPFlow, status: int, why: str) -> None:
         self.state.rejected += 1
@@ -182,11 +229,11 @@ class Attribution:
         headers = {"Content-Type": "application/json"}
         if status == 407:
             headers["Proxy-Authenticate"] = 'Basic realm="lightning-proxy"'
-        else:
+        elif status == 401:
             headers["WWW-Authenticate"] = 'Bearer realm="lightning-proxy"'
-        msg = (
-            f'{{"error": {{"message": "lightning-proxy: {why}; use the environment printed by '
-            f'`lightning-proxy env ROLLOUT_ID`", "type": "proxy_auth", "code": {status}}}}}'
-        )
-        flow.response = http.Response.make(status, msg.encode(), headers)
-        log.info("refused %s %s: %s", flow.request.method, flow.request.pretty_url, why)
+        body = {"error": {
+            "message": f"lightning-proxy: {why}; use the environment printed by `lightning-proxy env ROLLOUT_ID`",
+            "type": "proxy_auth" if status in (401, 407) else "invalid_request", "code": status,
+        }}
+        flow.response = http.Response.make(status, json.dumps(body).encode(), headers)
+        log.info("refused %s %s (%s): %s", log_safe(flow.request.method, 20), loggable_url(flow), status, log_safe(why))

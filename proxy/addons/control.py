@@ -1,9 +1,14 @@
 """The control API (Contract 3), served by the proxy itself under ``/_lh/``.
 
 Reachable on the reverse listener and, in forward mode, on the host ``lightning.proxy``;
-authenticated with ``Authorization: Bearer <control token>`` (the proxy token by default). Also
-takes a harness's own reward at ``/lh/<rollout~attempt>/<token>/reward`` (attribution has
-checked those credentials already).
+authenticated with ``Authorization: Bearer <control token>``, a secret of its own that no harness
+receives. Also takes a harness's own reward at ``/lh/<rollout~attempt>/<credential>/reward``
+(attribution has checked that credential, so the reward can only be the attempt's own).
+
+Every control or reward request is answered here, whatever happens: a failing call (a flush on a
+full disk) becomes a 5xx JSON answer from the proxy. Were it left unanswered, mitmproxy would
+forward it, control bearer included, to the upstream, and the caller would read the upstream's
+answer as the proxy's.
 """
 
 from __future__ import annotations
@@ -17,10 +22,15 @@ import urllib.parse
 import uuid
 from datetime import datetime, timezone
 
+import logging
+
 from mitmproxy import http
 
 from ...schemas import BufferFull
+from ..credentials import InvalidId, check_attempt, check_model_version, check_rollout_id, log_safe
 from ..state import CONTROL, META, REWARD, ProxyState
+
+log = logging.getLogger("lightning.proxy")
 
 
 class BadRequest(ValueError):
@@ -67,20 +77,30 @@ class Control:
             return
         try:
             if call.kind == REWARD:
-                if flow.request.method != "POST":
-                    return _json_response(flow, 405, {"error": "POST {\"reward\": number, \"info\": {...}}"})
-                body = _body(flow)
-                if "reward" not in body:
-                    raise BadRequest('expected {"reward": number, "info": {...}}')
-                row = self.write_reward(call.rollout_id, call.attempt, body["reward"], body.get("info"), "proxy")
-                return _json_response(flow, 200, {"ok": True, "reward_id": row})
+                return self._harness_reward(flow, call)
             if not self._authorized(flow):
                 return _json_response(flow, 401, {"error": "control API needs Authorization: Bearer <control token>"})
             await self._dispatch(flow)
-        except BadRequest as exc:
+        except (BadRequest, InvalidId) as exc:
             _json_response(flow, 400, {"error": str(exc)})
         except BufferFull as exc:  # rewards cannot be buffered while writes fail: the caller retries
             _json_response(flow, 503, {"error": str(exc)})
+        except Exception as exc:  # answered here, never forwarded (see module doc)
+            log.exception("control call %s failed", log_safe(call.path or ""))
+            _json_response(flow, 500, {"error": f"control call failed: {type(exc).__name__}: {exc}"})
+        finally:
+            flow.request.headers.pop("Authorization", None)
+            if flow.response is None:
+                _json_response(flow, 500, {"error": "control call not answered"})
+
+    def _harness_reward(self, flow: http.HTTPFlow, call) -> None:
+        if flow.request.method != "POST":
+            return _json_response(flow, 405, {"error": "POST {\"reward\": number, \"info\": {...}}"})
+        body = _body(flow)
+        if "reward" not in body:
+            raise BadRequest('expected {"reward": number, "info": {...}}')
+        row = self.write_reward(call.rollout_id, call.attempt, body["reward"], body.get("info"), "proxy")
+        return _json_response(flow, 200, {"ok": True, "reward_id": row})
 
     def _authorized(self, flow: http.HTTPFlow) -> bool:
         secret = self.state.config.control_secret
@@ -121,22 +141,21 @@ class Control:
                 flow, 200, {"drained": st.in_flight == 0, "in_flight": st.in_flight, "waited_s": round(waited, 3)}
             )
         if name == "model_version":
-            body = _body(flow)
-            v = body.get("version")
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise BadRequest('expected {"version": integer}')
-            st.model_version = v
+            st.model_version = check_model_version(_body(flow).get("version"))
             return _json_response(flow, 200, st.snapshot())
         if name == "reward":
             body = _body(flow)
-            rid = body.get("rollout_id")
-            if not isinstance(rid, str) or not rid:
-                raise BadRequest('expected {"rollout_id": str, "attempt": int, "reward": number, "info": {...}}')
-            attempt = body.get("attempt", 0)
-            if isinstance(attempt, bool) or not isinstance(attempt, int):
-                raise BadRequest("attempt must be an integer")
-            rid_row = self.write_reward(rid, attempt, body.get("reward"), body.get("info"), body.get("source") or "api")
+            rid, attempt = check_rollout_id(body.get("rollout_id")), check_attempt(body.get("attempt", 0))
+            source = body.get("source") or "api"
+            if not isinstance(source, str) or len(source) > 64:
+                raise BadRequest("source must be a string of at most 64 characters")
+            rid_row = self.write_reward(rid, attempt, body.get("reward"), body.get("info"), source)
             return _json_response(flow, 200, {"ok": True, "reward_id": rid_row})
+        if name == "end":
+            body = _body(flow)
+            rid, attempt = check_rollout_id(body.get("rollout_id")), check_attempt(body.get("attempt", 0))
+            st.revoked.revoke(rid, attempt)
+            return _json_response(flow, 200, {"ok": True, "ended": f"{rid}~{attempt}", "revoked": len(st.revoked)})
         if name == "flush":
             await asyncio.get_running_loop().run_in_executor(None, st.flush)
             return _json_response(flow, 200, st.snapshot())
@@ -153,7 +172,7 @@ class Control:
             {
                 "reward_id": reward_id,
                 "rollout_id": rollout_id,
-                "attempt": int(attempt or 0),
+                "attempt": check_attempt(attempt or 0),
                 "reward": value,
                 "created_at": datetime.now(timezone.utc),
                 "source": source,
