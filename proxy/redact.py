@@ -14,9 +14,11 @@ Headers are never stored. Text is masked from two sources only:
 No masking by key name or ordinary word: a tool schema property ``password``, ``cookie_policy``,
 ``Bearer authentication`` or ``sk-learn-datasets`` stays byte-identical, so the samples builder
 never retokenises altered text. A span whose request or response text held a secret gets
-``secret_detected = True`` and empty token id / logprob columns (the ids encode the secret); its
+``secret_detected = True``, empty token id / logprob columns and a response body without its
+token-by-token fields (ids, logprob entries with token strings: they encode the secret); its
 JSON text is then re-serialised from the masked parse - the only case where a column's bytes
-change beyond the mask.
+change beyond the mask. ``error`` (cut to a length by capture) also loses a secret's start left
+at its end.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ MIN_SECRET_LEN = 8  # shorter values cannot be told from words; a credential tha
 PUBLIC_VALUES = frozenset({PLACEHOLDER_API_KEY})  # documented placeholders, not secrets
 JSON_COLUMNS = ("request_json", "response_json")
 TOKEN_COLUMNS = ("prompt_token_ids", "response_token_ids", "response_logprobs")
+# fields of a response body that spell its text token by token (vLLM ids, per-token logprob
+# entries with their token strings and bytes, Responses API message tokens): a secret split
+# over them is in no single string, so they go whenever the span held a secret
+TOKEN_FIELDS = frozenset({"prompt_token_ids", "token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "tokens"})
+TRUNCATED_COLUMNS = ("error",)  # cut to a length by capture: may end inside a secret
 
 _JSON_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})|\\/")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -175,6 +182,30 @@ class Redactor:
             return s
         return json.dumps(inner, ensure_ascii=False) if hit else s
 
+    @staticmethod
+    def drop_token_fields(text: str) -> str:
+        """A response body without its token-by-token fields (``TOKEN_FIELDS``)."""
+        def strip(o: Any) -> Any:
+            if isinstance(o, dict):
+                return {k: strip(v) for k, v in o.items() if k not in TOKEN_FIELDS}
+            if isinstance(o, list):
+                return [strip(v) for v in o]
+            return o
+
+        try:
+            return json.dumps(strip(json.loads(text)), ensure_ascii=False)
+        except (ValueError, RecursionError):
+            return text
+
+    @staticmethod
+    def cut_tail(text: str, known: KnownSecrets) -> str:
+        """Mask the start of a secret that a length cut left at the end of ``text``."""
+        for f in known.forms:
+            for k in range(len(f) - 1, MIN_SECRET_LEN - 1, -1):
+                if text.endswith(f[:k]):
+                    return text[: len(text) - k] + MASK
+        return text
+
     # -- what the addons call -----------------------------------------------------------------
     def scrub_row(self, row: dict, secrets: Iterable[str] = (), *, request_is_json: bool = True) -> dict:
         """A span row with secrets masked in every text column (the one place capture calls).
@@ -189,11 +220,15 @@ class Redactor:
                 continue
             as_json = col == "response_json" or (col == "request_json" and request_is_json)
             row[col], hit = self.scrub_json(val, known) if as_json else self.scrub_text(val, known)
+            if col in TRUNCATED_COLUMNS:
+                row[col] = self.cut_tail(row[col], known)
             detected |= hit and col in JSON_COLUMNS
         row["secret_detected"] = detected
         if detected:
             for col in TOKEN_COLUMNS:
                 row[col] = None
+            if row.get("response_json"):
+                row["response_json"] = self.drop_token_fields(row["response_json"])
         return row
 
     def json_text(self, text: str | None, secrets: Iterable[str] = ()) -> str | None:

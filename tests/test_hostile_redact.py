@@ -56,8 +56,11 @@ def _assert_absent(span: dict, *secrets: str) -> None:
 
 
 def _assert_scrubbed(span: dict) -> None:
+    """Flagged, and nothing left that spells the text token by token (columns or response body)."""
     assert span["secret_detected"] is True, span
     assert span["prompt_token_ids"] is None and span["response_token_ids"] is None and span["response_logprobs"] is None
+    body = span["response_json"]
+    assert body and not any(f'"{k}"' in body for k in ("prompt_token_ids", "token_ids", "logprobs")), body
 
 
 def test_known_secrets_leave_no_trace_in_any_column(proxy, openai_from_env, stub_server):
@@ -188,3 +191,9 @@ def test_malformed_body_path_and_error_are_masked():
                        "prompt_token_ids": [1]}, {KEY}, request_is_json=False)
     assert KEY not in row["request_json"] and KEY not in row["path"] and "proxy-token-0000" not in row["error"]
     assert row["secret_detected"] and row["prompt_token_ids"] is None
+
+
+def test_an_error_cut_inside_a_secret_keeps_no_part_of_it():
+    r = Redactor()
+    row = r.scrub_row({"error": f"upstream answered HTTP 400: echo {KEY[:-5]}"}, {KEY})
+    assert row["error"] == f"upstream answered HTTP 400: echo {MASK}"
