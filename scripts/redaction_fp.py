@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             scan_spans(f, p if p.is_dir() else p.parent, red, tally)
     for pattern in a.files:
         for f in sorted(glob.glob(os.path.join(ROOT, pattern), recursive=True)):
+            if not os.path.isfile(f) or os.path.getsize(f) > 50_000_000 or b"\0" in Path(f).read_bytes()[:8192]:
+                continue  # folders, weights and other binaries
             text = Path(f).read_text(errors="replace")
             tally.add(f"file:{Path(f).relative_to(ROOT).parts[0]}", text, red.scrub_text(text, known)[0])
     if a.corpus:
