@@ -48,3 +48,34 @@ def test_traces_without_the_column_still_build(make_traces, tmp_path):
         pq.write_table(t.drop_columns(["secret_detected"]), part)
     table, stats = build_samples(root)
     assert table.num_rows == 1 and stats["calls_secret_detected"] == 0
+
+
+def test_config_key_reaches_the_builder(tmp_path):
+    """``samples.include_secret_spans`` is a typed config key (default off) the loop passes on."""
+    import inspect
+
+    from lightning_harness.trainer import config as C
+    from lightning_harness.trainer import loop
+
+    (tmp_path / "model").mkdir()
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text('model: model\nharness: {command: ["h"]}\ntasks: {train: train.jsonl}\n')
+    assert C.load_config(cfg_file).samples.include_secret_spans is False
+    assert C.load_config(cfg_file, ["samples.include_secret_spans=true"]).samples.include_secret_spans is True
+    assert "include_secret_spans=s.include_secret_spans" in inspect.getsource(loop)
+
+
+def test_build_cli_reports_and_includes_on_request(make_traces, tiny_tokenizer_dir, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from lightning_harness.trainer.build import build_command
+
+    root = _traces(make_traces)
+    table = CliRunner().invoke(build_command, [str(root), "--out", str(tmp_path / "a")])
+    assert table.exit_code == 0 and "calls with a secret" in table.output and "--include-secret-spans" in table.output
+    got = CliRunner().invoke(build_command, [str(root), "--out", str(tmp_path / "b"), "--json", "--include-secret-spans",
+                                             "--tokenizer", str(tiny_tokenizer_dir)])
+    stats = json.loads(got.stdout)
+    assert got.exit_code == 0 and stats["calls_dropped_secret"] == 0 and stats["retokenized_calls"] == 1
