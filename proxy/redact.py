@@ -45,6 +45,7 @@ TRUNCATED_COLUMNS = ("error",)  # cut to a length by capture: may end inside a s
 _JSON_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})|\\/")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SAFE_RUN = re.compile(r"[A-Za-z0-9_.~-]+")
+_ASCII_ESCAPE = re.compile(r"\\u00(?:2[dDeE]|[3-7][0-9a-fA-F])")  # \u escape of a char a core or key may hold
 
 
 def _one_level(s: str) -> set[str]:
@@ -96,7 +97,8 @@ class KnownSecrets:
         self._re = re.compile("|".join(map(re.escape, self.forms))) if forms else None
         # the longest run of each value that no encoder rewrites: a text without any of them
         # cannot hold a value at any escape depth (the cheap test before parsing a document)
-        self.cores = sorted({max(_SAFE_RUN.findall(v) or [v], key=len) for v in self.values})
+        self.cores = sorted({max(_SAFE_RUN.findall(v) or [""], key=len) for v in self.values})
+        self.always = any(len(c) < 4 for c in self.cores)  # a value made of escapable characters
 
     def present(self, text: str) -> bool:
         """A literal spelling of a value is in ``text``."""
@@ -142,7 +144,7 @@ class Redactor:
     # -- documents ----------------------------------------------------------------------------
     def scrub_json(self, text: str, known: KnownSecrets) -> tuple[str, bool]:
         """(text, found) for a JSON document: byte-identical unless a secret was in it."""
-        if not (known.maybe(text) or "\\u" in text or mask_keys(text, MASK) is not text):
+        if not self._suspect(text, known):
             return text, False
         try:
             new, hit = self._walk(json.loads(text), known)
@@ -152,6 +154,16 @@ class Redactor:
         if known.present(out):  # a value spanning JSON structure: mask the text itself
             out, hit = known.mask(out), True
         return out, hit
+
+    @staticmethod
+    def _suspect(text: str, known: KnownSecrets) -> bool:
+        """Cheap: may ``text`` hold a secret? (False means surely not; True means look exactly.)
+
+        A value's core and every key shape are ASCII, so they hide only behind escapes of ASCII
+        characters (``\\u0073``), never behind the ``\\u00e9`` of ordinary non-ASCII text.
+        """
+        return (known.always or known.maybe(text) or mask_keys(text, MASK) is not text
+                or _ASCII_ESCAPE.search(text) is not None)
 
     def scrub_text(self, text: str, known: KnownSecrets) -> tuple[str, bool]:
         """(text, found) for text that is not JSON (path, error, a malformed body)."""
