@@ -197,3 +197,56 @@ def test_an_error_cut_inside_a_secret_keeps_no_part_of_it():
     r = Redactor()
     row = r.scrub_row({"error": f"upstream answered HTTP 400: echo {KEY[:-5]}"}, {KEY})
     assert row["error"] == f"upstream answered HTTP 400: echo {MASK}"
+
+
+# -- provider key shapes ---------------------------------------------------------------------------------
+REAL_SHAPES = [  # bodies drawn at random (hand-typed patterns look like CamelCase and are not keys)
+    "sk-" + "T3BlbkFJ" + "q8Xv2LmN4pR7sW1yB5dF9hJ3kZ6cG0aE",
+    "sk-proj-" + "qg6YYZYn9ZhyiA4uoRgnatmUdjAWtGSU" + "T3BlbkFJ" + "PtYgjmUhBel31iEl2hpChYgCfrL1spNxnyVmihA",
+    "sk-ant-api03-" + "PtYgjmUhBel31iEl2hpChYgCfrL1spNxnyVmihA-2O76UMFxFkM-R5Kjp1vRt_1fjORS-6ilI8ihN5KXSc7Tvo-hBKqFY" + "AA",
+    "sk_live_" + "z63FfkCzJr4i0B3JrTAwR4y9",
+    "AKIAIOSFODNN7EXAMPLE",
+    "ghp_" + "r4Nd0mT0k3nV4lu3sXyZ9wQ2eR5tY8uI1oP3",
+    "github_pat_11ABCDEFG0" + "aB3cD4eF5gH6iJ7kL8mN9oP0qR1sT2uV3wX4yZ5aB6cD7eF8gH9iJ0kL1mN2oP3qR4",
+    "xoxb-123456789012-1234567890123-" + "ojfljoQoaF1LlqsajAIxNKu8",
+    "AIza" + "Sy9D8f7G6h5J4k3L2z1X0c9V8b7N6m5Q4w3",
+    "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+    "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ\n-----END OPENSSH PRIVATE KEY-----",
+]
+
+
+@pytest.mark.parametrize("key", REAL_SHAPES, ids=lambda k: k[:7])
+def test_provider_keys_are_masked_and_flag_the_span(key):
+    r = Redactor()
+    for text in (json.dumps({"content": f"export KEY={key}\nok"}), '{"content": "line\\n' + key.replace("\n", "\\n") + '"}'):
+        row = r.scrub_row({"request_json": text, "prompt_token_ids": [1]})
+        assert key not in decode_escapes(row["request_json"]) and row["secret_detected"], text
+        assert row["prompt_token_ids"] is None
+
+
+@pytest.mark.parametrize("word", INNOCENT + [
+    "XMLHttpRequest2Factory", "sk-TensorFlowModelCheckpointV2", "sk-proj-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx",
+    "AIzaSyXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX", "sk_test_YOUR_SECRET_KEY_HERE", "xoxb-your-bot-token",
+    "eyJhbGciOi.eyJzdWIiOiIx.not-a-signature", "-----BEGIN PUBLIC KEY-----\nMFkwEwYHKoZIzj0CAQYIKoZIzj0\n-----END PUBLIC KEY-----",
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==",
+    "QAHAEwAAQAAAAAAAgAHAGQAAQAAAAAAAwAaAKIAAQAAAAAABAAHAM0AAQAAAAAABQA8AU8AAQAAAA",  # AKIA inside base64
+])
+def test_words_placeholders_and_blobs_are_not_keys(word):
+    r = Redactor()
+    for text in (json.dumps({"content": word}), json.dumps({"content": word}, ensure_ascii=False)):
+        row = r.scrub_row({"request_json": text, "prompt_token_ids": [1]})
+        assert row["request_json"] == text and row["secret_detected"] is False and row["prompt_token_ids"] == [1]
+
+
+def test_a_key_hidden_behind_ascii_escapes_is_found():
+    key = REAL_SHAPES[0]
+    hidden = "".join(f"\\u{ord(c):04x}" if i % 3 == 0 else c for i, c in enumerate(key))
+    row = Redactor().scrub_row({"request_json": '{"content": "' + hidden + '"}'})
+    assert row["secret_detected"] and json.loads(row["request_json"]) == {"content": MASK}
+
+
+def test_a_secret_without_any_plain_ascii_run_is_found_behind_escapes():
+    secret = "ÄÖÜ€äöü߀ÄÖ"
+    doc = json.dumps({"content": f"pw {secret}"})  # ensure_ascii: only \\u escapes on the wire
+    row = Redactor().scrub_row({"request_json": doc}, {secret})
+    assert row["secret_detected"] and json.loads(row["request_json"]) == {"content": f"pw {MASK}"}
