@@ -104,6 +104,19 @@ def test_a_secret_in_a_streamed_answer_is_masked_in_the_assembled_response(proxy
     assert json.loads(span["response_json"])["model"] == f"ft:{MASK}"
 
 
+def test_forward_https_key_in_the_tunnel_and_in_the_prompt(proxy, openai_from_env):
+    """Forward mode through TLS interception: the key is read from the decrypted headers."""
+    env = proxy.env_for("fwd-tls", api_key=KEY)
+    env["OPENAI_BASE_URL"] = "https://api.openai.com/v1"
+    client = openai_from_env(env)
+    stream = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": f"k={KEY}"}], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    (span,) = read_spans(proxy)
+    assert span["scheme"] == "https" and span["mode"] == "forward"
+    _assert_absent(span, KEY, proxy.token)
+    _assert_scrubbed(span)
+
+
 def test_ordinary_words_stay_byte_identical(proxy):
     """No masking by key names or words: the recorded request is the harness's exact bytes."""
     env = proxy.env_for("words", api_key=KEY)
