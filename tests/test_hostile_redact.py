@@ -19,6 +19,7 @@ from fixtures_proxy import read_spans
 from lightning_harness.proxy.redact import MASK, Redactor, decode_escapes, spellings
 
 KEY = "sk-real-Q7fGh2KpX9vLm4Ns8TbW1cYd"  # the harness's OPENAI_API_KEY
+GATEWAY_KEY = "team-gateway-credential-2741"  # a key of no provider's shape: only known values catch it
 BASIC_USER, BASIC_PW = "deploy-bot", "pa55/w0rd+Bäckerei!"  # '/', '+', non-ASCII: escape-prone
 INNOCENT = [
     "sk-learn-datasets-and-models",
@@ -93,27 +94,30 @@ def test_known_secrets_leave_no_trace_in_any_column(proxy, openai_from_env, stub
     assert "rotate me" in spans[1]["request_json"] and "curl -u" in spans[2]["request_json"]
 
 
-def test_a_secret_in_a_streamed_answer_is_masked_in_the_assembled_response(proxy, openai_from_env):
-    """The stub echoes the model name into every SSE chunk: the key arrives in the response only."""
-    client = openai_from_env(proxy.env_for("sse", api_key=KEY))
-    stream = client.chat.completions.create(model=f"ft:{KEY}", messages=[{"role": "user", "content": "hi"}], stream=True)
-    assert any(KEY in (c.model or "") for c in stream)  # the harness itself still gets its bytes
+def test_a_secret_only_in_a_streamed_answer_is_masked_in_the_assembled_response(make_proxy, openai_from_env):
+    """The proxy serves 'gpt-4o' as a model whose name holds the key; the stub echoes the served
+    name into every SSE chunk, so the key is in the upstream's answer only (the harness sees
+    'gpt-4o'): the assembled response is masked and the span flagged."""
+    proxy = make_proxy(model_map={"gpt-4o": f"ft:{GATEWAY_KEY}"})
+    client = openai_from_env(proxy.env_for("sse", api_key=GATEWAY_KEY))
+    stream = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], stream=True)
+    assert {c.model for c in stream} == {"gpt-4o"}
     (span,) = read_spans(proxy)
-    _assert_absent(span, KEY)
+    _assert_absent(span, GATEWAY_KEY)
     _assert_scrubbed(span)
-    assert json.loads(span["response_json"])["model"] == f"ft:{MASK}"
+    assert json.loads(span["response_json"])["model"] == f"ft:{MASK}" and span["served_model"] == f"ft:{MASK}"
 
 
 def test_forward_https_key_in_the_tunnel_and_in_the_prompt(proxy, openai_from_env):
     """Forward mode through TLS interception: the key is read from the decrypted headers."""
-    env = proxy.env_for("fwd-tls", api_key=KEY)
+    env = proxy.env_for("fwd-tls", api_key=GATEWAY_KEY)
     env["OPENAI_BASE_URL"] = "https://api.openai.com/v1"
     client = openai_from_env(env)
-    stream = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": f"k={KEY}"}], stream=True)
+    stream = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": f"k={GATEWAY_KEY}"}], stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     (span,) = read_spans(proxy)
     assert span["scheme"] == "https" and span["mode"] == "forward"
-    _assert_absent(span, KEY, proxy.token)
+    _assert_absent(span, GATEWAY_KEY, proxy.token)
     _assert_scrubbed(span)
 
 
