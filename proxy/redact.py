@@ -33,6 +33,8 @@ from .keyshapes import mask_keys
 
 MASK = "[REDACTED]"
 MIN_SECRET_LEN = 8  # shorter values cannot be told from words; a credential that short is not one
+MAX_SECRETS = 64  # per call (longest kept): a request with thousands of cookies must not cost seconds
+MAX_SPELLED_LEN = 4096  # longer values are masked in their raw spelling only
 PUBLIC_VALUES = frozenset({PLACEHOLDER_API_KEY})  # documented placeholders, not secrets
 JSON_COLUMNS = ("request_json", "response_json")
 TOKEN_COLUMNS = ("prompt_token_ids", "response_token_ids", "response_logprobs")
@@ -55,7 +57,11 @@ def _one_level(s: str) -> set[str]:
         e = json.dumps(s, ensure_ascii=ascii_only)[1:-1]
         html = e.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
         out |= {e, e.replace("/", "\\/"), html}
-    for q in (urllib.parse.quote(s, safe=""), urllib.parse.quote_plus(s, safe=""), urllib.parse.quote(s)):
+    try:
+        quoted = (urllib.parse.quote(s, safe=""), urllib.parse.quote_plus(s, safe=""), urllib.parse.quote(s))
+    except UnicodeEncodeError:  # lone surrogates (undecodable header bytes) have no URL form
+        quoted = ()
+    for q in quoted:
         out |= {q, re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), q)}
     return out
 
@@ -63,10 +69,19 @@ def _one_level(s: str) -> set[str]:
 def spellings(secret: str) -> set[str]:
     """Every literal form of ``secret`` in recorded text: raw, encoded, encoded twice."""
     forms = {secret}
+    if len(secret) > MAX_SPELLED_LEN:
+        return forms
     for _ in range(2):
         for f in list(forms):
             forms |= _one_level(f)
     return forms
+
+
+def dumps(obj: Any) -> str:
+    """JSON text as capture writes it (UTF-8 kept); ASCII escapes where a string holds a lone
+    surrogate (``"\\ud800"`` is valid JSON but has no UTF-8 form: Parquet could not store it)."""
+    out = json.dumps(obj, ensure_ascii=False)
+    return json.dumps(obj) if _SURROGATE.search(out) else out
 
 
 def decode_escapes(text: str) -> str:
@@ -91,7 +106,8 @@ class KnownSecrets:
     """A set of secret values and all their spellings, to find and mask in text."""
 
     def __init__(self, values: Iterable[str | None]) -> None:
-        self.values = sorted({v for v in values if v and len(v) >= MIN_SECRET_LEN and v not in PUBLIC_VALUES})
+        kept = {v for v in values if v and len(v) >= MIN_SECRET_LEN and v not in PUBLIC_VALUES}
+        self.values = sorted(sorted(kept, key=len, reverse=True)[:MAX_SECRETS])
         forms = set().union(*(spellings(v) for v in self.values)) if self.values else set()
         self.forms = sorted(forms, key=len, reverse=True)  # longest first: a value inside another
         self._re = re.compile("|".join(map(re.escape, self.forms))) if forms else None
@@ -150,7 +166,7 @@ class Redactor:
             new, hit = self._walk(json.loads(text), known)
         except (ValueError, RecursionError):
             return self.scrub_text(text, known)
-        out = json.dumps(new, ensure_ascii=False) if hit else text
+        out = dumps(new) if hit else text
         if known.present(out):  # a value spanning JSON structure: mask the text itself
             out, hit = known.mask(out), True
         return out, hit
@@ -192,7 +208,7 @@ class Redactor:
             inner, hit = self._walk(json.loads(s), known, depth + 1)
         except (ValueError, RecursionError):
             return s
-        return json.dumps(inner, ensure_ascii=False) if hit else s
+        return dumps(inner) if hit else s
 
     @staticmethod
     def drop_token_fields(text: str) -> str:
@@ -205,7 +221,7 @@ class Redactor:
             return o
 
         try:
-            return json.dumps(strip(json.loads(text)), ensure_ascii=False)
+            return dumps(strip(json.loads(text)))
         except (ValueError, RecursionError):
             return text
 

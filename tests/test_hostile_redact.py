@@ -267,3 +267,17 @@ def test_a_secret_without_any_plain_ascii_run_is_found_behind_escapes():
     doc = json.dumps({"content": f"pw {secret}"})  # ensure_ascii: only \\u escapes on the wire
     row = Redactor().scrub_row({"request_json": doc}, {secret})
     assert row["secret_detected"] and json.loads(row["request_json"]) == {"content": f"pw {MASK}"}
+
+
+def test_hostile_text_never_breaks_the_row():
+    """Lone surrogates (valid JSON escapes, undecodable header bytes), deep nesting, thousands of
+    cookies: the row is still written as UTF-8 and masked."""
+    r = Redactor()
+    row = r.scrub_row({"request_json": '{"c": "\\ud800 ' + KEY + '"}', "prompt_token_ids": [1]}, {"abc\udcffdefghij"})
+    assert row["secret_detected"] and KEY not in row["request_json"]
+    row["request_json"].encode("utf-8")  # storable
+    deep = '{"c": ' * 5000 + '"' + KEY + '"' + "}" * 5000
+    row = r.scrub_row({"request_json": deep, "prompt_token_ids": [1]})
+    assert KEY not in row["request_json"] and row["secret_detected"]
+    many = r.known({f"cookie-value-{i:06d}" for i in range(5000)})
+    assert len(many.values) == 64
