@@ -7,8 +7,10 @@ Headers are never stored. Text is masked from two sources only:
    x-api-key, api-key, cookie and credential query values, collected by ``addons/secrets.py``).
    A value is found in every spelling recorded text can hold it: raw, JSON string escapes
    (``json.dumps`` with and without ``ensure_ascii``, ``\\/``, HTML-safe ``\\u003c``), URL-encoded,
-   and those nested once (JSON inside a JSON string); any other ``\\uXXXX`` / ``%XX`` spelling is
-   found by decoding the JSON strings (and escapes inside them) before looking.
+   and those applied twice (JSON inside a JSON string); any other ``\\uXXXX`` / ``%XX`` spelling is
+   found by decoding the JSON strings (and escapes inside them) before looking, and a string that
+   is itself JSON (a tool result) is parsed and masked at any depth. Values shorter than 8
+   characters (a short proxy token too) and the documented placeholder key are not secrets.
 2. Provider key formats (``keyshapes.py``), which need a real key's shape.
 
 No masking by key name or ordinary word: a tool schema property ``password``, ``cookie_policy``,
@@ -251,7 +253,7 @@ class Redactor:
             if col in TRUNCATED_COLUMNS:
                 row[col] = self.cut_tail(row[col], known)
             detected |= hit and col in JSON_COLUMNS
-        row["secret_detected"] = detected
+        row["secret_detected"] = detected = detected or bool(row.get("secret_detected"))
         if detected:
             for col in TOKEN_COLUMNS:
                 row[col] = None
