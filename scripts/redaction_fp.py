@@ -155,6 +155,24 @@ def calc_traces(n: int, out: Path) -> Path:
     return out / "traces"
 
 
+def timing(red: Redactor) -> None:
+    """CPU time of ``scrub_row`` per call on chat requests of 7 KB and 300 KB, with a known key."""
+    import time
+
+    resp = json.dumps({"choices": [{"message": {"content": "ok " * 50}, "token_ids": list(range(100))}],
+                       "prompt_token_ids": list(range(2000))})
+    for n in (5, 200):
+        for ascii_only in (False, True):
+            msgs = [{"role": "user", "content": f"Ünïcode prose about api key rotation, line {i}. " * 20} for i in range(n)]
+            body = json.dumps({"model": "m", "messages": msgs}, ensure_ascii=ascii_only)
+            t0, reps = time.process_time(), 40
+            for _ in range(reps):
+                red.scrub_row({"request_json": body, "response_json": resp, "path": "/v1/chat/completions"},
+                              {"sk-real-Q7fGh2KpX9vLm4Ns8TbW1cYd"})
+            ms = (time.process_time() - t0) / reps * 1000
+            print(f"scrub_row: {len(body):>8,} B request ({'ASCII-escaped' if ascii_only else 'UTF-8'}): {ms:.2f} ms CPU")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="*", default=[], help="traces directories or spans Parquet files")
@@ -164,8 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="first record N calc-demo tasks through a real proxy (stub upstream) and scan them")
     ap.add_argument("--workdir", default=None, help="where --run-calc records (default: a temporary directory)")
     ap.add_argument("--show", type=int, default=20, help="examples to print")
+    ap.add_argument("--timing", action="store_true", help="also print the redactor's CPU time per call")
     a = ap.parse_args(argv)
     red, tally = Redactor(), Tally(a.show)
+    if a.timing:
+        timing(red)
     known = red.known()
     if a.run_calc:
         import tempfile
