@@ -113,6 +113,7 @@ def test_control_api_requires_its_token(proxy):
 def test_bad_credentials_are_refused_and_write_nothing(proxy, stub_server):
     body = {"model": "m", "messages": MSG}
     env = proxy.env_for("good")
+    stub_server.post("/_stub/reset", {})  # the stub keeps the last 200 requests only: count from 0
     before = len(stub_server.requests())
     bad_proxy = env["HTTP_PROXY"].replace(proxy.token, "nope")
     with httpx.Client(proxy=bad_proxy, trust_env=False, timeout=30) as c:  # forward http, wrong token
