@@ -110,17 +110,20 @@ class KnownSecrets:
     def __init__(self, values: Iterable[str | None]) -> None:
         kept = {v for v in values if v and len(v) >= MIN_SECRET_LEN and v not in PUBLIC_VALUES}
         self.values = sorted(sorted(kept, key=len, reverse=True)[:MAX_SECRETS])
-        forms = set().union(*(spellings(v) for v in self.values)) if self.values else set()
-        self.forms = sorted(forms, key=len, reverse=True)  # longest first: a value inside another
-        self._re = re.compile("|".join(map(re.escape, self.forms))) if forms else None
-        # the longest run of each value that no encoder rewrites: a text without any of them
-        # cannot hold a value at any escape depth (the cheap test before parsing a document)
-        self.cores = sorted({max(_SAFE_RUN.findall(v) or [""], key=len) for v in self.values})
+        # the longest run of each value that no encoder rewrites: every spelling contains it, so a
+        # text without it holds the value at no escape depth (the cheap test before any other)
+        by_core: dict[str, set[str]] = {}
+        for v in self.values:
+            by_core.setdefault(max(_SAFE_RUN.findall(v) or [""], key=len), set()).update(spellings(v))
+        self._by_core = sorted(by_core.items())
+        self.cores = [c for c, _ in self._by_core]
         self.always = any(len(c) < 4 for c in self.cores)  # a value made of escapable characters
+        self.forms = sorted(set().union(*by_core.values()), key=len, reverse=True) if by_core else []
+        self._re = re.compile("|".join(map(re.escape, self.forms))) if self.forms else None  # longest first
 
     def present(self, text: str) -> bool:
-        """A literal spelling of a value is in ``text``."""
-        return any(f in text for f in self.forms)
+        """A literal spelling of a value is in ``text`` (spellings checked only under their core)."""
+        return any(f in text for c, fs in self._by_core if c in text for f in fs)
 
     def maybe(self, text: str) -> bool:
         """A value may be in ``text`` behind escapes of any depth (cheap; then look exactly)."""
@@ -231,6 +234,8 @@ class Redactor:
     def cut_tail(text: str, known: KnownSecrets) -> str:
         """Mask the start of a secret that a length cut left at the end of ``text``."""
         for f in known.forms:
+            if f[:MIN_SECRET_LEN] not in text[-len(f):]:
+                continue  # (cheap) the tail holds no start of this spelling
             for k in range(len(f) - 1, MIN_SECRET_LEN - 1, -1):
                 if text.endswith(f[:k]):
                     return text[: len(text) - k] + MASK
