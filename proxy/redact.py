@@ -1,106 +1,275 @@
-"""Secrets never reach a trace: scrub request/response text before it becomes a span.
+"""Secrets never reach a trace: mask them in every text column of a span, and nothing else.
 
-Headers are never stored at all (Authorization, api-key, cookies stay out by construction). Bodies
-can still carry keys (``"api_key": ...`` in tool configs, ``sk-...`` strings pasted into prompts,
-our own proxy token): keys that look secret get their values replaced, and known secret shapes
-are masked anywhere in the text.
+Headers are never stored. Text is masked from two sources only:
+
+1. Known secret values, exactly: the proxy and control tokens (process-wide) and the call's own
+   credentials in ``Call.secrets`` (its proxy credential; Authorization Bearer/Basic decoded,
+   x-api-key, api-key, cookie and credential query values, collected by ``addons/secrets.py``).
+   A value is found in every spelling recorded text can hold it: raw, JSON string escapes
+   (``json.dumps`` with and without ``ensure_ascii``, ``\\/``, HTML-safe ``\\u003c``), URL-encoded,
+   and those applied twice (JSON inside a JSON string); any other ``\\uXXXX`` / ``%XX`` spelling is
+   found by decoding the JSON strings (and escapes inside them) before looking, and a string that
+   is itself JSON (a tool result) is parsed and masked at any depth. Values shorter than 8
+   characters (a short proxy token too) and the documented placeholder key are not secrets.
+2. Provider key formats (``keyshapes.py``), which need a real key's shape.
+
+No masking by key name or ordinary word: a tool schema property ``password``, ``cookie_policy``,
+``Bearer authentication`` or ``sk-learn-datasets`` stays byte-identical, so the samples builder
+never retokenises altered text. A span whose request or response text held a secret gets
+``secret_detected = True``, empty token id / logprob columns and a response body without its
+token-by-token fields (ids, logprob entries with token strings: they encode the secret); its
+JSON text is then re-serialised from the masked parse - the only case where a column's bytes
+change beyond the mask. ``error`` (cut to a length by capture) also loses a secret's start left
+at its end.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import urllib.parse
 from typing import Any, Iterable
 
+from .client import PLACEHOLDER_API_KEY
+from .keyshapes import mask_keys
+
 MASK = "[REDACTED]"
+MIN_SECRET_LEN = 8  # shorter values cannot be told from words; a credential that short is not one
+MAX_SECRETS = 64  # per call (longest kept): a request with thousands of cookies must not cost seconds
+MAX_SPELLED_LEN = 4096  # longer values are masked in their raw spelling only
+PUBLIC_VALUES = frozenset({PLACEHOLDER_API_KEY})  # documented placeholders, not secrets
+JSON_COLUMNS = ("request_json", "response_json")
+TOKEN_COLUMNS = ("prompt_token_ids", "response_token_ids", "response_logprobs")
+# fields of a response body that spell its text token by token (vLLM ids, per-token logprob
+# entries with their token strings and bytes, Responses API message tokens): a secret split
+# over them is in no single string, so they go whenever the span held a secret
+TOKEN_FIELDS = frozenset({"prompt_token_ids", "token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "tokens"})
+TRUNCATED_COLUMNS = ("error",)  # cut to a length by capture: may end inside a secret
 
-# key names whose values are secrets (matched on the lower-cased key, '-' and '_' ignored)
-_SECRET_KEY = re.compile(
-    r"(apikey|secret|password|passwd|authorization|accesstoken|authtoken|refreshtoken|idtoken|"
-    r"bearer|cookie|credential|privatekey|sessiontoken|xapikey)"
-)
-# quick pre-check on lower-cased raw text (plain substring tests run at C speed; a hit only
-# means the exact key walk runs)
-_SECRET_WORDS = (
-    "key", "secret", "passw", "auth", "access", "refresh", "id_token", "idtoken", "id-token", "session",
-    "bearer", "cookie", "credential",
-)  # every _SECRET_KEY match contains one of these (a bare "token" key, as in logprobs, does not)
-# secret shapes masked wherever they appear
-_SECRET_SHAPES = re.compile(
-    r"(sk-[A-Za-z0-9_\-]{12,}|sk_(?:live|test)_[A-Za-z0-9]{12,}|"
-    r"(?<=Bearer )[A-Za-z0-9._\-+/=]{12,}|AKIA[0-9A-Z]{16}|ghp_[A-Za-z0-9]{20,}|xox[abp]-[A-Za-z0-9-]{10,})"
-)
-_SHAPE_HINTS = ("sk-", "sk_", "Bearer ", "AKIA", "ghp_", "xox")
-_QUERY_SECRET = re.compile(r"([?&](?:api[-_]?key|key|token|access_token|sig|signature)=)[^&#]*", re.IGNORECASE)
-_FORM_SECRET = re.compile(
-    r"((?:api[_-]?key|secret|password|token)\s*[=:]\s*)[^\s&,;]+", re.IGNORECASE
-)
+_JSON_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})|\\/")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SAFE_RUN = re.compile(r"[A-Za-z0-9_.~-]+")
+_ASCII_ESCAPE = re.compile(r"\\u00(?:2[dDeE]|[3-7][0-9a-fA-F])")  # \u escape of a char a core or key may hold
 
 
-def _is_secret_key(key: str) -> bool:
-    return bool(_SECRET_KEY.search(key.lower().replace("-", "").replace("_", "")))
+def _one_level(s: str) -> set[str]:
+    """The spellings one encoder step can give ``s`` (JSON string body, URL component)."""
+    out = set()
+    for ascii_only in (True, False):
+        e = json.dumps(s, ensure_ascii=ascii_only)[1:-1]
+        html = e.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+        out |= {e, e.replace("/", "\\/"), html}
+    try:
+        quoted = (urllib.parse.quote(s, safe=""), urllib.parse.quote_plus(s, safe=""), urllib.parse.quote(s))
+    except UnicodeEncodeError:  # lone surrogates (undecodable header bytes) have no URL form
+        quoted = ()
+    for q in quoted:
+        out |= {q, re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), q)}
+    return out
 
 
-def redact_obj(obj: Any) -> Any:
-    """A copy of a JSON value with the values of secret-looking keys masked."""
-    if isinstance(obj, dict):
-        return {k: (MASK if _is_secret_key(k) and v not in (None, "") else redact_obj(v)) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [redact_obj(v) for v in obj]
-    return obj
+def spellings(secret: str) -> set[str]:
+    """Every literal form of ``secret`` in recorded text: raw, encoded, encoded twice."""
+    forms = {secret}
+    if len(secret) > MAX_SPELLED_LEN:
+        return forms
+    for _ in range(2):
+        for f in list(forms):
+            forms |= _one_level(f)
+    return forms
+
+
+def dumps(obj: Any) -> str:
+    """JSON text as capture writes it (UTF-8 kept); ASCII escapes where a string holds a lone
+    surrogate (``"\\ud800"`` is valid JSON but has no UTF-8 form: Parquet could not store it)."""
+    out = json.dumps(obj, ensure_ascii=False)
+    return json.dumps(obj) if _SURROGATE.search(out) else out
+
+
+def decode_escapes(text: str) -> str:
+    """``text`` with ``\\uXXXX``, ``\\/`` and ``%XX`` decoded, three levels deep (nested JSON).
+
+    Lenient on purpose (a stray escape is decoded wherever it sits): used only to look for
+    secrets, and the decoded text replaces the original only when it held one.
+    """
+    for _ in range(3):
+        new = _JSON_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)) if m.group(1) else "/", text)
+        if "%" in new:
+            new = urllib.parse.unquote(new)
+        if _SURROGATE.search(new):
+            new = new.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        if new == text:
+            break
+        text = new
+    return text
+
+
+class KnownSecrets:
+    """A set of secret values and all their spellings, to find and mask in text."""
+
+    def __init__(self, values: Iterable[str | None]) -> None:
+        kept = {v for v in values if v and len(v) >= MIN_SECRET_LEN and v not in PUBLIC_VALUES}
+        self.values = sorted(sorted(kept, key=len, reverse=True)[:MAX_SECRETS])
+        # the longest run of each value that no encoder rewrites: every spelling contains it, so a
+        # text without it holds the value at no escape depth (the cheap test before any other)
+        by_core: dict[str, set[str]] = {}
+        for v in self.values:
+            by_core.setdefault(max(_SAFE_RUN.findall(v) or [""], key=len), set()).update(spellings(v))
+        self._by_core = sorted(by_core.items())
+        self.cores = [c for c, _ in self._by_core]
+        self.always = any(len(c) < 4 for c in self.cores)  # a value made of escapable characters
+        self.forms = sorted(set().union(*by_core.values()), key=len, reverse=True) if by_core else []
+        self._re = re.compile("|".join(map(re.escape, self.forms))) if self.forms else None  # longest first
+
+    def present(self, text: str) -> bool:
+        """A literal spelling of a value is in ``text`` (spellings checked only under their core)."""
+        return any(f in text for c, fs in self._by_core if c in text for f in fs)
+
+    def maybe(self, text: str) -> bool:
+        """A value may be in ``text`` behind escapes of any depth (cheap; then look exactly)."""
+        return any(c in text for c in self.cores)
+
+    def mask(self, text: str) -> str:
+        return self._re.sub(MASK, text) if self._re is not None and self.present(text) else text
 
 
 class Redactor:
-    """Scrubs text with the generic rules plus this process's own secrets (proxy tokens)."""
+    """Masks known secrets and provider keys in span rows (capture) and reward info (control)."""
 
     def __init__(self, extra_secrets: Iterable[str | None] = ()) -> None:
-        secrets = sorted({s for s in extra_secrets if s and len(s) >= 4}, key=len, reverse=True)
-        self._secrets = secrets
-        self._extra = re.compile("|".join(re.escape(s) for s in secrets)) if secrets else None
+        self._process = tuple(s for s in extra_secrets if s)
+        self._cache: dict[frozenset, KnownSecrets] = {}
 
-    def text(self, text: str | None) -> str | None:
-        """Mask secret shapes and our own tokens anywhere in a string."""
-        if not text:
+    def known(self, secrets: Iterable[str] = ()) -> KnownSecrets:
+        """The process's secrets plus a call's (cached: a harness sends the same key every call)."""
+        key = frozenset(secrets)
+        got = self._cache.get(key)
+        if got is None:
+            if len(self._cache) > 1024:
+                self._cache.clear()
+            got = self._cache[key] = KnownSecrets((*self._process, *key))
+        return got
+
+    # -- one string ---------------------------------------------------------------------------
+    def mask_string(self, s: str, known: KnownSecrets) -> str:
+        """``s`` with secrets masked; the same object when none was found."""
+        out = mask_keys(known.mask(s), MASK)
+        if "\\" in out or "%" in out:
+            dec = decode_escapes(out)
+            if dec != out:
+                masked = mask_keys(known.mask(dec), MASK)
+                if masked != dec:  # a secret hidden behind escapes: keep the decoded, masked text
+                    out = masked
+        return out if out != s else s
+
+    # -- documents ----------------------------------------------------------------------------
+    def scrub_json(self, text: str, known: KnownSecrets) -> tuple[str, bool]:
+        """(text, found) for a JSON document: byte-identical unless a secret was in it."""
+        if not self._suspect(text, known):
+            return text, False
+        try:
+            new, hit = self._walk(json.loads(text), known)
+        except (ValueError, RecursionError):
+            return self.scrub_text(text, known)
+        out = dumps(new) if hit else text
+        if known.present(out):  # a value spanning JSON structure: mask the text itself
+            out, hit = known.mask(out), True
+        return out, hit
+
+    @staticmethod
+    def _suspect(text: str, known: KnownSecrets) -> bool:
+        """Cheap: may ``text`` hold a secret? (False means surely not; True means look exactly.)
+
+        A value's core and every key shape are ASCII, so they hide only behind escapes of ASCII
+        characters (``\\u0073``), never behind the ``\\u00e9`` of ordinary non-ASCII text.
+        """
+        return (known.always or known.maybe(text) or mask_keys(text, MASK) is not text
+                or _ASCII_ESCAPE.search(text) is not None)
+
+    def scrub_text(self, text: str, known: KnownSecrets) -> tuple[str, bool]:
+        """(text, found) for text that is not JSON (path, error, a malformed body)."""
+        out = self.mask_string(text, known)
+        return out, out is not text
+
+    def _walk(self, obj: Any, known: KnownSecrets, depth: int = 0) -> tuple[Any, bool]:
+        if isinstance(obj, str):
+            new = self.mask_string(obj, known)
+            if depth < 8 and new[:1] in "{[" and known.maybe(new):
+                new = self._nested(new, known, depth)
+            return new, new is not obj
+        if isinstance(obj, dict):
+            items = [(self._walk(k, known, depth), self._walk(v, known, depth)) for k, v in obj.items()]
+            return {k: v for (k, _), (v, _) in items}, any(hk or hv for (_, hk), (_, hv) in items)
+        if isinstance(obj, list):
+            items = [self._walk(v, known, depth) for v in obj]
+            return [v for v, _ in items], any(h for _, h in items)
+        if isinstance(obj, (int, float)) and not isinstance(obj, bool) and known.present(str(obj)):
+            return MASK, True  # a numeric secret written as a JSON number
+        return obj, False
+
+    def _nested(self, s: str, known: KnownSecrets, depth: int) -> str:
+        """A string that is itself a JSON document (a tool result): masked at any escape depth."""
+        try:
+            inner, hit = self._walk(json.loads(s), known, depth + 1)
+        except (ValueError, RecursionError):
+            return s
+        return dumps(inner) if hit else s
+
+    @staticmethod
+    def drop_token_fields(text: str) -> str:
+        """A response body without its token-by-token fields (``TOKEN_FIELDS``)."""
+        def strip(o: Any) -> Any:
+            if isinstance(o, dict):
+                return {k: strip(v) for k, v in o.items() if k not in TOKEN_FIELDS}
+            if isinstance(o, list):
+                return [strip(v) for v in o]
+            return o
+
+        try:
+            return dumps(strip(json.loads(text)))
+        except (ValueError, RecursionError):
             return text
-        if any(h in text for h in _SHAPE_HINTS):
-            text = _SECRET_SHAPES.sub(MASK, text)
-        if self._extra is not None and any(s in text for s in self._secrets):
-            text = self._extra.sub(MASK, text)
+
+    @staticmethod
+    def cut_tail(text: str, known: KnownSecrets) -> str:
+        """Mask the start of a secret that a length cut left at the end of ``text``."""
+        for f in known.forms:
+            if f[:MIN_SECRET_LEN] not in text[-len(f):]:
+                continue  # (cheap) the tail holds no start of this spelling
+            for k in range(len(f) - 1, MIN_SECRET_LEN - 1, -1):
+                if text.endswith(f[:k]):
+                    return text[: len(text) - k] + MASK
         return text
 
-    def json_text(self, text: str | None) -> str | None:
-        """A JSON document as text with secret keys masked; re-serialised only when needed."""
-        if not text:
-            return text
-        low = text.lower()
-        if any(w in low for w in _SECRET_WORDS):
-            try:
-                text = json.dumps(redact_obj(json.loads(text)), ensure_ascii=False)
-            except ValueError:
-                text = _FORM_SECRET.sub(lambda m: m.group(1) + MASK, text)
-        return self.text(text)
-
-    def raw_text(self, text: str | None) -> str | None:
-        """A body that is not JSON (malformed requests): mask ``key=value`` style secrets too."""
-        if not text:
-            return text
-        return self.text(_FORM_SECRET.sub(lambda m: m.group(1) + MASK, text))
-
-    def path(self, path: str | None) -> str | None:
-        """A request path with secret query parameters (``?api-key=``) masked."""
-        if not path:
-            return path
-        return self.text(_QUERY_SECRET.sub(lambda m: m.group(1) + MASK, path))
-
+    # -- what the addons call -----------------------------------------------------------------
     def scrub_row(self, row: dict, secrets: Iterable[str] = (), *, request_is_json: bool = True) -> dict:
-        """A span row with secrets removed from every text column (the one place capture calls).
+        """A span row with secrets masked in every text column (the one place capture calls).
 
-        ``secrets``: values known to be secret for this call (its credentials, header keys).
+        ``secrets``: values known to be secret for this call (``Call.secrets``). A hit in the
+        request or response text sets ``secret_detected`` and empties the token id columns.
         """
-        req = row.get("request_json")
-        row["request_json"] = self.json_text(req) if request_is_json else self.raw_text(req)
-        if row.get("response_json"):
-            row["response_json"] = self.json_text(row["response_json"])
-        row["path"] = self.path(row.get("path"))
-        row["error"] = self.text(row.get("error"))
+        known = self.known(secrets)
+        detected = False
+        for col, val in list(row.items()):
+            if not isinstance(val, str) or not val:
+                continue
+            as_json = col == "response_json" or (col == "request_json" and request_is_json)
+            row[col], hit = self.scrub_json(val, known) if as_json else self.scrub_text(val, known)
+            if col in TRUNCATED_COLUMNS:
+                row[col] = self.cut_tail(row[col], known)
+            detected |= hit and col in JSON_COLUMNS
+        row["secret_detected"] = detected = detected or bool(row.get("secret_detected"))
+        if detected:
+            for col in TOKEN_COLUMNS:
+                row[col] = None
+            if row.get("response_json"):
+                row["response_json"] = self.drop_token_fields(row["response_json"])
         return row
+
+    def json_text(self, text: str | None, secrets: Iterable[str] = ()) -> str | None:
+        """A JSON document (e.g. a reward's info) with secrets masked."""
+        return self.scrub_json(text, self.known(secrets))[0] if text else text
+
+    def text(self, text: str | None, secrets: Iterable[str] = ()) -> str | None:
+        """Any text with secrets masked."""
+        return self.scrub_text(text, self.known(secrets))[0] if text else text

@@ -66,7 +66,7 @@ SPANS = _schema(
         _f("error_kind", pa.string(), "Null on success; else 'upstream_status', 'upstream_unreachable', 'timeout', 'client_disconnect', 'malformed_request', 'malformed_response'."),
         _f("error", pa.string(), "Human-readable error message; null on success."),
         _f("salvaged", pa.bool_(), "True when the call's bytes were not valid UTF-8 (or a field was out of range) and were recorded with replacement characters instead of being lost."),
-        _f("secret_detected", pa.bool_(), "True when a known secret (API key, proxy credential, a header's credential) appeared in the call's text: it is masked in every text column, the token id and logprob columns are emptied, and training leaves the call out by default."),
+        _f("secret_detected", pa.bool_(), "True when a known secret (API key, proxy credential, a header's credential) or a provider key shape appeared in the call's request or response text: it is masked in every text column, the token id and logprob columns (and the response body's token-by-token fields) are emptied, and training leaves the call out by default."),
     ],
 )
 

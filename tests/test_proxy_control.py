@@ -77,7 +77,7 @@ def test_drain_waits_for_in_flight_calls(tmp_path, make_proxy):
 
 def test_rewards_from_api_and_from_harness(proxy):
     ctl = proxy.control
-    ctl.reward("r-api", 1, 0.5, {"correct": False, "api_key": "sk-abcdefghijklmnopqrstuvwxyz"})
+    ctl.reward("r-api", 1, 0.5, {"correct": False, "api_key": "sk-aB3dE9gH1jK7mN0pQ4sT2vW8"})  # a real key shape
     env = proxy.env_for("r-harness", 3)
     with httpx.Client(proxy=env["HTTP_PROXY"], trust_env=False, timeout=60) as c:
         assert c.post(env["LIGHTNING_REWARD_URL"], json={"reward": 1.0, "info": {"steps": 4}}).status_code == 200
@@ -91,7 +91,7 @@ def test_rewards_from_api_and_from_harness(proxy):
         ("r-api", 1, 0.5, "api"),
         ("r-harness", 3, 1.0, "proxy"),
     ]
-    assert "sk-abc" not in rows[0]["info_json"] and '"correct": false' in rows[0]["info_json"]
+    assert "sk-aB3d" not in rows[0]["info_json"] and '"correct": false' in rows[0]["info_json"]
     assert ctl.state()["rewards_written"] == 2
     with pytest.raises(ProxyError, match="400"):
         ctl.reward("r-api", 0, float("nan"))
@@ -114,6 +114,7 @@ def test_control_api_requires_its_token(proxy):
 def test_bad_credentials_are_refused_and_write_nothing(proxy, stub_server):
     body = {"model": "m", "messages": MSG}
     env = proxy.env_for("good")
+    stub_server.post("/_stub/reset", {})  # the stub keeps the last 200 requests only: count from 0
     before = len(stub_server.requests())
     cred = attempt_credential(proxy.token, "good", 0)
     bad_proxy = env["HTTP_PROXY"].replace(cred, "nope")

@@ -13,7 +13,7 @@ from lightning_harness.proxy.assemble import (CHAT, COMPLETIONS, RESPONSES, Stre
                                               endpoint_of, token_fields)
 from lightning_harness.proxy.client import harness_env
 from lightning_harness.proxy.config import ProxyConfig, parse_model_map
-from lightning_harness.proxy.redact import MASK, Redactor, redact_obj
+from lightning_harness.proxy.redact import MASK, Redactor
 from lightning_harness.proxy.sse import SSERelay
 
 
@@ -85,14 +85,15 @@ def test_token_fields_for_completions_json():
 
 
 def test_redaction():
-    obj = {"api_key": "k", "nested": [{"Authorization": "Bearer x", "max_tokens": 5, "prompt_token_ids": [1]}], "x-api-key": "y"}
-    assert redact_obj(obj) == {"api_key": MASK, "nested": [{"Authorization": MASK, "max_tokens": 5, "prompt_token_ids": [1]}], "x-api-key": MASK}
+    """Known values and key shapes are masked; key names are not (tests/test_hostile_redact.py for more)."""
+    obj = {"api_key": "k", "nested": [{"Authorization": "Bearer x", "max_tokens": 5, "prompt_token_ids": [1]}]}
     r = Redactor(["proxy-token-123"])
-    text = r.json_text(json.dumps({"messages": [{"content": "use sk-abcdefghijklmnop1234 and proxy-token-123"}], "password": "p"}))
-    assert "sk-abcdef" not in text and "proxy-token-123" not in text and '"password": "[REDACTED]"' in text
+    assert r.json_text(json.dumps(obj)) == json.dumps(obj)  # names alone never mask
+    text = r.json_text(json.dumps({"messages": [{"content": "use sk-aB3dE9gH1jK7mN0pQ4sT2vW8 and proxy-token-123"}], "password": "p"}))
+    assert "sk-aB3d" not in text and "proxy-token-123" not in text and '"password": "p"' in text
     assert r.json_text('{"model": "m", "max_tokens": 3}') == '{"model": "m", "max_tokens": 3}'  # untouched
-    assert r.path("/v1/chat/completions?api-version=1&api-key=abc") == f"/v1/chat/completions?api-version=1&api-key={MASK}"
-    assert "s3cr3t" not in r.raw_text("api_key=s3cr3t&x=1")
+    assert r.text("/v1/chat/completions?api-version=1&api-key=abc") == "/v1/chat/completions?api-version=1&api-key=abc"
+    assert r.text("/v1/chat/completions?api-key=query-key-1", ["query-key-1"]) == f"/v1/chat/completions?api-key={MASK}"
 
 
 def test_config_load_and_errors(tmp_path):
@@ -118,16 +119,6 @@ def test_harness_env_without_token_uses_placeholder_segment():
     env = harness_env("r", 0, None, "http://h:1", "http://h:2", "/ca.pem")
     assert env["HTTP_PROXY"] == "http://r~0:-@h:1" and env["OPENAI_BASE_URL"] == "http://h:2/lh/r~0/-/v1"
     assert env["SSL_CERT_FILE"] == env["NODE_EXTRA_CA_CERTS"] == env["CURL_CA_BUNDLE"] == "/ca.pem"
-
-
-@pytest.mark.parametrize("key", ["api_key", "apiKey", "x-api-key", "client_secret", "password", "Authorization",
-                                 "access_token", "accessToken", "refresh_token", "id_token", "session_token",
-                                 "cookie", "credentials", "private_key"])
-def test_secret_keys_pass_the_fast_prefilter(key):
-    """json_text only walks documents the substring prefilter flags: it must flag every secret key."""
-    text = json.dumps({"outer": {key: "value-1234567"}})
-    assert "value-1234567" not in Redactor().json_text(text)
-    assert json.loads(Redactor().json_text(json.dumps({"token": "w0", "logprob": -1.0}))) == {"token": "w0", "logprob": -1.0}
 
 
 def test_readme_config_example_loads(repo_root):

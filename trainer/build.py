@@ -32,6 +32,9 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
     row("rollouts dropped", stats["rollouts_dropped"], f"policy {stats['failed_policy']}: {by_state or 'none'}")
     row("spans read", stats["spans_read"])
     row("calls with errors (skipped)", stats["calls_error"])
+    if stats.get("calls_secret_detected"):
+        row("calls with a secret", stats["calls_secret_detected"],
+            f"left out {stats['calls_dropped_secret']}" + (" (--include-secret-spans to retokenise them)" if stats["calls_dropped_secret"] else ""))
     row("calls without token ids", stats["calls_without_token_ids"],
         f"rebuilt {stats['retokenized_calls']}, dropped {stats['calls_dropped_no_token_ids']}"
         + ("" if stats["retokenized_calls"] or not stats["calls_without_token_ids"] else " (pass --tokenizer to rebuild)"))
@@ -75,10 +78,13 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
 @click.option("--max-response-len", type=int, default=None, help="Truncate longer responses (reported).")
 @click.option("--step", "steps", type=int, multiple=True, help="Only rollouts of this step (repeatable).")
 @click.option("--where", default=None, help="Extra SQL predicate on the `rollouts` view, e.g. \"split = 'train'\".")
+@click.option("--include-secret-spans", is_flag=True,
+              help="Train on spans the proxy masked a secret in (no token ids: retokenised from the masked text, needs --tokenizer).")
 @click.option("--replace", is_flag=True, help="Replace an existing samples table (old parts are removed after the new one is written).")
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON instead of a table.")
 def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std, failed_policy, failed_reward,
-                  weight_mode, max_prompt_len, max_response_len, steps, where, replace, as_json) -> None:
+                  weight_mode, max_prompt_len, max_response_len, steps, where, include_secret_spans, replace,
+                  as_json) -> None:
     """Build training samples from TRACES_DIR (spans + rewards + rollouts) into a `samples` table.
 
     \b
@@ -108,7 +114,7 @@ def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std,
                 traces_dir, mode=mode, tokenizer=tokenizer, group_by=group_by, advantage=advantage,
                 norm_by_std=not no_std, failed_policy=failed_policy, failed_reward=failed_reward,
                 weight_mode=weight_mode, max_prompt_len=max_prompt_len, max_response_len=max_response_len,
-                steps=list(steps) or None, where=where,
+                steps=list(steps) or None, where=where, include_secret_spans=include_secret_spans,
             ), lambda: None)
         except (ValueError, FileNotFoundError) as exc:
             raise click.ClickException(str(exc)) from exc

@@ -112,6 +112,8 @@ class SamplesConfig:
     advantage: str = "grpo"  # rollout-level advantage estimator
     weight_mode: str = "rollout"  # 'rollout' (each rollout counts once), 'token-mean' or 'seq-mean';
     #   update.loss_mode follows it
+    include_secret_spans: bool = False  # train on spans the proxy masked a secret in (retokenised
+    #   from the masked text; needs the tokenizer); by default they are left out
     extra: dict = field(default_factory=dict)  # any other build_samples keyword
 
 

@@ -389,7 +389,8 @@ class TrainingRun:
             where = "split = 'train' AND group_id IN (" + ", ".join("'" + g.replace("'", "''") + "'" for g in gids) + ")"
             s = cfg.samples
             table, stats = build_samples(self.traces, mode=s.mode, advantage=s.advantage,
-                                         weight_mode=s.weight_mode, where=where, **(s.extra or {}))
+                                         weight_mode=s.weight_mode, where=where,
+                                         include_secret_spans=s.include_secret_spans, **(s.extra or {}))
             rep.update({f"samples/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
             table, st = staleness_filter(table, version, cfg.rollout.max_staleness,
                                          cfg.rollout.staleness_mode if cfg.rollout.mode == "async" else "tis")

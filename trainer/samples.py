@@ -46,6 +46,12 @@ failure policy) and ``weights.py`` (rollout / token-mean / seq-mean). Every sele
 passes the failure policy is a member of its group's statistics, even one without usable calls.
 Calls that ended in an error are not trained on (counted).
 
+Secrets: a span with ``secret_detected`` (the proxy masked a known credential or a provider key in
+its request or response text and emptied its token ids) is left out (``calls_secret_detected``)
+unless ``include_secret_spans=True`` (config ``samples.include_secret_spans``). Included, it has
+no token ids and is retokenised from the masked text like any span without ids (so it needs a
+tokenizer, and the model learns on ``[REDACTED]`` where the secret was, not on what it saw).
+
 Speed: one DuckDB query (scan, join with the selected rollouts, sort) hands Arrow list columns to
 numpy without copies; the merge test compares every prompt token once (boolean compress + one
 vectorised comparison); assembly is array arithmetic. ``stats["timings_s"]``/``["cpu_s"]`` give
@@ -359,13 +365,15 @@ def build_samples(
     steps: int | Iterable[int] | None = None,
     where: str | None = None,
     drift_check: int = 256,
+    include_secret_spans: bool = False,
 ) -> tuple[pa.Table, dict]:
     """Build the ``samples`` table from a traces directory (or a connection from ``views.connect``).
 
     ``group_by``: SQL expression over the ``rollouts`` view giving the advantage group (default
     ``group_id``; a rollout whose group is null is its own group and is reported as a singleton).
     ``steps``: a step or steps to take rollouts from (None: all); ``where``: an extra SQL predicate
-    on the ``rollouts`` view (e.g. ``"split = 'train'"``). Other arguments: see the module doc,
+    on the ``rollouts`` view (e.g. ``"split = 'train'"``). ``include_secret_spans``: train on spans
+    the proxy found a secret in (retokenised from the masked text). Other arguments: see the module doc,
     ``advantages.py`` and ``weights.py``.
     """
     if mode not in MODES:
@@ -419,9 +427,10 @@ def build_samples(
     con.register("_lh_kept", kept.select(["rollout_id", "attempt", "ridx"]))
     try:
         calls = con.sql(
-            """
+            f"""
             SELECT k.ridx, s.span_id, s.seq, s.model_version, s.finish_reason, s.error_kind,
-                   s.prompt_token_ids, s.response_token_ids, s.response_logprobs
+                   s.prompt_token_ids, s.response_token_ids, s.response_logprobs,
+                   {_secret_column(con)} AS secret_detected
             FROM spans s JOIN _lh_kept k ON s.rollout_id = k.rollout_id AND coalesce(s.attempt, 0) = k.attempt
             ORDER BY k.ridx, s.seq, s.started_at
             """
@@ -434,6 +443,7 @@ def build_samples(
     stats["calls_error"] = int(err.sum())
     if err.any():
         calls = calls.filter(pa.array(~err))
+    calls = _leave_out_secret_spans(calls, include_secret_spans, stats)
 
     # ---- token ids: rebuild the missing ones, measure drift ---------------------------------
     calls, retok = _fill_token_ids(con, calls, tokenizer, stats, drift_check)
@@ -487,6 +497,21 @@ def build_samples(
     stats["timings_s"] = timings
     stats["cpu_s"] = cpu
     return table, stats
+
+
+def _secret_column(con: duckdb.DuckDBPyConnection) -> str:
+    """``s.secret_detected``, or FALSE for traces written before the column existed."""
+    cols = {r[0] for r in con.sql("DESCRIBE spans").fetchall()}
+    return "coalesce(s.secret_detected, FALSE)" if "secret_detected" in cols else "FALSE"
+
+
+def _leave_out_secret_spans(calls: pa.Table, include: bool, stats: dict) -> pa.Table:
+    """Drop spans the proxy found a secret in, unless asked to train on them (counted either way)."""
+    secret = calls["secret_detected"].to_numpy(zero_copy_only=False).astype(bool) if calls.num_rows else np.zeros(0, bool)
+    stats["calls_secret_detected"] = int(secret.sum())
+    stats["calls_dropped_secret"] = 0 if include else int(secret.sum())
+    calls = calls.drop_columns(["secret_detected"])
+    return calls if include or not secret.any() else calls.filter(pa.array(~secret))
 
 
 def _fill_token_ids(con, calls: pa.Table, tokenizer: Any, stats: dict, drift_check: int) -> tuple[pa.Table, np.ndarray]:

@@ -2,7 +2,8 @@
 
 Order matters: mitmproxy calls each hook on every addon in list order and awaits async hooks.
 The gate comes first (nothing after it sees a held request); attribution acts in the earlier
-``http_connect`` / ``requestheaders`` hooks; capture precedes rewrite so the span keeps the
+``http_connect`` / ``requestheaders`` hooks; secrets follows it (it fills the Call attribution
+made with the request's credentials, before routing may replace them); capture precedes rewrite so the span keeps the
 request as the harness sent it and the response with its token ids; encoding sits between them
 (it wraps capture's SSE relay with a decompressor and decodes bodies before rewrite edits them).
 """
@@ -17,10 +18,11 @@ from .encoding import Encoding
 from .gate import Gate
 from .rewrite import Rewrite
 from .routing import Routing
+from .secrets import Secrets
 
 
 def build_addons(state: ProxyState) -> list:
-    return [Gate(state), Attribution(state), Control(state), Routing(state), Capture(state), Encoding(), Rewrite(state)]
+    return [Gate(state), Attribution(state), Secrets(), Control(state), Routing(state), Capture(state), Encoding(), Rewrite(state)]
 
 
-__all__ = ["Attribution", "Capture", "Control", "Encoding", "Gate", "Rewrite", "Routing", "build_addons"]
+__all__ = ["Attribution", "Capture", "Control", "Encoding", "Gate", "Rewrite", "Routing", "Secrets", "build_addons"]
