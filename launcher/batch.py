@@ -121,6 +121,7 @@ class BatchRunner:
         retries: int = 0,
         reward_cmd: str | None = None,
         reward_timeout: float = 300.0,
+        self_reward: bool = True,
         step: int | None = None,
         split: str = "train",
         model_version: int | None = None,
@@ -174,6 +175,7 @@ class BatchRunner:
             traces_dir=self.traces_dir, harness=harness, runner=self.runner, proxy=self.proxy,
             reward_table=RewardsTable(self.traces_dir, control.flush if control else None), timeout=timeout,
             cwd=cwd, extra_env=dict(extra_env or {}), reward_cmd=reward_cmd, reward_timeout=reward_timeout,
+            self_reward=self_reward,
         )
         self._queue: "queue.PriorityQueue[_Item]" = queue.PriorityQueue()
         self._lock = threading.Condition()

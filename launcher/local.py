@@ -1,23 +1,26 @@
-"""Run one harness attempt as a local process in its own process group.
+"""Run one harness attempt as a local process; its whole process tree ends with it.
 
-Why a process group: harnesses spawn children (shells, tool subprocesses, language servers). A
-timeout, a crash of the leader or a Ctrl-C must take every one of them down, so each attempt is a
-session leader (``start_new_session=True``) and is stopped with ``killpg``: SIGTERM, a grace period,
-then SIGKILL. Output goes straight to a log file (no pipe to drain, nothing lost if the launcher
-dies) and is cut to its tail when the attempt ends.
+Why a process tree (:mod:`.proctree`) and not just a process group: harnesses spawn children
+(shells, tool subprocesses, language servers), and a hostile one can ``setsid`` or double-fork out of
+its group. A timeout, a cancel, and also a normal exit of the harness end every process it started
+(SIGTERM, a grace period, SIGKILL), so nothing keeps running after the attempt is judged. The
+harness is still a session leader (``start_new_session=True``) so terminal signals of the launcher
+do not reach it directly. Output goes straight to a log file (no pipe to drain, nothing lost if the
+launcher dies) and is cut to its tail when the attempt ends.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import os
-import signal
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
+
+from .proctree import ProcessTree
 
 
 def utcnow() -> dt.datetime:
@@ -77,25 +80,6 @@ def trim_to_tail(path: Path, max_bytes: int) -> None:
     os.replace(tmp, path)
 
 
-def kill_group(pgid: int, *, grace: float = 3.0, proc: subprocess.Popen | None = None) -> None:
-    """SIGTERM the whole group, wait up to ``grace`` for the leader, then SIGKILL whatever is left."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
-    if proc is not None:
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    else:
-        time.sleep(min(grace, 0.2))
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 class LocalRunner:
     """Runs attempts as local processes. Thread-safe: one call of :meth:`run` per worker thread."""
 
@@ -105,7 +89,7 @@ class LocalRunner:
         self.kill_grace = kill_grace
         self.max_log_bytes = max_log_bytes
         self.inherit_env = inherit_env
-        self._live: dict[int, subprocess.Popen] = {}
+        self._live: dict[int, ProcessTree] = {}
         self._lock = threading.Lock()
 
     def _environ(self, job: AttemptJob) -> dict[str, str]:
@@ -119,53 +103,57 @@ class LocalRunner:
         job.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = utcnow()
         shell = isinstance(job.command, str)
+        tree = ProcessTree()
         try:
             with open(job.log_path, "ab") as log:
-                proc = subprocess.Popen(
-                    job.command if shell else list(job.command),
-                    shell=shell,
-                    executable="/bin/sh" if shell else None,
-                    env=self._environ(job),
-                    cwd=job.cwd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
+                proc = tree.popen(
+                    job.command if shell else list(job.command), shell=shell,
+                    executable="/bin/sh" if shell else None, env=self._environ(job), cwd=job.cwd,
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 )
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:
+            tree.close()
             with open(job.log_path, "ab") as log:
                 log.write(f"[lightning] could not start harness: {exc}\n".encode())
             return AttemptOutcome(None, started, utcnow(), error=f"could not start harness: {exc}")
         with self._lock:
-            self._live[proc.pid] = proc
-        deadline = None if not job.timeout else time.monotonic() + job.timeout
-        timed_out = cancelled = False
+            self._live[proc.pid] = tree
         try:
-            while True:
-                try:
-                    proc.wait(0.1)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                if cancel.is_set():
-                    cancelled = True
-                elif deadline is not None and time.monotonic() >= deadline:
-                    timed_out = True
-                if cancelled or timed_out:
-                    kill_group(proc.pid, grace=self.kill_grace, proc=proc)
-                    proc.wait()
-                    break
+            timed_out, cancelled = self._wait(proc, tree, job.timeout, cancel)
         finally:
-            # the leader is gone; stragglers it left in its group go too
-            kill_group(proc.pid, grace=0.0)
+            # the leader is gone; whatever it left running (daemons included) goes too
+            tree.kill(grace=0.0)
+            tree.close()
+            proc.wait()
             with self._lock:
                 self._live.pop(proc.pid, None)
+        return self._outcome(job, proc, started, timed_out, cancelled)
+
+    def _wait(self, proc: subprocess.Popen, tree: ProcessTree, timeout: float | None,
+              cancel: threading.Event) -> tuple[bool, bool]:
+        """Wait for the leader; on timeout or cancel end the whole tree. Returns (timed_out, cancelled)."""
+        deadline = None if not timeout else time.monotonic() + timeout
+        while True:
+            try:
+                proc.wait(0.1)
+                return False, False
+            except subprocess.TimeoutExpired:
+                pass
+            tree.poll()
+            cancelled = cancel.is_set()
+            timed_out = not cancelled and deadline is not None and time.monotonic() >= deadline
+            if cancelled or timed_out:
+                tree.kill(grace=self.kill_grace)
+                return timed_out, cancelled
+
+    def _outcome(self, job: AttemptJob, proc: subprocess.Popen, started: dt.datetime, timed_out: bool,
+                 cancelled: bool) -> AttemptOutcome:
         ended = utcnow()
         error = None
         if timed_out:
-            error = f"timed out after {job.timeout:g}s; process group killed"
+            error = f"timed out after {job.timeout:g}s; process tree killed"
         elif cancelled:
-            error = "cancelled; process group killed"
+            error = "cancelled; process tree killed"
         elif proc.returncode != 0:
             rc = proc.returncode
             error = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
@@ -178,5 +166,5 @@ class LocalRunner:
         """Emergency stop of every live attempt (the normal path is the cancel event)."""
         with self._lock:
             live = list(self._live.values())
-        for proc in live:
-            kill_group(proc.pid, grace=0.0)
+        for tree in live:
+            tree.kill(grace=0.0)

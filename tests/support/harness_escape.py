@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""A hostile test harness: leaves processes that try to outlive the rollout, and reports its own reward.
+
+Standard library only (it must run in any interpreter). The task row (``LIGHTNING_TASK``) steers it:
+  escape   true: start a ``setsid`` grandchild and a double-forked daemon; each ignores SIGTERM,
+           writes its pid as the first line of ``OUT/setsid.txt`` / ``OUT/daemon.txt`` and then
+           appends a line every 50 ms for ever
+  claim    POST ``{"reward": claim}`` to LIGHTNING_REWARD_URL before ending
+  late     a number: also leave a ``setsid`` process (pid in ``OUT/late.txt``) that POSTs
+           ``{"reward": late}`` after ``late_delay`` seconds (default 1.5)
+  then     'exit' (default) exit 0 at once, 'hang' sleep for ever (for timeouts and cancel)
+OUT is LIGHTNING_OUTPUT_DIR. Prints ``READY`` once everything is started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+LOOP = (
+    "import os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "fh = open(sys.argv[1], 'a')\n"
+    "fh.write(f'{os.getpid()}\\n'); fh.flush()\n"
+    "while True:\n"
+    "    fh.write('tick\\n'); fh.flush(); time.sleep(0.05)\n"
+)
+
+
+def post_reward(value: float) -> None:
+    """POST straight to the proxy's reverse listener (no HTTP_PROXY detour)."""
+    req = urllib.request.Request(os.environ["LIGHTNING_REWARD_URL"], data=json.dumps({"reward": value}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=10) as resp:
+        resp.read()
+
+
+def daemonize(argv: list[str]) -> None:
+    """Classic double fork: the grandchild is in a new session and its parent is gone."""
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execv(argv[0], argv)
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def wait_started(out: str, task: dict) -> None:
+    """Until every escapee has written its pid: they are all running when the harness goes on."""
+    names = (["setsid.txt", "daemon.txt"] if task.get("escape") else []) + (["late.txt"] if task.get("late") is not None else [])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if all(os.path.exists(p) and open(p).read().strip() for p in (os.path.join(out, n) for n in names)):
+            return
+        time.sleep(0.02)
+    raise SystemExit("escapees did not start")
+
+
+def main() -> int:
+    task = json.loads(os.environ["LIGHTNING_TASK"])
+    out = os.environ["LIGHTNING_OUTPUT_DIR"]
+    os.makedirs(out, exist_ok=True)
+    if task.get("escape"):
+        subprocess.Popen(["setsid", sys.executable, "-c", LOOP, os.path.join(out, "setsid.txt")])
+        daemonize([sys.executable, "-c", LOOP, os.path.join(out, "daemon.txt")])
+    if task.get("late") is not None:
+        late = (
+            f"import os, signal, sys, time\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            f"open({os.path.join(out, 'late.txt')!r}, 'w').write(str(os.getpid()))\n"
+            f"time.sleep({float(task.get('late_delay', 1.5))})\n"
+            f"from harness_escape import post_reward; post_reward({float(task['late'])})\n"
+        )
+        subprocess.Popen(["setsid", sys.executable, "-c", late])
+    if task.get("claim") is not None:
+        post_reward(float(task["claim"]))
+    wait_started(out, task)
+    print("READY", flush=True)
+    if task.get("then") == "hang":
+        time.sleep(1000)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
