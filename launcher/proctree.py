@@ -97,6 +97,7 @@ class ProcessTree:
 
     _mechanism: str | None = None
     _root: Path | None = None
+    _cgroup_kill = False  # the kernel has cgroup.kill (5.14+); else freeze + SIGKILL each pid
     _class_lock = threading.Lock()
     _seq = itertools.count()
 
@@ -125,14 +126,14 @@ class ProcessTree:
             probe.mkdir(exist_ok=True)
             try:
                 subprocess.run(["/bin/true"], preexec_fn=_join(str(probe / "cgroup.procs")), check=True)
-                kill = "cgroup.kill" if (probe / "cgroup.kill").exists() else "freeze + SIGKILL"
+                cls._cgroup_kill = (probe / "cgroup.kill").exists()
             finally:
                 probe.rmdir()
         except (OSError, subprocess.SubprocessError) as exc:
             return "scan", f"cgroup v2 not usable: {exc}"
         cls._root = own
         cls._reap_stale(own)
-        return "cgroup", f"cgroup v2 under {own}, {kill}"
+        return "cgroup", f"cgroup v2 under {own}, {'cgroup.kill' if cls._cgroup_kill else 'freeze + SIGKILL'}"
 
     @staticmethod
     def _reap_stale(own: Path) -> None:
@@ -248,9 +249,8 @@ class ProcessTree:
         if self.cgroup is None:
             self.signal(signal.SIGKILL)
             return
-        kill_file = self.cgroup / "cgroup.kill"
-        if kill_file.exists():
-            kill_file.write_text("1")
+        if self._cgroup_kill:
+            (self.cgroup / "cgroup.kill").write_text("1")
             return
         freeze = self.cgroup / "cgroup.freeze"
         freeze.write_text("1")  # nothing forks while we read cgroup.procs and kill
