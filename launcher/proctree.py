@@ -12,7 +12,8 @@ launcher process and logged once (``ProcessTree.mechanism()``):
     A cgroup v2 directory per tree, a child of the launcher's own cgroup (the only place a
     delegated, non-root launcher may create one). The child joins it in ``preexec_fn``, i.e. after
     ``fork`` and before ``exec``: nothing the harness starts can be born outside it, and no process
-    can leave it without write access to another cgroup. Ending the tree writes ``cgroup.kill``
+    can leave it without write access to another cgroup (a harness running as root has that: against
+    it only a separate user or container helps). Ending the tree writes ``cgroup.kill``
     (Linux >= 5.14), or freezes the cgroup and SIGKILLs each pid of ``cgroup.procs``. The preexec
     function only makes raw syscalls (open/write/close of bytes prepared before the fork), so the
     "preexec_fn is unsafe with threads" hazard (locks held by other threads) does not apply.
@@ -21,13 +22,14 @@ launcher process and logged once (``ProcessTree.mechanism()``):
     becomes a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``): orphans reparent to it instead
     of init. The tree is then the leader, its descendants by parent pid in ``/proc``, and orphans
     adopted by the launcher whose environment carries this tree's ``LIGHTNING_TREE`` marker;
-    :meth:`poll` records members while the harness runs, killing re-checks each pid's start time
-    (pid reuse) and reaps the adopted ones. Weaker: an orphan that escapes within one scan interval
-    *and* clears its environment is missed.
+    :meth:`poll` records members while the harness runs; every kill round rescans first and keeps
+    only pids with the start time first seen (pid reuse), and the adopted ones are reaped. Weaker:
+    an orphan that escapes within one scan interval *and* clears its environment is missed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import logging
@@ -163,7 +165,8 @@ class ProcessTree:
 
     def popen(self, args, **kwargs) -> subprocess.Popen:
         """``subprocess.Popen`` with the child inside this tree (and the marker in its environment)."""
-        env = dict(kwargs.pop("env", None) or os.environ)
+        env = kwargs.pop("env", None)
+        env = dict(os.environ if env is None else env)
         env[TREE_ENV] = self.marker
         if self.cgroup is not None:
             kwargs["preexec_fn"] = _join(str(self.cgroup / "cgroup.procs"))
@@ -176,11 +179,14 @@ class ProcessTree:
 
     def pids(self) -> list[int]:
         """Live (non-zombie) members now."""
-        if self.cgroup is not None:
-            try:
-                return [int(p) for p in (self.cgroup / "cgroup.procs").read_text().split()]
-            except FileNotFoundError:
-                return []
+        if self.cgroup is not None:  # cgroups the harness created inside its own count too
+            pids = []
+            for procs in self.cgroup.rglob("cgroup.procs"):
+                try:
+                    pids += [int(p) for p in procs.read_text().split()]
+                except FileNotFoundError:
+                    pass
+            return pids
         self._scan()
         return list(self._known)
 
@@ -249,15 +255,18 @@ class ProcessTree:
         if self.cgroup is None:
             self.signal(signal.SIGKILL)
             return
-        if self._cgroup_kill:
-            (self.cgroup / "cgroup.kill").write_text("1")
-            return
-        freeze = self.cgroup / "cgroup.freeze"
-        freeze.write_text("1")  # nothing forks while we read cgroup.procs and kill
         try:
-            self.signal(signal.SIGKILL)
-        finally:
-            freeze.write_text("0")
+            if self._cgroup_kill:
+                (self.cgroup / "cgroup.kill").write_text("1")
+                return
+            freeze = self.cgroup / "cgroup.freeze"
+            freeze.write_text("1")  # nothing forks while we read cgroup.procs and kill
+            try:
+                self.signal(signal.SIGKILL)
+            finally:
+                freeze.write_text("0")
+        except FileNotFoundError:  # another thread (kill_all) ended and removed the tree meanwhile
+            pass
 
     def _reap_adopted(self) -> None:
         """Collect orphans the subreaper launcher adopted (Popen reaps its own child, the leader)."""
@@ -279,9 +288,10 @@ class ProcessTree:
             return
         for _ in range(50):
             try:
-                self.cgroup.rmdir()
-                return
-            except FileNotFoundError:
+                dirs = sorted((d for d in self.cgroup.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts))
+                for d in dirs + [self.cgroup]:  # the deepest first: a cgroup with children is busy
+                    with contextlib.suppress(FileNotFoundError):
+                        d.rmdir()
                 return
             except OSError:
                 time.sleep(0.02)  # EBUSY: the last member is still exiting

@@ -94,12 +94,15 @@ def test_cancel_ends_the_whole_tree(tmp_path, mechanism):
     _assert_stopped(tmp_path / "out", pids)
 
 
-def test_no_cgroup_is_left_behind(tmp_path, mechanism):
+def test_a_cgroup_made_inside_the_tree_ends_too_and_none_is_left_behind(tmp_path, mechanism):
     if mechanism != "cgroup":
-        pytest.skip("cgroup only")
-    LocalRunner().run(_job(tmp_path, {}), threading.Event())
-    own = ProcessTree._root
-    assert not list(own.glob(f"lightning-{os.getpid()}-*"))
+        pytest.skip("cgroup only (the harness nests a cgroup in its own)")
+    out = LocalRunner(kill_grace=0.5).run(_job(tmp_path, {"escape": True, "nest": True}), threading.Event())
+    assert out.exit_code == 0, (tmp_path / "harness.log").read_text()
+    pids = _escapees(tmp_path / "out")
+    pids["nested"] = int((tmp_path / "out" / "nested.txt").read_text().split()[0])
+    _assert_stopped(tmp_path / "out", pids)
+    assert not list(ProcessTree._root.glob(f"lightning-{os.getpid()}-*"))
 
 
 def test_the_reward_commands_leftovers_end_too(tmp_path, mechanism):
@@ -189,3 +192,15 @@ def test_no_self_reward_gives_no_reward_instead_of_the_harness_claim(tmp_path, w
     assert res.returncode == 0, res.stderr
     trusting = {r["task_id"]: (r["state"], r["reward"]) for r in rows(traces, "rollouts") if r["run_id"] == "trusting"}
     assert trusting == {"claims": ("succeeded", 1.0), "silent": ("no_reward", None)}
+
+
+def test_the_trainer_config_key_turns_self_reports_off(tmp_path):
+    from lightning_harness.trainer import config as C
+
+    p = tmp_path / "cfg.yaml"
+    p.write_text("model: model\nharness: {command: [h]}\ntasks: {train: t.jsonl}\n")
+    (tmp_path / "model").mkdir()
+    assert C.load_config(p).harness.self_reward is True
+    assert C.load_config(p, ["harness.self_reward=false"]).harness.self_reward is False
+    with pytest.raises(C.ConfigError, match="harness.self_reward"):
+        C.load_config(p, ["harness.self_reward=maybe"])

@@ -6,6 +6,8 @@ Standard library only (it must run in any interpreter). The task row (``LIGHTNIN
            writes its pid as the first line of ``OUT/setsid.txt`` / ``OUT/daemon.txt`` and then
            appends a line every 50 ms for ever
   claim    POST ``{"reward": claim}`` to LIGHTNING_REWARD_URL before ending
+  nest     true (root, in a cgroup v2): make a cgroup inside its own and put a ``setsid`` loop
+           process there (pid in ``OUT/nested.txt``)
   late     a number: also leave a ``setsid`` process (pid in ``OUT/late.txt``) that POSTs
            ``{"reward": late}`` after ``late_delay`` seconds (default 1.5)
   then     'exit' (default) exit 0 at once, 'hang' sleep for ever (for timeouts and cancel)
@@ -51,9 +53,23 @@ def daemonize(argv: list[str]) -> None:
     os.waitpid(pid, 0)
 
 
+def nest(out: str) -> None:
+    """A harness with write access to its cgroup hides a process in a cgroup of its own making."""
+    with open("/proc/self/mountinfo") as fh:
+        mount = next(ln.split(" - ")[0].split()[4] for ln in fh if ln.split(" - ")[1].startswith("cgroup2"))
+    with open("/proc/self/cgroup") as fh:
+        rel = next(ln.strip()[3:] for ln in fh if ln.startswith("0::"))
+    inner = os.path.join(mount, rel.lstrip("/"), "inner")
+    os.mkdir(inner)
+    child = subprocess.Popen(["setsid", sys.executable, "-c", LOOP, os.path.join(out, "nested.txt")])
+    with open(os.path.join(inner, "cgroup.procs"), "w") as fh:
+        fh.write(str(child.pid))
+
+
 def wait_started(out: str, task: dict) -> None:
     """Until every escapee has written its pid: they are all running when the harness goes on."""
     names = (["setsid.txt", "daemon.txt"] if task.get("escape") else []) + (["late.txt"] if task.get("late") is not None else [])
+    names += ["nested.txt"] if task.get("nest") else []
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if all(os.path.exists(p) and open(p).read().strip() for p in (os.path.join(out, n) for n in names)):
@@ -69,6 +85,8 @@ def main() -> int:
     if task.get("escape"):
         subprocess.Popen(["setsid", sys.executable, "-c", LOOP, os.path.join(out, "setsid.txt")])
         daemonize([sys.executable, "-c", LOOP, os.path.join(out, "daemon.txt")])
+    if task.get("nest"):
+        nest(out)
     if task.get("late") is not None:
         late = (
             f"import os, signal, sys, time\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
