@@ -204,3 +204,24 @@ def test_the_trainer_config_key_turns_self_reports_off(tmp_path):
     assert C.load_config(p, ["harness.self_reward=false"]).harness.self_reward is False
     with pytest.raises(C.ConfigError, match="harness.self_reward"):
         C.load_config(p, ["harness.self_reward=maybe"])
+
+
+def test_the_view_ranks_hand_written_reports(tmp_path):
+    """The view's rule on Parquet written directly (no launcher run): ranks, judged attempts, unlabelled rows."""
+    from fixtures_traces import reward, rollout, write_traces
+
+    unlabelled = {**reward("U", 0.7), "source": None}
+    write_traces(
+        tmp_path,
+        rollouts=[rollout("J", reward=0.3, task_id="judged"),  # launcher rows end at T0+5 s
+                  rollout("Q", state="no_reward", task_id="quiet")],  # e.g. --no-self-reward ignored a claim
+        rewards=[reward("J", 1.0, at_s=9), reward("J", 0.9, at_s=9, source="file"),  # self-reports after judging
+                 reward("J", 0.1, at_s=1, source="api"),  # the operator, before the launcher judged: weighed then
+                 reward("Q", 1.0, at_s=2),
+                 reward("P", 0.2, at_s=1, source="api"), reward("P", 1.0, at_s=2),  # proxy alone: rank beats time
+                 reward("S", 0.4, at_s=1), reward("S", 0.6, at_s=2, source="file"),  # same rank: the latest
+                 unlabelled, reward("U", 0.1, at_s=-1, source="command")],
+    )
+    got = {r[0]: r[1:] for r in connect(tmp_path).sql("SELECT rollout_id, state, reward, reward_source FROM rollouts").fetchall()}
+    assert got == {"J": ("succeeded", 0.3, "file"), "Q": ("no_reward", None, None), "P": ("succeeded", 0.2, "api"),
+                   "S": ("succeeded", 0.6, "file"), "U": ("succeeded", 0.1, "command")}
