@@ -103,8 +103,9 @@ class LocalRunner:
         job.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = utcnow()
         shell = isinstance(job.command, str)
-        tree = ProcessTree()
+        tree = None
         try:
+            tree = ProcessTree()
             with open(job.log_path, "ab") as log:
                 proc = tree.popen(
                     job.command if shell else list(job.command), shell=shell,
@@ -112,21 +113,27 @@ class LocalRunner:
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 )
         except (OSError, subprocess.SubprocessError) as exc:
-            tree.close()
+            if tree is not None:
+                tree.close()
             with open(job.log_path, "ab") as log:
                 log.write(f"[lightning] could not start harness: {exc}\n".encode())
             return AttemptOutcome(None, started, utcnow(), error=f"could not start harness: {exc}")
         with self._lock:
             self._live[proc.pid] = tree
+        leftovers = 0
         try:
             timed_out, cancelled = self._wait(proc, tree, job.timeout, cancel)
         finally:
             # the leader is gone; whatever it left running (daemons included) goes too
+            leftovers = len(tree.pids())
             tree.kill(grace=0.0)
             tree.close()
             proc.wait()
             with self._lock:
                 self._live.pop(proc.pid, None)
+        if leftovers:
+            with open(job.log_path, "ab") as log:
+                log.write(f"[lightning] killed {leftovers} process(es) the harness left running\n".encode())
         return self._outcome(job, proc, started, timed_out, cancelled)
 
     def _wait(self, proc: subprocess.Popen, tree: ProcessTree, timeout: float | None,

@@ -70,6 +70,7 @@ def test_setsid_and_double_forked_children_end_when_the_harness_exits(tmp_path, 
     assert out.exit_code == 0 and out.error is None, (tmp_path / "harness.log").read_text()
     pids = _escapees(tmp_path / "out")
     _assert_stopped(tmp_path / "out", pids)
+    assert "killed 2 process(es) the harness left running" in (tmp_path / "harness.log").read_text()
 
 
 def test_timeout_ends_the_whole_tree(tmp_path, mechanism):
