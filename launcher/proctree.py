@@ -12,8 +12,10 @@ launcher process and logged once (``ProcessTree.mechanism()``):
     A cgroup v2 directory per tree, a child of the launcher's own cgroup (the only place a
     delegated, non-root launcher may create one). The child joins it in ``preexec_fn``, i.e. after
     ``fork`` and before ``exec``: nothing the harness starts can be born outside it, and no process
-    can leave it without write access to another cgroup (a harness running as root has that: against
-    it only a separate user or container helps). Ending the tree writes ``cgroup.kill``
+    can leave it without write access to another cgroup. A harness running as root has that, so
+    ending a tree also SIGKILLs every process still carrying its ``LIGHTNING_TREE`` marker (one that
+    moved out *and* exec'd with a clean environment escapes: only a separate user or container
+    stops a root harness). Ending the tree writes ``cgroup.kill``
     (Linux >= 5.14), or freezes the cgroup and SIGKILLs each pid of ``cgroup.procs``. The preexec
     function only makes raw syscalls (open/write/close of bytes prepared before the fork), so the
     "preexec_fn is unsafe with threads" hazard (locks held by other threads) does not apply.
@@ -241,6 +243,7 @@ class ProcessTree:
             deadline = time.monotonic() + grace
             while self.pids() and time.monotonic() < deadline:
                 time.sleep(0.05)
+        self._sweep_marked()
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             if not self.pids():
@@ -249,6 +252,15 @@ class ProcessTree:
             self._reap_adopted()
             time.sleep(0.02)
         return not self.pids()
+
+    def _sweep_marked(self) -> None:
+        """SIGKILL any process carrying this tree's marker that is no longer a member: defence in
+        depth against one that left the tree (a root harness can write itself into another cgroup)."""
+        members = set(self.pids())
+        for name in os.listdir("/proc"):
+            if name.isdigit() and int(name) not in members and self._marked(int(name)):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(name), signal.SIGKILL)
 
     def _kill_round(self) -> None:
         """SIGKILL everything: ``cgroup.kill``, else a frozen cgroup pid by pid, else the scan's pids."""

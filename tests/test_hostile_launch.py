@@ -95,13 +95,15 @@ def test_cancel_ends_the_whole_tree(tmp_path, mechanism):
     _assert_stopped(tmp_path / "out", pids)
 
 
-def test_a_cgroup_made_inside_the_tree_ends_too_and_none_is_left_behind(tmp_path, mechanism):
+def test_processes_moved_to_other_cgroups_end_too_and_no_cgroup_is_left_behind(tmp_path, mechanism):
+    """A root harness nests a cgroup in its own, and moves a process out of its tree altogether."""
     if mechanism != "cgroup":
-        pytest.skip("cgroup only (the harness nests a cgroup in its own)")
-    out = LocalRunner(kill_grace=0.5).run(_job(tmp_path, {"escape": True, "nest": True}), threading.Event())
+        pytest.skip("cgroup only (the harness moves processes between cgroups)")
+    out = LocalRunner(kill_grace=0.5).run(_job(tmp_path, {"escape": True, "nest": True, "jump": True}), threading.Event())
     assert out.exit_code == 0, (tmp_path / "harness.log").read_text()
     pids = _escapees(tmp_path / "out")
-    pids["nested"] = int((tmp_path / "out" / "nested.txt").read_text().split()[0])
+    for name in ("nested", "jumped"):
+        pids[name] = int((tmp_path / "out" / f"{name}.txt").read_text().split()[0])
     _assert_stopped(tmp_path / "out", pids)
     assert not list(ProcessTree._root.glob(f"lightning-{os.getpid()}-*"))
 

@@ -8,6 +8,8 @@ Standard library only (it must run in any interpreter). The task row (``LIGHTNIN
   claim    POST ``{"reward": claim}`` to LIGHTNING_REWARD_URL before ending
   nest     true (root, in a cgroup v2): make a cgroup inside its own and put a ``setsid`` loop
            process there (pid in ``OUT/nested.txt``)
+  jump     true (root, in a cgroup v2): move a ``setsid`` loop process out, into the parent
+           cgroup (pid in ``OUT/jumped.txt``)
   late     a number: also leave a ``setsid`` process (pid in ``OUT/late.txt``) that POSTs
            ``{"reward": late}`` after ``late_delay`` seconds (default 1.5)
   then     'exit' (default) exit 0 at once, 'hang' sleep for ever (for timeouts and cancel)
@@ -53,23 +55,24 @@ def daemonize(argv: list[str]) -> None:
     os.waitpid(pid, 0)
 
 
-def nest(out: str) -> None:
-    """A harness with write access to its cgroup hides a process in a cgroup of its own making."""
+def move_loop(out: str, name: str, where: str) -> None:
+    """A root harness moves a process to another cgroup: ``where`` = 'inner' (one it makes inside its
+    own) or 'parent' (out of its tree)."""
     with open("/proc/self/mountinfo") as fh:
         mount = next(ln.split(" - ")[0].split()[4] for ln in fh if ln.split(" - ")[1].startswith("cgroup2"))
     with open("/proc/self/cgroup") as fh:
-        rel = next(ln.strip()[3:] for ln in fh if ln.startswith("0::"))
-    inner = os.path.join(mount, rel.lstrip("/"), "inner")
-    os.mkdir(inner)
-    child = subprocess.Popen(["setsid", sys.executable, "-c", LOOP, os.path.join(out, "nested.txt")])
-    with open(os.path.join(inner, "cgroup.procs"), "w") as fh:
+        own = os.path.join(mount, next(ln.strip()[3:] for ln in fh if ln.startswith("0::")).lstrip("/"))
+    target = os.path.dirname(own) if where == "parent" else os.path.join(own, where)
+    os.makedirs(target, exist_ok=True)
+    child = subprocess.Popen(["setsid", sys.executable, "-c", LOOP, os.path.join(out, name)])
+    with open(os.path.join(target, "cgroup.procs"), "w") as fh:
         fh.write(str(child.pid))
 
 
 def wait_started(out: str, task: dict) -> None:
     """Until every escapee has written its pid: they are all running when the harness goes on."""
     names = (["setsid.txt", "daemon.txt"] if task.get("escape") else []) + (["late.txt"] if task.get("late") is not None else [])
-    names += ["nested.txt"] if task.get("nest") else []
+    names += (["nested.txt"] if task.get("nest") else []) + (["jumped.txt"] if task.get("jump") else [])
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if all(os.path.exists(p) and open(p).read().strip() for p in (os.path.join(out, n) for n in names)):
@@ -86,7 +89,9 @@ def main() -> int:
         subprocess.Popen(["setsid", sys.executable, "-c", LOOP, os.path.join(out, "setsid.txt")])
         daemonize([sys.executable, "-c", LOOP, os.path.join(out, "daemon.txt")])
     if task.get("nest"):
-        nest(out)
+        move_loop(out, "nested.txt", "inner")
+    if task.get("jump"):
+        move_loop(out, "jumped.txt", "parent")
     if task.get("late") is not None:
         late = (
             f"import os, signal, sys, time\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
