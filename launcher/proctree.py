@@ -111,9 +111,8 @@ class ProcessTree:
         with cls._class_lock:
             if cls._mechanism is None:
                 cls._mechanism, why = cls._probe()
-                if cls._mechanism == "scan":
-                    libc = ctypes.CDLL(None, use_errno=True)
-                    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+                if cls._mechanism == "scan" and ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0):
+                    why += f"; not a subreaper (errno {ctypes.get_errno()}): orphans go to init, only the scan finds them"
                 log.info("process trees: %s (%s)", cls._mechanism, why)
             return cls._mechanism
 
