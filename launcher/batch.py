@@ -339,7 +339,7 @@ class BatchRunner:
             self._lock.notify_all()
 
     def cancel(self) -> None:
-        """Stop every running harness (whole process groups), drop queued attempts, flush rows."""
+        """Stop every running harness (whole process trees), drop queued attempts, flush rows."""
         self._cancel.set()
         with self._lock:
             self._lock.notify_all()
@@ -497,7 +497,7 @@ def run_batch(
 ) -> list[RolloutResult]:
     """Run tasks x samples to completion and return each rollout's final attempt (submission order).
 
-    Ctrl-C cancels: every harness process group is killed, cancelled attempts are recorded, rows flushed.
+    Ctrl-C cancels: every harness process tree is killed, cancelled attempts are recorded, rows flushed.
     Raises :class:`BatchAborted` if the proxy (or ``health_check``) reports a failure mid-batch.
     """
     with BatchRunner(

@@ -54,7 +54,7 @@ def main() -> None:
 @click.option("--traces", type=click.Path(file_okay=False, path_type=Path), default=Path("traces"), show_default=True, help="Traces root: spans/, rewards/, rollouts/ Parquet and launch/ (per-attempt logs and files).")
 @click.option("--samples", "-n", type=click.IntRange(1), default=1, show_default=True, help="Rollouts per task (the group size).")
 @click.option("--concurrency", "-j", type=click.IntRange(1), default=4, show_default=True, help="Harnesses running at once.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, help="Seconds per attempt; then the whole process group (or Job) is killed.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, help="Seconds per attempt; then its whole process tree (or Job) is killed.")
 @click.option("--retries", type=click.IntRange(0), default=0, show_default=True, help="Extra attempts for a crashed or timed-out rollout (each a new attempt id).")
 @click.option("--run-id", help="Batch id (prefix of every rollout id). [default: derived from the task file and command, so a re-run resumes]")
 @click.option("--split", default="train", show_default=True, help="Label stored on rollouts ('train', 'eval', ...).")
