@@ -69,6 +69,7 @@ def main() -> None:
 @click.option("--route-host", "route_hosts", multiple=True, help="Host whose forward-mode calls go to the upstreams (e.g. api.openai.com; '*' = all). Repeatable.")
 @click.option("--proxy-url", help="Use this running proxy (its reverse listener URL) instead of starting one.")
 @click.option("--proxy-token", envvar="LIGHTNING_PROXY_TOKEN", help="Token of the running proxy. [env LIGHTNING_PROXY_TOKEN]")
+@click.option("--proxy-control-token", envvar="LIGHTNING_PROXY_CONTROL_TOKEN", help="Control-API token of the running proxy, if it has one apart from --proxy-token (it should: harnesses hold --proxy-token). [env LIGHTNING_PROXY_CONTROL_TOKEN]")
 @click.option("--proxy-forward-url", help="Forward listener of the running proxy. [default: asked from the proxy]")
 @click.option("--proxy-ca", type=click.Path(exists=True, dir_okay=False), help="CA bundle of the running proxy. [default: the proxy's default confdir]")
 @click.option("--proxy-confdir", type=click.Path(file_okay=False), help="Where a started proxy keeps its CA. [default: ~/.cache/lightning-harness/proxy-conf]")
@@ -85,7 +86,8 @@ def main() -> None:
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Skip rollouts this run id already finished in --traces.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Live progress bar.")
 def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeout, retries, run_id, split, step,
-        id_field, limit, upstreams, model_dir, served_name, max_model_len, engine_args, route_hosts, proxy_url, proxy_token, proxy_forward_url,
+        id_field, limit, upstreams, model_dir, served_name, max_model_len, engine_args, route_hosts, proxy_url, proxy_token,
+        proxy_control_token, proxy_forward_url,
         proxy_ca, proxy_confdir, api_key, reward_cmd, self_reward, reward_timeout, k8s_template, k8s_namespace, k8s_proxy_host, k8s_keep, cwd,
         extra_env, resume, progress) -> None:
     """Run every task of TASK_FILE (.jsonl, .json or .parquet) SAMPLES times with the harness after '--'.
@@ -156,7 +158,7 @@ def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeou
                     stack, checks, traces=traces, logs=logs, upstreams=upstreams, model_dir=model_dir,
                     served_name=served_name, max_model_len=max_model_len, engine_args=engine_args,
                     route_hosts=route_hosts, proxy_url=proxy_url, proxy_token=proxy_token,
-                    proxy_forward_url=proxy_forward_url, proxy_ca=proxy_ca, proxy_confdir=proxy_confdir,
+                    proxy_control_token=proxy_control_token, proxy_forward_url=proxy_forward_url, proxy_ca=proxy_ca, proxy_confdir=proxy_confdir,
                     api_key=api_key, for_pods=k8s_template is not None,
                 )
             except click.ClickException:
@@ -203,8 +205,15 @@ def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeou
 
 
 def _services(stack, checks, *, traces, logs, upstreams, model_dir, served_name, max_model_len, engine_args,
-              route_hosts, proxy_url, proxy_token, proxy_forward_url, proxy_ca, proxy_confdir, api_key, for_pods):
-    """Start (or attach to) the engine and the proxy; ``stack`` stops what was started, ``checks`` watch it."""
+              route_hosts, proxy_url, proxy_token, proxy_control_token, proxy_forward_url, proxy_ca, proxy_confdir,
+              api_key, for_pods):
+    """Start (or attach to) the engine and the proxy; ``stack`` stops what was started, ``checks`` watch it.
+
+    The control API (rewards with verifier rank, pause) needs a token no harness holds: harnesses get
+    the proxy token in their credentials, so a started proxy gets a separate control token.
+    """
+    import secrets
+
     from lightning_harness.proxy.client import ProxyProcess
 
     from .proxy_link import ProxyLink
@@ -214,12 +223,15 @@ def _services(stack, checks, *, traces, logs, upstreams, model_dir, served_name,
 
         try:
             link = ProxyLink.attach(proxy_url, proxy_token, forward_url=proxy_forward_url, ca_bundle=proxy_ca,
-                                    api_key=api_key)
+                                    control_token=proxy_control_token, api_key=api_key)
         except (OSError, ProxyError, ValueError) as exc:
             raise click.ClickException(f"cannot use the proxy at {proxy_url}: {exc}") from None
         if not Path(link.ca_bundle).exists():
             raise click.ClickException(f"CA bundle {link.ca_bundle} not found; give the proxy's with --proxy-ca")
         console.print(f"using the running proxy at {proxy_url} (forward {link.forward_url})")
+        if not proxy_control_token:
+            console.print("[yellow]warning: no --proxy-control-token: if the proxy's control token is its proxy token, "
+                          "every harness can post rewards that outrank its own (and pause the proxy)[/]")
         return link
     upstream_urls = list(upstreams)
     if model_dir:
@@ -237,6 +249,7 @@ def _services(stack, checks, *, traces, logs, upstreams, model_dir, served_name,
     proc = ProxyProcess(
         traces, upstreams=upstream_urls, token=proxy_token, served_model=served_name, route_hosts=route_hosts,
         log_path=logs / "proxy.log", confdir=proxy_confdir, listen_host="0.0.0.0" if for_pods else "127.0.0.1",
+        control_token=secrets.token_urlsafe(18),
     )
     stack.callback(proc.stop)  # registered first: a signal during start still stops it
     with console.status("starting the capture proxy..."):

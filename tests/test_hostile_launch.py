@@ -181,6 +181,18 @@ def proxy_post_self_report(proxy, rollout_id: str, attempt: int, value: float) -
         pass  # a proxy that revokes a judged attempt's credential refuses it: fine, it must not count either way
 
 
+def test_a_harness_cannot_use_the_control_api_to_pose_as_the_verifier(tmp_path, write_tasks, stub_upstream, proxy_confdir, rows):
+    """The proxy the launcher starts has a control token of its own, which no harness gets."""
+    tasks = write_tasks([{"id": "forger", "forge": 1.0}])
+    traces = tmp_path / "traces"
+    res = launch(tasks, traces, stub_upstream, proxy_confdir, "--no-self-reward", "--", sys.executable, ESCAPE)
+    assert res.returncode == 0, res.stderr
+    (row,) = rows(traces, "rollouts")
+    assert "FORGE REFUSED" in Path(row["log_path"]).read_text()
+    assert (row["state"], row["reward"]) == ("no_reward", None)
+    assert view(traces) == {"forger": ("no_reward", None, None)}
+
+
 def test_no_self_reward_gives_no_reward_instead_of_the_harness_claim(tmp_path, write_tasks, stub_upstream, proxy_confdir, rows):
     tasks = write_tasks([{"id": "claims", "claim": 1.0}, {"id": "silent"}])
     traces = tmp_path / "traces"

@@ -12,6 +12,8 @@ Standard library only (it must run in any interpreter). The task row (``LIGHTNIN
            cgroup (pid in ``OUT/jumped.txt``)
   late     a number: also leave a ``setsid`` process (pid in ``OUT/late.txt``) that POSTs
            ``{"reward": late}`` after ``late_delay`` seconds (default 1.5)
+  forge    a number: POST it to the proxy's control API (``/_lh/reward``, source 'command') with
+           the token from its own proxy credentials, as if it were the operator's scorer
   then     'exit' (default) exit 0 at once, 'hang' sleep for ever (for timeouts and cancel)
 OUT is LIGHTNING_OUTPUT_DIR. Prints ``READY`` once everything is started.
 """
@@ -23,6 +25,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 
 LOOP = (
@@ -42,6 +46,21 @@ def post_reward(value: float) -> None:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=10) as resp:
         resp.read()
+
+
+def forge_verifier_reward(value: float) -> None:
+    """Try the control API with the harness's own token (a proxy whose control token is that token accepts)."""
+    url = urllib.parse.urlsplit(os.environ["OPENAI_BASE_URL"])  # http://host:port/lh/<rollout>~<attempt>/<token>/v1
+    token = url.path.split("/")[3]
+    body = {"rollout_id": os.environ["LIGHTNING_ROLLOUT_ID"], "attempt": int(os.environ["LIGHTNING_ATTEMPT"]),
+            "reward": value, "source": "command"}
+    req = urllib.request.Request(f"{url.scheme}://{url.netloc}/_lh/reward", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10) as resp:
+            print("FORGED", resp.status, flush=True)
+    except urllib.error.HTTPError as exc:
+        print("FORGE REFUSED", exc.code, flush=True)
 
 
 def daemonize(argv: list[str]) -> None:
@@ -103,6 +122,8 @@ def main() -> int:
         subprocess.Popen(["setsid", sys.executable, "-c", late])
     if task.get("claim") is not None:
         post_reward(float(task["claim"]))
+    if task.get("forge") is not None:
+        forge_verifier_reward(float(task["forge"]))
     wait_started(out, task)
     print("READY", flush=True)
     if task.get("then") == "hang":
