@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import sys
@@ -227,6 +228,7 @@ class TrainingRun:
             self.traces, upstreams=[self.engine.url], served_model=e.served_model_name,
             model_version=int(self.state["model_version"]), log_path=self.logs / "proxy.log",
             flush_seconds=cfg.proxy.flush_seconds, inject_token_ids=cfg.proxy.inject_token_ids,
+            control_token=secrets.token_urlsafe(18),  # not the token harnesses hold: they must not post verifier rewards
         ).start()
         self._record_children()
         self.progress.print(f"proxy ready: reverse {self.proxy.reverse_url}, forward {self.proxy.forward_url}")

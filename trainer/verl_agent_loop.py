@@ -149,6 +149,8 @@ class LauncherRollout:
         self.proxy = None
 
     def __call__(self, tasks: list[dict], step: int, upstreams: list[str]):
+        import secrets  # the control token is not the one harnesses hold (they must not post verifier rewards)
+
         from lightning_harness.launcher.batch import run_batch
         from lightning_harness.proxy.client import ProxyProcess
 
@@ -157,7 +159,7 @@ class LauncherRollout:
         s = self.s
         if self.proxy is None:
             self.proxy = ProxyProcess(s["traces"], upstreams=upstreams, served_model=s.get("served_model"),
-                                      model_version=step).start()
+                                      model_version=step, control_token=secrets.token_urlsafe(18)).start()
         self.proxy.control.set_model_version(step)  # verl synced the weights of step-1's update
         run_batch(tasks, s["harness"], traces_dir=s["traces"], run_id=s.get("run_id", "verl"), proxy=self.proxy,
                   samples=int(s["group_size"]), concurrency=int(s.get("concurrency", 8)),
