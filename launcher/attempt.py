@@ -67,6 +67,7 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel, mod
     out_dir.mkdir(parents=True, exist_ok=True)
     task_file, reward_file, log_path = work / "task.json", work / "reward.json", work / "harness.log"
     task_json = spec.task.to_json()
+    task_file.unlink(missing_ok=True)  # a link planted here (by another harness) is replaced, not followed
     task_file.write_text(task_json + "\n")
     reward_file.unlink(missing_ok=True)
 

@@ -31,7 +31,10 @@ from typing import Any, Callable, Mapping
 
 import pyarrow.parquet as pq
 
+from .local import open_log, open_regular
 from .proctree import ProcessTree
+
+MAX_REWARD_FILE = 1 << 16  # a reward is a number and a little info; more is not a reward
 
 
 VERIFIER_SOURCES = ("command", "api")  # the run's scorer, the operator: outrank...
@@ -78,13 +81,20 @@ def parse_reward(text: str | bytes, *, what: str = "reward") -> tuple[float, dic
 
 
 def read_reward_file(path: Path) -> Reward | None:
-    """The harness's reward file, or None if it wrote none. Raises RewardError if it is malformed."""
+    """The harness's reward file, or None if it wrote none. Raises RewardError if it is malformed,
+    is not a regular file (a link, a FIFO, a device) or is larger than :data:`MAX_REWARD_FILE`."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        at = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc)
+        with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as fh:
+            st = os.fstat(fh.fileno())
+            data = fh.read(MAX_REWARD_FILE + 1)
     except FileNotFoundError:
         return None
-    value, info = parse_reward(text, what=f"reward file {path}")
+    except OSError as exc:
+        raise RewardError(f"reward file {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_REWARD_FILE:
+        raise RewardError(f"reward file {path} is larger than {MAX_REWARD_FILE} bytes")
+    at = dt.datetime.fromtimestamp(st.st_mtime, dt.timezone.utc)
+    value, info = parse_reward(data, what=f"reward file {path}")
     return Reward(value, "file", info, at)
 
 
@@ -104,7 +114,7 @@ def run_reward_cmd(
     """
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}
     full_env.update(env)
-    stderr = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    stderr = open_log(log_path) if log_path else subprocess.DEVNULL
     tree = ProcessTree()  # the scorer's leftovers end with it, like a harness's
     try:
         proc = tree.popen(

@@ -117,6 +117,22 @@ def test_the_reward_commands_leftovers_end_too(tmp_path, mechanism):
         run_reward_cmd("true", {}, cwd=str(tmp_path / "missing"))
 
 
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+def test_trap_files_in_the_attempt_folder_neither_hang_the_launcher_nor_lose_the_log(tmp_path, kind):
+    """The harness swaps its log and reward file for a FIFO or a link to /dev/zero before it exits."""
+    from lightning_harness.launcher.batch import run_batch
+
+    t0 = time.monotonic()
+    (res,) = run_batch([{"id": "trap", "plant": kind}], [sys.executable, str(ESCAPE)], traces_dir=tmp_path, run_id="r",
+                       timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert res.state == "no_reward" and "not a regular file" in res.error, res.error
+    log = Path(res.log_path)
+    assert log.is_file() and not log.is_symlink()
+    text = log.read_text()
+    assert "READY" in text and "[lightning] attempt ended: exit=0 ok" in text
+
+
 # -- reward precedence through the real CLI ---------------------------------------------------------
 def launch(tasks, traces, stub_upstream, proxy_confdir, *args):
     cmd = [sys.executable, "-m", "lightning_harness.launcher.cli", "run", str(tasks), "--traces", str(traces),

@@ -14,6 +14,8 @@ Standard library only (it must run in any interpreter). The task row (``LIGHTNIN
            ``{"reward": late}`` after ``late_delay`` seconds (default 1.5)
   forge    a number: POST it to the proxy's control API (``/_lh/reward``, source 'command') with
            the token from its own proxy credentials, as if it were the operator's scorer
+  plant    'fifo' or 'zero': replace its attempt log (OUT/../harness.log) and its reward file with a
+           FIFO (an open that never returns) or a symlink to /dev/zero (a read that never ends)
   then     'exit' (default) exit 0 at once, 'hang' sleep for ever (for timeouts and cancel)
 OUT is LIGHTNING_OUTPUT_DIR. Prints ``READY`` once everything is started.
 """
@@ -61,6 +63,17 @@ def forge_verifier_reward(value: float) -> None:
             print("FORGED", resp.status, flush=True)
     except urllib.error.HTTPError as exc:
         print("FORGE REFUSED", exc.code, flush=True)
+
+
+def plant(out: str, kind: str) -> None:
+    """Swap the files the launcher reads or appends to after the harness ended for traps."""
+    for path in (os.path.join(out, "..", "harness.log"), os.environ["LIGHTNING_REWARD_FILE"]):
+        if os.path.lexists(path):
+            os.unlink(path)
+        if kind == "fifo":
+            os.mkfifo(path)
+        else:
+            os.symlink("/dev/zero", path)
 
 
 def daemonize(argv: list[str]) -> None:
@@ -126,6 +139,8 @@ def main() -> int:
         forge_verifier_reward(float(task["forge"]))
     wait_started(out, task)
     print("READY", flush=True)
+    if task.get("plant"):
+        plant(out, task["plant"])
     if task.get("then") == "hang":
         time.sleep(1000)
     return 0
