@@ -117,16 +117,17 @@ def test_the_reward_commands_leftovers_end_too(tmp_path, mechanism):
         run_reward_cmd("true", {}, cwd=str(tmp_path / "missing"))
 
 
-@pytest.mark.parametrize("kind", ["fifo", "zero"])
+@pytest.mark.parametrize("kind", ["fifo", "zero", "gone"])
 def test_trap_files_in_the_attempt_folder_neither_hang_the_launcher_nor_lose_the_log(tmp_path, kind):
-    """The harness swaps its log and reward file for a FIFO or a link to /dev/zero before it exits."""
+    """The harness swaps its log and reward file for a FIFO or a link to /dev/zero, or removes its
+    whole attempt folder, before it exits."""
     from lightning_harness.launcher.batch import run_batch
 
     t0 = time.monotonic()
     (res,) = run_batch([{"id": "trap", "plant": kind}], [sys.executable, str(ESCAPE)], traces_dir=tmp_path, run_id="r",
                        timeout=60)
     assert time.monotonic() - t0 < 30
-    assert res.state == "no_reward" and "not a regular file" in res.error, res.error
+    assert res.state == "no_reward" and ("not a regular file" if kind != "gone" else "no reward reported") in res.error
     log = Path(res.log_path)
     assert log.is_file() and not log.is_symlink()
     text = log.read_text()

@@ -15,7 +15,8 @@ Standard library only (it must run in any interpreter). The task row (``LIGHTNIN
   forge    a number: POST it to the proxy's control API (``/_lh/reward``, source 'command') with
            the token from its own proxy credentials, as if it were the operator's scorer
   plant    'fifo' or 'zero': replace its attempt log (OUT/../harness.log) and its reward file with a
-           FIFO (an open that never returns) or a symlink to /dev/zero (a read that never ends)
+           FIFO (an open that never returns) or a symlink to /dev/zero (a read that never ends);
+           'gone': remove its whole attempt folder
   then     'exit' (default) exit 0 at once, 'hang' sleep for ever (for timeouts and cancel)
 OUT is LIGHTNING_OUTPUT_DIR. Prints ``READY`` once everything is started.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -67,6 +69,9 @@ def forge_verifier_reward(value: float) -> None:
 
 def plant(out: str, kind: str) -> None:
     """Swap the files the launcher reads or appends to after the harness ended for traps."""
+    if kind == "gone":
+        shutil.rmtree(os.path.dirname(os.path.abspath(out)))
+        return
     for path in (os.path.join(out, "..", "harness.log"), os.environ["LIGHTNING_REWARD_FILE"]):
         if os.path.lexists(path):
             os.unlink(path)
