@@ -26,7 +26,9 @@ launcher process and logged once (``ProcessTree.mechanism()``):
     adopted by the launcher whose environment carries this tree's ``LIGHTNING_TREE`` marker;
     :meth:`poll` records members while the harness runs; every kill round rescans first and keeps
     only pids with the start time first seen (pid reuse), and the adopted ones are reaped. Weaker:
-    an orphan that escapes within one scan interval *and* clears its environment is missed.
+    an orphan that escapes within one scan interval *and* clears its environment is missed, and
+    orphans of the launcher's other children (vLLM workers) are adopted too and stay zombies until
+    it exits (reaping unknown pids could steal a harness's exit status from ``Popen.wait``).
 """
 
 from __future__ import annotations
