@@ -7,7 +7,6 @@ when it happens. Runners (local.py, k8s.py) only start and stop things.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,11 +18,12 @@ from .identity import RolloutSpec
 from .local import AttemptJob, AttemptOutcome
 from .proxy_link import ProxyLink
 from .results import CANCELLED, FAILED, NO_REWARD, SUCCEEDED, TIMED_OUT, RolloutResult
-from .rewards import Reward, RewardError, RewardsTable, read_reward_file, run_reward_cmd
+from .rewards import SELF_SOURCES, Reward, RewardError, RewardsTable, latest, read_reward_file, run_reward_cmd
 
 log = logging.getLogger("lightning.launcher")
 WORK_DIR = "launch"  # TRACES/launch/<run_id>/<rollout_id>/<attempt>/ holds task.json, reward.json, harness.log, out/
 NO_REWARD_ERROR = "no reward reported (no reward file, nothing POSTed to LIGHTNING_REWARD_URL)"
+SELF_REWARD_OFF = "no verifier reward: self-reports are off (--no-self-reward) and there is no --reward-cmd"
 
 
 @dataclass
@@ -40,6 +40,7 @@ class AttemptSettings:
     extra_env: Mapping[str, str] = field(default_factory=dict)
     reward_cmd: str | None = None
     reward_timeout: float = 300.0
+    self_reward: bool = True  # may the harness's own report (file, POST) be the reward when there is no reward_cmd
 
 
 def attempt_dir(traces_dir: Path, spec: RolloutSpec, attempt: int) -> Path:
@@ -67,6 +68,7 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel, mod
     out_dir.mkdir(parents=True, exist_ok=True)
     task_file, reward_file, log_path = work / "task.json", work / "reward.json", work / "harness.log"
     task_json = spec.task.to_json()
+    task_file.unlink(missing_ok=True)  # a link planted here (by another harness) is replaced, not followed
     task_file.write_text(task_json + "\n")
     reward_file.unlink(missing_ok=True)
 
@@ -134,36 +136,53 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel, mod
 
 def collect_reward(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome,
                    ended_mono: float) -> tuple[Reward | None, str | None]:
-    """Precedence: --reward-cmd, reward file, proxy rewards table. Errors are kept, never turned into 0."""
-    log_path, reward_file = work / "harness.log", work / "reward.json"
-    if s.reward_cmd:
-        # the scorer is ours: local paths, and it does not go through the capture proxy
-        env = {
-            "LIGHTNING_ROLLOUT_ID": spec.rollout_id, "LIGHTNING_ATTEMPT": str(attempt),
-            "LIGHTNING_TASK_ID": spec.task.id, "LIGHTNING_TASK": spec.task.to_json(),
-            "LIGHTNING_TASK_FILE": str(work / "task.json"), "LIGHTNING_OUTPUT_DIR": str(work / "out"),
-            "LIGHTNING_REWARD_FILE": str(reward_file), "LIGHTNING_LOG_FILE": str(log_path),
-            "LIGHTNING_EXIT_CODE": str(outcome.exit_code),
-        }
-        values = dict(spec.task.fields)
-        values.update(task_id=spec.task.id, rollout_id=spec.rollout_id, attempt=attempt, output_dir=str(work / "out"),
-                      task_file=str(work / "task.json"), log_file=str(log_path))
-        try:
-            return run_reward_cmd(substitute(s.reward_cmd, values, quote=True), env, timeout=s.reward_timeout,
-                                  cwd=s.cwd, log_path=log_path), None
-        except RewardError as exc:
-            return None, str(exc)
+    """The attempt's reward by rank (launcher/rewards.py): verifier (command, api) over the harness's own
+    report (file, proxy), which counts only without --reward-cmd and with self-rewards on.
+    Errors are kept, never turned into 0."""
+    def lookup(sources: tuple[str, ...]) -> Reward | None:
+        return s.reward_table.lookup(spec.rollout_id, attempt, ended_mono=ended_mono, sources=sources)
+
     errors: list[str] = []
-    if outcome.reward_file_local:
+    if s.reward_cmd:
         try:
-            r = read_reward_file(reward_file)
-            if r is not None:
-                return r, None
+            return score(s, spec, attempt, work, outcome), None
         except RewardError as exc:
             errors.append(str(exc))
-    r = s.reward_table.lookup(spec.rollout_id, attempt, ended_mono=ended_mono, sources=("proxy", "api"))
-    if r is not None:
-        return r, None
+    operator = lookup(("api",))  # the operator's word ranks with the verifier (and is latest when the scorer failed)
+    if operator is not None:
+        return operator, None
+    if s.reward_cmd:
+        return None, "; ".join(errors)
+    if not s.self_reward:
+        claimed = lookup(SELF_SOURCES) or (outcome.reward_file_local and (work / "reward.json").exists())
+        return None, SELF_REWARD_OFF + ("; the harness's own report was ignored" if claimed else "")
+    from_file = None
+    if outcome.reward_file_local:
+        try:
+            from_file = read_reward_file(work / "reward.json")
+        except RewardError as exc:
+            errors.append(str(exc))
+    reward = latest(from_file, lookup(("proxy",)))
+    if reward is not None:
+        return reward, None
     if s.reward_table.flush_errors:
         errors.append(f"the proxy's flush failed {s.reward_table.flush_errors} time(s)")
     return None, "; ".join(errors) or NO_REWARD_ERROR
+
+
+def score(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome) -> Reward:
+    """Run ``--reward-cmd`` (the verifier) on a finished attempt; raises RewardError when it gives no reward."""
+    log_path = work / "harness.log"
+    # the scorer is ours: local paths, and it does not go through the capture proxy
+    env = {
+        "LIGHTNING_ROLLOUT_ID": spec.rollout_id, "LIGHTNING_ATTEMPT": str(attempt),
+        "LIGHTNING_TASK_ID": spec.task.id, "LIGHTNING_TASK": spec.task.to_json(),
+        "LIGHTNING_TASK_FILE": str(work / "task.json"), "LIGHTNING_OUTPUT_DIR": str(work / "out"),
+        "LIGHTNING_REWARD_FILE": str(work / "reward.json"), "LIGHTNING_LOG_FILE": str(log_path),
+        "LIGHTNING_EXIT_CODE": str(outcome.exit_code),
+    }
+    values = dict(spec.task.fields)
+    values.update(task_id=spec.task.id, rollout_id=spec.rollout_id, attempt=attempt, output_dir=str(work / "out"),
+                  task_file=str(work / "task.json"), log_file=str(log_path))
+    return run_reward_cmd(substitute(s.reward_cmd, values, quote=True), env, timeout=s.reward_timeout,
+                          cwd=s.cwd, log_path=log_path)

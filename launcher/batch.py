@@ -122,6 +122,7 @@ class BatchRunner:
         retries: int = 0,
         reward_cmd: str | None = None,
         reward_timeout: float = 300.0,
+        self_reward: bool = True,
         step: int | None = None,
         split: str = "train",
         model_version: int | None = None,
@@ -176,6 +177,7 @@ class BatchRunner:
             traces_dir=self.traces_dir, harness=harness, runner=self.runner, proxy=self.proxy,
             reward_table=RewardsTable(self.traces_dir, control.flush if control else None), timeout=timeout,
             cwd=cwd, extra_env=dict(extra_env or {}), reward_cmd=reward_cmd, reward_timeout=reward_timeout,
+            self_reward=self_reward,
         )
         self._queue: "queue.PriorityQueue[_Item]" = queue.PriorityQueue()
         self._lock = threading.Condition()
@@ -355,7 +357,7 @@ class BatchRunner:
             self._lock.notify_all()
 
     def cancel(self) -> None:
-        """Stop every running harness (whole process groups), drop queued attempts, flush rows."""
+        """Stop every running harness (whole process trees), drop queued attempts, flush rows."""
         self._cancel.set()
         with self._lock:
             self._lock.notify_all()
@@ -513,7 +515,7 @@ def run_batch(
 ) -> list[RolloutResult]:
     """Run tasks x samples to completion and return each rollout's final attempt (submission order).
 
-    Ctrl-C cancels: every harness process group is killed, cancelled attempts are recorded, rows flushed.
+    Ctrl-C cancels: every harness process tree is killed, cancelled attempts are recorded, rows flushed.
     Raises :class:`BatchAborted` if the proxy (or ``health_check``) reports a failure mid-batch.
     """
     with BatchRunner(

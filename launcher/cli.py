@@ -54,7 +54,7 @@ def main() -> None:
 @click.option("--traces", type=click.Path(file_okay=False, path_type=Path), default=Path("traces"), show_default=True, help="Traces root: spans/, rewards/, rollouts/ Parquet and launch/ (per-attempt logs and files).")
 @click.option("--samples", "-n", type=click.IntRange(1), default=1, show_default=True, help="Rollouts per task (the group size).")
 @click.option("--concurrency", "-j", type=click.IntRange(1), default=4, show_default=True, help="Harnesses running at once.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, help="Seconds per attempt; then the whole process group (or Job) is killed.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, help="Seconds per attempt; then its whole process tree (or Job) is killed.")
 @click.option("--retries", type=click.IntRange(0), default=0, show_default=True, help="Extra attempts for a crashed or timed-out rollout (each a new attempt id).")
 @click.option("--run-id", help="Batch id (prefix of every rollout id). [default: derived from the task file and command, so a re-run resumes]")
 @click.option("--split", default="train", show_default=True, help="Label stored on rollouts ('train', 'eval', ...).")
@@ -75,6 +75,7 @@ def main() -> None:
 @click.option("--proxy-confdir", type=click.Path(file_okay=False), help="Where a started proxy keeps its CA. [default: ~/.cache/lightning-harness/proxy-conf]")
 @click.option("--api-key", envvar=["LIGHTNING_API_KEY", "OPENAI_API_KEY"], show_envvar=False, help="OPENAI_API_KEY handed to harnesses (never recorded). [env LIGHTNING_API_KEY, then OPENAI_API_KEY; default: a placeholder]")
 @click.option("--reward-cmd", help="Shell command scoring a finished attempt; prints a number or {\"reward\": x}. Sees LIGHTNING_TASK, LIGHTNING_OUTPUT_DIR, LIGHTNING_LOG_FILE; {placeholders} as in --cmd.")
+@click.option("--self-reward/--no-self-reward", default=True, show_default=True, help="Without --reward-cmd, take the harness's own report (LIGHTNING_REWARD_FILE, a POST to LIGHTNING_REWARD_URL) as its reward. Off: only the verifier (--reward-cmd, the operator's control-API post) counts. With --reward-cmd, self-reports never count.")
 @click.option("--reward-timeout", type=float, default=300.0, show_default=True, help="Seconds allowed to --reward-cmd.")
 @click.option("--k8s", "k8s_template", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Run each attempt as a Kubernetes Job rendered from this Jinja2 YAML template.")
 @click.option("--k8s-namespace", default="default", show_default=True, help="Namespace of the Jobs.")
@@ -85,8 +86,9 @@ def main() -> None:
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Skip rollouts this run id already finished in --traces.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Live progress bar.")
 def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeout, retries, run_id, split, step,
-        id_field, limit, upstreams, model_dir, served_name, max_model_len, engine_args, route_hosts, proxy_url, proxy_token, proxy_control_token, proxy_forward_url,
-        proxy_ca, proxy_confdir, api_key, reward_cmd, reward_timeout, k8s_template, k8s_namespace, k8s_proxy_host, k8s_keep, cwd,
+        id_field, limit, upstreams, model_dir, served_name, max_model_len, engine_args, route_hosts, proxy_url, proxy_token,
+        proxy_control_token, proxy_forward_url,
+        proxy_ca, proxy_confdir, api_key, reward_cmd, self_reward, reward_timeout, k8s_template, k8s_namespace, k8s_proxy_host, k8s_keep, cwd,
         extra_env, resume, progress) -> None:
     """Run every task of TASK_FILE (.jsonl, .json or .parquet) SAMPLES times with the harness after '--'.
 
@@ -136,6 +138,10 @@ def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeou
             raise click.UsageError(f"{k8s_template}: {exc}") from None
 
     console.print(f"[bold]run[/] {run_id}: {len(tasks)} tasks x {samples} samples, concurrency {concurrency}, traces {traces}")
+    if runner is None:
+        from .proctree import ProcessTree
+
+        console.print(f"process trees: {ProcessTree.mechanism()} (every process a harness starts ends with it)")
     def on_signal(signum, frame):  # SIGTERM behaves like Ctrl-C: stop children, flush, exit
         raise KeyboardInterrupt
 
@@ -162,7 +168,7 @@ def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeou
             batch = stack.enter_context(BatchRunner(
                 harness or None, traces_dir=traces, proxy=link, runner=runner, run_id=run_id, samples=samples,
                 concurrency=concurrency, timeout=timeout, retries=retries, reward_cmd=reward_cmd,
-                reward_timeout=reward_timeout, step=step, split=split, cwd=cwd, extra_env=env,
+                reward_timeout=reward_timeout, self_reward=self_reward, step=step, split=split, cwd=cwd, extra_env=env,
                 skip_finished=resume, progress=progress,
                 health_check=lambda: next((p for p in (c() for c in checks) if p), None),
             ))
@@ -233,7 +239,7 @@ def _services(stack, checks, *, traces, logs, upstreams, model_dir, served_name,
     proc = ProxyProcess(
         traces, upstreams=upstream_urls, token=proxy_token, served_model=served_name, route_hosts=route_hosts,
         log_path=logs / "proxy.log", confdir=proxy_confdir, listen_host="0.0.0.0" if for_pods else "127.0.0.1",
-    )
+    )  # ProxyProcess generates a control token of its own: harnesses never hold it
     stack.callback(proc.stop)  # registered first: a signal during start still stops it
     with console.status("starting the capture proxy..."):
         proc.start()

@@ -1,23 +1,30 @@
-"""Run one harness attempt as a local process in its own process group.
+"""Run one harness attempt as a local process; its whole process tree ends with it.
 
-Why a process group: harnesses spawn children (shells, tool subprocesses, language servers). A
-timeout, a crash of the leader or a Ctrl-C must take every one of them down, so each attempt is a
-session leader (``start_new_session=True``) and is stopped with ``killpg``: SIGTERM, a grace period,
-then SIGKILL. Output goes straight to a log file (no pipe to drain, nothing lost if the launcher
-dies) and is cut to its tail when the attempt ends.
+Why a process tree (:mod:`.proctree`) and not just a process group: harnesses spawn children
+(shells, tool subprocesses, language servers), and a hostile one can ``setsid`` or double-fork out of
+its group. A timeout, a cancel, and also a normal exit of the harness end every process it started
+(SIGTERM, a grace period, SIGKILL), so nothing keeps running after the attempt is judged. The
+harness is still a session leader (``start_new_session=True``) so terminal signals of the launcher
+do not reach it directly. Output goes straight to a log file (no pipe to drain, nothing lost if the
+launcher dies) and is cut to its tail when the attempt ends.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import os
-import signal
+import shutil
+import stat
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import BinaryIO, Mapping, Sequence
+
+from .proctree import ProcessTree
 
 
 def utcnow() -> dt.datetime:
@@ -58,42 +65,71 @@ class AttemptOutcome:
         return (self.ended_at - self.started_at).total_seconds()
 
 
-def trim_to_tail(path: Path, max_bytes: int) -> None:
-    """Keep only the last ``max_bytes`` of a log (marking the cut) so logs stay small."""
+def open_regular(path: Path, flags: int) -> int:
+    """``os.open`` that neither follows a symlink nor blocks on a FIFO; OSError unless a regular file.
+
+    Why: the harness can write its attempt folder, so a file the launcher opens there afterwards
+    may have been swapped for a link, a FIFO (an open that never returns) or a device (/dev/zero).
+    """
     try:
-        size = path.stat().st_size
-    except OSError:
-        return
-    if size <= max_bytes:
-        return
-    with open(path, "rb") as fh:
-        fh.seek(size - max_bytes)
-        tail = fh.read()
-    nl = tail.find(b"\n")
-    if 0 <= nl < 4096:
-        tail = tail[nl + 1 :]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(b"[lightning: %d earlier bytes cut]\n" % (size - len(tail)) + tail)
-    os.replace(tmp, path)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink / a FIFO without a reader
+            raise OSError(exc.errno, "not a regular file (a symlink or FIFO; not followed)", str(path)) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd
 
 
-def kill_group(pgid: int, *, grace: float = 3.0, proc: subprocess.Popen | None = None) -> None:
-    """SIGTERM the whole group, wait up to ``grace`` for the leader, then SIGKILL whatever is left."""
+def open_log(path: Path) -> BinaryIO:
+    """The attempt log for appending (and reading back): whatever was planted at ``path`` instead of
+    a regular file is removed first, never followed."""
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT
     try:
-        os.killpg(pgid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
-    if proc is not None:
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
+        return os.fdopen(open_regular(path, flags), "a+b")
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.EINVAL, errno.ENXIO, errno.EISDIR):
+            raise
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
     else:
-        time.sleep(min(grace, 0.2))
+        path.unlink(missing_ok=True)
+    return os.fdopen(open_regular(path, flags | os.O_EXCL), "a+b")
+
+
+def trim_to_tail(path: Path, max_bytes: int, log: BinaryIO | None = None) -> None:
+    """Keep only the last ``max_bytes`` of a log (marking the cut) so logs stay small.
+
+    With ``log`` (the launcher's own descriptor of it) the text is read from there, and put back at
+    ``path`` if the harness replaced or removed the file meanwhile: its log is never lost.
+    """
+    if log is None:
+        try:
+            with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as fh:
+                return trim_to_tail(path, max_bytes, fh)
+        except OSError:
+            return
+    st = os.fstat(log.fileno())
     try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        in_place = os.path.samestat(st, os.lstat(path))
+    except FileNotFoundError:
+        in_place = False
+    if in_place and st.st_size <= max_bytes:
+        return
+    start = max(0, st.st_size - max_bytes)
+    tail = os.pread(log.fileno(), st.st_size - start, start)
+    nl = tail.find(b"\n")
+    if start and 0 <= nl < 4096:
+        tail = tail[nl + 1 :]
+    head = b"[lightning: %d earlier bytes cut]\n" % (st.st_size - len(tail)) if len(tail) < st.st_size else b""
+    path.parent.mkdir(parents=True, exist_ok=True)  # the harness may have removed its whole folder
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".log-", delete=False) as tmp:
+        tmp.write(head + tail)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    os.replace(tmp.name, path)
 
 
 class LocalRunner:
@@ -105,7 +141,7 @@ class LocalRunner:
         self.kill_grace = kill_grace
         self.max_log_bytes = max_log_bytes
         self.inherit_env = inherit_env
-        self._live: dict[int, subprocess.Popen] = {}
+        self._live: dict[int, ProcessTree] = {}
         self._lock = threading.Lock()
 
     def _environ(self, job: AttemptJob) -> dict[str, str]:
@@ -118,65 +154,78 @@ class LocalRunner:
     def run(self, job: AttemptJob, cancel: threading.Event) -> AttemptOutcome:
         job.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = utcnow()
-        shell = isinstance(job.command, str)
-        try:
-            with open(job.log_path, "ab") as log:
-                proc = subprocess.Popen(
-                    job.command if shell else list(job.command),
-                    shell=shell,
-                    executable="/bin/sh" if shell else None,
-                    env=self._environ(job),
-                    cwd=job.cwd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
+        with open_log(job.log_path) as log:  # kept open: the harness may replace the file, not our descriptor
+            try:
+                tree = ProcessTree()
+            except OSError as exc:
+                return self._not_started(job, log, started, exc)
+            try:
+                proc = tree.popen(
+                    job.command, shell=isinstance(job.command, str),
+                    executable="/bin/sh" if isinstance(job.command, str) else None, env=self._environ(job),
+                    cwd=job.cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 )
-        except OSError as exc:
-            with open(job.log_path, "ab") as log:
-                log.write(f"[lightning] could not start harness: {exc}\n".encode())
-            return AttemptOutcome(None, started, utcnow(), error=f"could not start harness: {exc}")
-        with self._lock:
-            self._live[proc.pid] = proc
-        deadline = None if not job.timeout else time.monotonic() + job.timeout
-        timed_out = cancelled = False
-        try:
-            while True:
-                try:
-                    proc.wait(0.1)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                if cancel.is_set():
-                    cancelled = True
-                elif deadline is not None and time.monotonic() >= deadline:
-                    timed_out = True
-                if cancelled or timed_out:
-                    kill_group(proc.pid, grace=self.kill_grace, proc=proc)
-                    proc.wait()
-                    break
-        finally:
-            # the leader is gone; stragglers it left in its group go too
-            kill_group(proc.pid, grace=0.0)
+            except (OSError, subprocess.SubprocessError) as exc:
+                tree.close()
+                return self._not_started(job, log, started, exc)
             with self._lock:
-                self._live.pop(proc.pid, None)
+                self._live[proc.pid] = tree
+            try:
+                timed_out, cancelled = self._wait(proc, tree, job.timeout, cancel)
+            finally:
+                # the leader is gone; whatever it left running (daemons included) goes too
+                leftovers = len(tree.pids())
+                tree.kill(grace=0.0)
+                tree.close()
+                proc.wait()
+                with self._lock:
+                    self._live.pop(proc.pid, None)
+            if leftovers:
+                log.write(f"[lightning] killed {leftovers} process(es) the harness left running\n".encode())
+            return self._outcome(job, log, proc, started, timed_out, cancelled)
+
+    def _not_started(self, job: AttemptJob, log: BinaryIO, started: dt.datetime, exc: Exception) -> AttemptOutcome:
+        log.write(f"[lightning] could not start harness: {exc}\n".encode())
+        log.flush()
+        trim_to_tail(job.log_path, self.max_log_bytes, log)
+        return AttemptOutcome(None, started, utcnow(), error=f"could not start harness: {exc}")
+
+    def _wait(self, proc: subprocess.Popen, tree: ProcessTree, timeout: float | None,
+              cancel: threading.Event) -> tuple[bool, bool]:
+        """Wait for the leader; on timeout or cancel end the whole tree. Returns (timed_out, cancelled)."""
+        deadline = None if not timeout else time.monotonic() + timeout
+        while True:
+            try:
+                proc.wait(0.1)
+                return False, False
+            except subprocess.TimeoutExpired:
+                pass
+            tree.poll()
+            cancelled = cancel.is_set()
+            timed_out = not cancelled and deadline is not None and time.monotonic() >= deadline
+            if cancelled or timed_out:
+                tree.kill(grace=self.kill_grace)
+                return timed_out, cancelled
+
+    def _outcome(self, job: AttemptJob, log: BinaryIO, proc: subprocess.Popen, started: dt.datetime,
+                 timed_out: bool, cancelled: bool) -> AttemptOutcome:
         ended = utcnow()
         error = None
         if timed_out:
-            error = f"timed out after {job.timeout:g}s; process group killed"
+            error = f"timed out after {job.timeout:g}s; process tree killed"
         elif cancelled:
-            error = "cancelled; process group killed"
+            error = "cancelled; process tree killed"
         elif proc.returncode != 0:
             rc = proc.returncode
             error = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
-        with open(job.log_path, "ab") as log:
-            log.write(f"[lightning] attempt ended: exit={proc.returncode} {error or 'ok'}\n".encode())
-        trim_to_tail(job.log_path, self.max_log_bytes)
+        log.write(f"[lightning] attempt ended: exit={proc.returncode} {error or 'ok'}\n".encode())
+        log.flush()
+        trim_to_tail(job.log_path, self.max_log_bytes, log)
         return AttemptOutcome(proc.returncode, started, ended, timed_out=timed_out, cancelled=cancelled, error=error)
 
     def kill_all(self) -> None:
         """Emergency stop of every live attempt (the normal path is the cancel event)."""
         with self._lock:
             live = list(self._live.values())
-        for proc in live:
-            kill_group(proc.pid, grace=0.0)
+        for tree in live:
+            tree.kill(grace=0.0)

@@ -1,17 +1,24 @@
-"""Where a rollout's reward comes from: ``--reward-cmd``, the reward file, or the proxy's rewards table.
+"""Where a rollout's reward comes from, and which report wins when there are several.
 
-Why one module: the rule "a missing reward is recorded as missing, never as 0" lives in one place.
-Order of precedence (first that yields a value wins):
+Why one module: the rules "a missing reward is recorded as missing, never as 0" and "the verifier
+outranks the harness" live in one place (the ``rollouts`` view in trainer/views.py uses the same
+source lists). The harness may run model-written commands, so what it says about itself is weak:
 
-1. ``--reward-cmd`` (the operator's scorer; runs after a harness that exited 0),
-2. ``LIGHTNING_REWARD_FILE`` written by the harness (a number or ``{"reward": x, "info": {...}}``),
-3. a reward the harness POSTed to ``LIGHTNING_REWARD_URL`` (the proxy writes it to ``rewards``).
+* verifier rank (:data:`VERIFIER_SOURCES`): ``--reward-cmd`` (``command``, the run's scorer, run
+  after a harness that exited 0) and what the operator POSTs to the control API (``api``);
+* self-report rank (:data:`SELF_SOURCES`): the harness's ``LIGHTNING_REWARD_FILE`` (``file``) and
+  its POST to ``LIGHTNING_REWARD_URL`` (``proxy``). They count only when the run has no
+  ``--reward-cmd`` (a harness that could make the scorer fail must not then score itself) and
+  self-reports are on (``--self-reward``, the default).
 
+The higher rank wins; within a rank the latest report wins. A report that arrives after the launcher
+judged the attempt is not seen here; the view lets only the verifier rank change a judged attempt.
 Anything unparsable or non-finite is an error attached to the rollout, not a number.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import os
@@ -24,14 +31,22 @@ from typing import Any, Callable, Mapping
 
 import pyarrow.parquet as pq
 
-from .local import kill_group
+from .local import open_log, open_regular
+from .proctree import ProcessTree
+
+MAX_REWARD_FILE = 1 << 16  # a reward is a number and a little info; more is not a reward
+
+
+VERIFIER_SOURCES = ("command", "api")  # the run's scorer, the operator: outrank...
+SELF_SOURCES = ("proxy", "file")  # ...what the harness says about itself
 
 
 @dataclass(frozen=True)
 class Reward:
     value: float
-    source: str  # 'command', 'file', 'proxy', 'api'
+    source: str  # 'command', 'api' (verifier rank); 'file', 'proxy' (self-reports)
     info: Mapping[str, Any] | None = None
+    at: dt.datetime | None = None  # when it was reported (file: its mtime); orders reports of one rank
 
 
 class RewardError(ValueError):
@@ -66,13 +81,21 @@ def parse_reward(text: str | bytes, *, what: str = "reward") -> tuple[float, dic
 
 
 def read_reward_file(path: Path) -> Reward | None:
-    """The harness's reward file, or None if it wrote none. Raises RewardError if it is malformed."""
+    """The harness's reward file, or None if it wrote none. Raises RewardError if it is malformed,
+    is not a regular file (a link, a FIFO, a device) or is larger than :data:`MAX_REWARD_FILE`."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as fh:
+            st = os.fstat(fh.fileno())
+            data = fh.read(MAX_REWARD_FILE + 1)
     except FileNotFoundError:
         return None
-    value, info = parse_reward(text, what=f"reward file {path}")
-    return Reward(value, "file", info)
+    except OSError as exc:
+        raise RewardError(f"reward file {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_REWARD_FILE:
+        raise RewardError(f"reward file {path} is larger than {MAX_REWARD_FILE} bytes")
+    at = dt.datetime.fromtimestamp(st.st_mtime, dt.timezone.utc)
+    value, info = parse_reward(data, what=f"reward file {path}")
+    return Reward(value, "file", info, at)
 
 
 def run_reward_cmd(
@@ -91,21 +114,25 @@ def run_reward_cmd(
     """
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}
     full_env.update(env)
-    stderr = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    stderr = open_log(log_path) if log_path else subprocess.DEVNULL
+    tree = ProcessTree()  # the scorer's leftovers end with it, like a harness's
     try:
-        proc = subprocess.Popen(
+        proc = tree.popen(
             command, shell=True, executable="/bin/sh", env=full_env, cwd=cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=stderr, start_new_session=True,
         )
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            kill_group(proc.pid, grace=1.0, proc=proc)
+            tree.kill(grace=1.0)
             proc.communicate()
             raise RewardError(f"reward command timed out after {timeout:g}s") from None
         finally:
-            kill_group(proc.pid, grace=0.0)
+            tree.kill(grace=0.0)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RewardError(f"reward command could not start: {exc}") from None
     finally:
+        tree.close()
         if log_path:
             stderr.close()
     if proc.returncode != 0:
@@ -118,18 +145,18 @@ def run_reward_cmd(
 
 
 class RewardsTable:
-    """Incremental reader of ``TRACES/rewards`` parts: the latest reward per ``(rollout_id, attempt)``.
+    """Incremental reader of ``TRACES/rewards`` parts: the latest report per ``(rollout_id, attempt)`` and source.
 
     Parts are immutable once renamed into place, so each is read once. ``flush`` (the proxy's
     ``POST /_lh/flush``) is called at most once per lookup wave: a lookup for an attempt that ended
-    before the last flush started does not flush again.
+    before the last flush started does not flush again (that flush wrote what the attempt reported).
     """
 
     def __init__(self, traces_dir: str | os.PathLike, flush: Callable[[], Any] | None = None) -> None:
         self.base = Path(traces_dir) / "rewards"
         self.flush_fn = flush
         self._seen: set[Path] = set()
-        self._latest: dict[tuple[str, int], tuple[Any, Reward]] = {}
+        self._latest: dict[tuple[str, int], dict[str, tuple[Any, Reward]]] = {}  # attempt -> source -> newest
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._last_flush_started = float("-inf")
@@ -148,17 +175,21 @@ class RewardsTable:
                 continue
             self._seen.add(path)
             for r in rows:
-                key = (r["rollout_id"], int(r["attempt"] or 0))
-                info = None
-                if r.get("info_json"):
-                    try:
-                        info = json.loads(r["info_json"])
-                    except json.JSONDecodeError:
-                        info = {"raw": r["info_json"]}
-                stamp = (r["created_at"] is not None, r["created_at"] or 0)
-                old = self._latest.get(key)
-                if old is None or stamp >= old[0]:
-                    self._latest[key] = (stamp, Reward(float(r["reward"]), r.get("source") or "proxy", info))
+                self._add(r)
+
+    def _add(self, r: dict) -> None:
+        source = r.get("source") or "proxy"  # unlabelled rows rank as self-reports
+        by_source = self._latest.setdefault((r["rollout_id"], int(r["attempt"] or 0)), {})
+        info = None
+        if r.get("info_json"):
+            try:
+                info = json.loads(r["info_json"])
+            except json.JSONDecodeError:
+                info = {"raw": r["info_json"]}
+        stamp = (r["created_at"] is not None, r["created_at"] or 0)
+        old = by_source.get(source)
+        if old is None or stamp >= old[0]:
+            by_source[source] = (stamp, Reward(float(r["reward"]), source, info, r["created_at"]))
 
     def _flush(self, ended_mono: float) -> None:
         if self.flush_fn is None:
@@ -172,20 +203,18 @@ class RewardsTable:
             except Exception:
                 self.flush_errors += 1
 
-    def lookup(self, rollout_id: str, attempt: int, *, ended_mono: float | None = None, sources: tuple[str, ...] | None = None) -> Reward | None:
-        """Latest reward of the attempt, flushing the proxy first if needed."""
-        key = (rollout_id, int(attempt))
+    def lookup(self, rollout_id: str, attempt: int, *, ended_mono: float | None = None,
+               sources: tuple[str, ...] | None = None) -> Reward | None:
+        """Latest report of the attempt among ``sources`` (all when None), after a flush of the proxy."""
+        self._flush(time.monotonic() if ended_mono is None else ended_mono)
         with self._lock:
             self._scan()
-            hit = self._latest.get(key)
-        if hit is None and self.flush_fn is not None:
-            self._flush(time.monotonic() if ended_mono is None else ended_mono)
-            with self._lock:
-                self._scan()
-                hit = self._latest.get(key)
-        if hit is None:
-            return None
-        reward = hit[1]
-        if sources is not None and reward.source not in sources:
-            return None
-        return reward
+            by_source = self._latest.get((rollout_id, int(attempt)), {})
+            hits = [hit for src, hit in by_source.items() if sources is None or src in sources]
+        return max(hits, key=lambda h: h[0])[1] if hits else None
+
+
+def latest(*rewards: Reward | None) -> Reward | None:
+    """The most recent of reports of one rank (a report without a time counts as oldest)."""
+    present = [r for r in rewards if r is not None]
+    return max(present, key=lambda r: (r.at is not None, r.at or 0)) if present else None

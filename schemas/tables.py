@@ -72,14 +72,16 @@ SPANS = _schema(
 
 REWARDS = _schema(
     "rewards",
-    "One row per reward reported for a rollout attempt (the latest row wins when several exist).",
+    "One row per reward reported for a rollout attempt. Which one counts (the rollouts view, the launcher): "
+    "a verifier report (source 'command' or 'api') outranks a self-report ('proxy', 'file'), the latest wins "
+    "within a rank, and once the launcher judged an attempt only a later verifier report changes it.",
     [
         _f("reward_id", pa.string(), "Unique id of this reward report.", False),
         _f("rollout_id", pa.string(), "Rollout the reward is for.", False),
         _f("attempt", pa.int32(), "Attempt of the rollout."),
         _f("reward", pa.float64(), "Scalar reward.", False),
         _f("created_at", _TS, "When the reward was recorded."),
-        _f("source", pa.string(), "'proxy' (POSTed to the proxy), 'file' (reward file), 'command' (--reward-cmd) or 'api'."),
+        _f("source", pa.string(), "Who reported it. Verifier rank: 'command' (the run's --reward-cmd) and 'api' (the operator, over the proxy's control API). Self-reports, which never outrank the verifier and count only for runs without --reward-cmd and with --self-reward: 'proxy' (the harness POSTed to LIGHTNING_REWARD_URL) and 'file' (the harness's LIGHTNING_REWARD_FILE)."),
         _f("info_json", pa.string(), "Free-form JSON the reporter attached (e.g. correctness details)."),
     ],
 )
@@ -102,7 +104,7 @@ ROLLOUTS = _schema(
         _f("ended_at", _TS, "When the harness ended (or was killed)."),
         _f("duration_s", pa.float64(), "Wall time of the attempt in seconds."),
         _f("reward", pa.float64(), "Reward of the attempt; null when none was reported (never silently 0)."),
-        _f("reward_source", pa.string(), "Where the reward came from ('proxy', 'file', 'command'); null if none."),
+        _f("reward_source", pa.string(), "Where the launcher's reward came from ('command', 'api', 'file', 'proxy'; see rewards.source); null if none."),
         _f("error", pa.string(), "Why the attempt failed, if it did."),
         _f("log_path", pa.string(), "File holding the tail of the harness's stdout/stderr."),
         _f("model_version", pa.int64(), "Policy version when the attempt started."),

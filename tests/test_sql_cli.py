@@ -37,7 +37,7 @@ def traces(tmp_path):
             span("b", 1, [1, 2, 14, 5], None, error_kind="upstream_status", upstream="http://other/v1"),
         ],
         rollouts=[rollout("a", task_id="t1", reward=1.0), rollout("b", task_id="t2", reward=0.0)],
-        rewards=[reward("b", 0.25)],
+        rewards=[reward("b", 0.25, at_s=6, source="api")],  # the operator re-scores b after it ended
     )
 
 
@@ -62,7 +62,7 @@ def test_build_then_canned_queries(traces, tmp_path):
     assert [(r["model_version"], r["calls"], r["p50_ms"]) for r in out] == [(0, 2, 75.0), (1, 2, 250.0)]
 
     out = json.loads(_run("lightning-sql", traces, "-q", "reward_by_task", "--format", "json").stdout)
-    assert {r["task_id"]: r["mean_reward"] for r in out} == {"t1": 1.0, "t2": 0.25}  # the proxy's reward wins
+    assert {r["task_id"]: r["mean_reward"] for r in out} == {"t1": 1.0, "t2": 0.25}  # the operator's later reward wins
 
     rows = list(csv.DictReader(io.StringIO(_run("lightning-sql", traces, "-q", "error_rate_by_upstream", "--format", "csv").stdout)))
     by = {r["upstream"]: r for r in rows}

@@ -37,9 +37,11 @@ def test_rollouts_view_joins_launcher_rewards_and_proxy_only(tmp_path):
         ],
         rollouts=[
             rollout("L", reward=0.2, task_id="t1", group_id="t1@3", step=3),
-            rollout("N", state="no_reward", task_id="t2"),  # reward arrives later through the proxy
+            rollout("N", state="no_reward", task_id="t2"),  # the operator scores it later (control API)
         ],
-        rewards=[reward("L", 0.5, at_s=1), reward("L", 0.9, at_s=2), reward("N", 1.0), reward("P", 0.0, attempt=1)],
+        # launcher rows end at T0+5 s: verifier-rank reports after that re-score them (the latest wins)
+        rewards=[reward("L", 0.5, at_s=6, source="api"), reward("L", 0.9, at_s=7, source="api"),
+                 reward("N", 1.0, at_s=6, source="api"), reward("P", 0.0, attempt=1)],
     )
     con = connect(tmp_path)
     rows = {
@@ -49,7 +51,7 @@ def test_rollouts_view_joins_launcher_rewards_and_proxy_only(tmp_path):
             "FROM rollouts ORDER BY ALL"
         ).fetchall()
     }
-    assert rows[("L", 0)] == (0.9, "succeeded", "t1", "t1@3", 3, 2, 1, True)  # latest reward row wins
+    assert rows[("L", 0)] == (0.9, "succeeded", "t1", "t1@3", 3, 2, 1, True)  # latest operator reward wins
     assert rows[("N", 0)] == (1.0, "succeeded", "t2", "g0", 0, 0, 0, True)
     assert rows[("P", 0)] == (None, "no_reward", None, None, None, 1, 0, False)
     assert rows[("P", 1)] == (0.0, "succeeded", None, None, None, 1, 0, False)

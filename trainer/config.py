@@ -73,7 +73,8 @@ class HarnessConfig:
     command: Any = None  # list or string; '{temperature}', '{max_tokens}' and '{python}' (this
     #   interpreter) are filled per phase; task fields ('{question}') are filled by the launcher
     cwd: str | None = None  # where harnesses run (default: the config file's folder)
-    reward_cmd: Any = None  # optional command printing a reward (if the harness reports none)
+    reward_cmd: Any = None  # optional verifier printing a reward; when set, the harness's own report never counts
+    self_reward: bool = True  # without reward_cmd, may the harness's own report be its reward (launcher --self-reward)
     timeout_s: float = 300.0  # per rollout attempt
     retries: int = 0
     env: dict = field(default_factory=dict)  # extra environment for every harness

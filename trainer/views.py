@@ -9,9 +9,14 @@
     one row per model call, flattened for analysis (token counts, latency, error, version).
 ``rollouts``
     one row per rollout attempt ``(rollout_id, attempt)`` seen in *any* table: launcher rows,
-    spans of a proxy used alone, or rewards POSTed for it. ``reward`` is the latest row of
-    ``rewards`` (by ``created_at``), else the launcher's ``reward``; ``state`` is the launcher's,
-    or derived (``succeeded`` with a reward, ``no_reward`` without) when there is no launcher row.
+    spans of a proxy used alone, or rewards POSTed for it. ``reward`` follows the precedence of
+    launcher/rewards.py: a verifier report (``command``, ``api``) outranks a self-report (``proxy``,
+    ``file``), the latest wins within a rank. An attempt the launcher judged keeps the launcher's
+    reward (it already weighed the self-reports, or was told to ignore them with --no-self-reward)
+    unless a verifier-rank report came after it ended (the operator re-scoring); so a self-report
+    posted after scoring never changes it. ``state`` is the launcher's (``no_reward`` becomes
+    ``succeeded`` when such a later verifier reward exists), or derived (``succeeded`` with a reward,
+    ``no_reward`` without) when there is no launcher row.
 
 Views re-read the directory on every query (DuckDB binds globs per query), so a live traces
 directory can be watched from one connection; only a table that had no file at connect time stays
@@ -32,6 +37,7 @@ from typing import Callable, TypeVar
 import duckdb
 import pyarrow as pa
 
+from ..launcher.rewards import VERIFIER_SOURCES
 from ..schemas import TABLES, finished_parts
 from ..schemas.checked import mark_bad
 
@@ -89,11 +95,21 @@ launcher AS (
     SELECT * FROM rollouts_raw
     QUALIFY row_number() OVER (PARTITION BY rollout_id, attempt ORDER BY ended_at DESC NULLS LAST) = 1
 ),
+ranked_reward AS (
+    SELECT w.rollout_id, coalesce(w.attempt, 0) AS attempt, w.reward, w.source AS reward_source,
+           w.created_at AS reward_at, w.reward_id,
+           coalesce(w.source IN (VERIFIER_SOURCES), false) AS verifier,
+           l.rollout_id IS NOT NULL AS judged, l.ended_at AS judged_at
+    FROM rewards w
+    LEFT JOIN launcher l ON l.rollout_id = w.rollout_id AND l.attempt = coalesce(w.attempt, 0)
+),
 latest_reward AS (
-    SELECT rollout_id, coalesce(attempt, 0) AS attempt, reward, source AS reward_source, created_at AS reward_at
-    FROM rewards
-    QUALIFY row_number() OVER (PARTITION BY rollout_id, coalesce(attempt, 0)
-                               ORDER BY created_at DESC NULLS LAST, reward_id DESC) = 1
+    -- a judged attempt: only a verifier report newer than its end (the launcher weighed the rest)
+    SELECT rollout_id, attempt, reward, reward_source, reward_at
+    FROM ranked_reward
+    WHERE NOT judged OR (verifier AND reward_at > judged_at)
+    QUALIFY row_number() OVER (PARTITION BY rollout_id, attempt
+                               ORDER BY verifier DESC, reward_at DESC NULLS LAST, reward_id DESC) = 1
 ),
 span_agg AS (
     SELECT rollout_id, coalesce(attempt, 0) AS attempt,
@@ -138,13 +154,17 @@ LEFT JOIN span_agg s      USING (rollout_id, attempt)
 """
 
 
+def _rollouts_sql() -> str:
+    return ROLLOUTS_SQL.replace("VERIFIER_SOURCES", ", ".join(_sql_str(s) for s in VERIFIER_SOURCES))
+
+
 def define_views(con: duckdb.DuckDBPyConnection, traces_dir: str | os.PathLike) -> duckdb.DuckDBPyConnection:
     """(Re)define every view of ``traces_dir`` on an existing connection."""
     root = Path(traces_dir)
     for table, view in RAW_VIEWS.items():
         _create_raw_view(con, root, table, view)
     con.execute(CALLS_SQL)
-    con.execute(ROLLOUTS_SQL)
+    con.execute(_rollouts_sql())
     return con
 
 

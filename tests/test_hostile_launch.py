@@ -1,0 +1,259 @@
+"""A hostile harness (issue 10): its whole process tree ends with the rollout, and the verifier's reward
+outranks whatever it says about itself.
+
+Real processes throughout: the escaping processes are started by tests/support/harness_escape.py
+(a ``setsid`` grandchild and a double-forked daemon, both ignoring SIGTERM); the reward tests run the
+real ``lightning-launch`` CLI with its own proxy against the stub upstream and read the Parquet
+tables through the DuckDB views.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fixtures_launch import pid_alive, wait_dead, wait_for
+
+from lightning_harness.launcher.local import AttemptJob, LocalRunner
+from lightning_harness.launcher.proctree import ProcessTree
+from lightning_harness.launcher.rewards import RewardError, run_reward_cmd
+from lightning_harness.trainer.views import connect
+
+pytestmark = pytest.mark.timeout(300)
+ESCAPE = Path(__file__).parent / "support" / "harness_escape.py"
+
+
+@pytest.fixture(params=["cgroup", "cgroup-freeze", "scan"])
+def mechanism(request, monkeypatch):
+    """Each test runs with each mechanism: cgroup v2 with cgroup.kill, with freeze + SIGKILL (older
+    kernels), both skipped where cgroup v2 is not usable, and the subreaper + /proc scan."""
+    monkeypatch.setattr(ProcessTree, "_mechanism", None)
+    if request.param == "scan":
+        monkeypatch.setenv("LIGHTNING_PROCESS_TREE", "scan")
+    else:
+        monkeypatch.delenv("LIGHTNING_PROCESS_TREE", raising=False)
+    got = ProcessTree.mechanism()
+    if got != request.param.split("-")[0]:
+        pytest.skip(f"cgroup v2 is not usable here (mechanism: {got})")
+    if request.param == "cgroup-freeze":
+        monkeypatch.setattr(ProcessTree, "_cgroup_kill", False)
+    yield got
+    monkeypatch.setattr(ProcessTree, "_mechanism", None)  # the next test probes again
+
+
+def _job(tmp_path, task: dict, timeout=None) -> AttemptJob:
+    out = tmp_path / "out"
+    env = {"LIGHTNING_TASK": json.dumps(task), "LIGHTNING_OUTPUT_DIR": str(out)}
+    return AttemptJob("r-t-0", 0, [sys.executable, str(ESCAPE)], env, tmp_path, tmp_path / "harness.log", timeout=timeout)
+
+
+def _escapees(out: Path) -> dict[str, int]:
+    return {name: int((out / f"{name}.txt").read_text().split()[0]) for name in ("setsid", "daemon")}
+
+
+def _assert_stopped(out: Path, pids: dict[str, int]) -> None:
+    """Every escapee is dead and its file stopped growing."""
+    assert wait_dead(pids.values(), timeout=5) == [], {n: pid_alive(p) for n, p in pids.items()}
+    sizes = {n: (out / f"{n}.txt").stat().st_size for n in pids}
+    time.sleep(0.3)  # they wrote a line every 50 ms while alive
+    assert {n: (out / f"{n}.txt").stat().st_size for n in pids} == sizes
+
+
+def test_setsid_and_double_forked_children_end_when_the_harness_exits(tmp_path, mechanism):
+    out = LocalRunner(kill_grace=0.5).run(_job(tmp_path, {"escape": True}), threading.Event())
+    assert out.exit_code == 0 and out.error is None, (tmp_path / "harness.log").read_text()
+    pids = _escapees(tmp_path / "out")
+    _assert_stopped(tmp_path / "out", pids)
+    assert "killed 2 process(es) the harness left running" in (tmp_path / "harness.log").read_text()
+
+
+def test_timeout_ends_the_whole_tree(tmp_path, mechanism):
+    t0 = time.monotonic()
+    out = LocalRunner(kill_grace=0.5).run(_job(tmp_path, {"escape": True, "then": "hang"}, timeout=3), threading.Event())
+    assert out.timed_out and "process tree killed" in out.error
+    assert time.monotonic() - t0 < 30
+    _assert_stopped(tmp_path / "out", _escapees(tmp_path / "out"))
+
+
+def test_cancel_ends_the_whole_tree(tmp_path, mechanism):
+    cancel, result = threading.Event(), {}
+    runner = LocalRunner(kill_grace=0.5)
+    th = threading.Thread(target=lambda: result.update(out=runner.run(_job(tmp_path, {"escape": True, "then": "hang"}), cancel)))
+    th.start()
+    wait_for(lambda: "READY" in (tmp_path / "harness.log").read_text() if (tmp_path / "harness.log").exists() else False, 30)
+    pids = _escapees(tmp_path / "out")
+    assert all(pid_alive(p) for p in pids.values())
+    cancel.set()
+    th.join(30)
+    assert result["out"].cancelled
+    _assert_stopped(tmp_path / "out", pids)
+
+
+def test_processes_moved_to_other_cgroups_end_too_and_no_cgroup_is_left_behind(tmp_path, mechanism):
+    """A root harness nests a cgroup in its own, and moves a process out of its tree altogether."""
+    if mechanism != "cgroup":
+        pytest.skip("cgroup only (the harness moves processes between cgroups)")
+    out = LocalRunner(kill_grace=0.5).run(_job(tmp_path, {"escape": True, "nest": True, "jump": True}), threading.Event())
+    assert out.exit_code == 0, (tmp_path / "harness.log").read_text()
+    pids = _escapees(tmp_path / "out")
+    for name in ("nested", "jumped"):
+        pids[name] = int((tmp_path / "out" / f"{name}.txt").read_text().split()[0])
+    _assert_stopped(tmp_path / "out", pids)
+    assert not list(ProcessTree._root.glob(f"lightning-{os.getpid()}-*"))
+
+
+def test_the_reward_commands_leftovers_end_too(tmp_path, mechanism):
+    pid_file = tmp_path / "pid"
+    cmd = f"setsid sleep 1000 >/dev/null 2>&1 & echo $! > {pid_file}; echo 0.5"
+    assert run_reward_cmd(cmd, {}).value == 0.5
+    assert wait_dead([int(pid_file.read_text())], timeout=5) == []
+    with pytest.raises(RewardError, match="could not start"):
+        run_reward_cmd("true", {}, cwd=str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero", "gone"])
+def test_trap_files_in_the_attempt_folder_neither_hang_the_launcher_nor_lose_the_log(tmp_path, kind):
+    """The harness swaps its log and reward file for a FIFO or a link to /dev/zero, or removes its
+    whole attempt folder, before it exits."""
+    from lightning_harness.launcher.batch import run_batch
+
+    t0 = time.monotonic()
+    (res,) = run_batch([{"id": "trap", "plant": kind}], [sys.executable, str(ESCAPE)], traces_dir=tmp_path, run_id="r",
+                       timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert res.state == "no_reward" and ("not a regular file" if kind != "gone" else "no reward reported") in res.error
+    log = Path(res.log_path)
+    assert log.is_file() and not log.is_symlink()
+    text = log.read_text()
+    assert "READY" in text and "[lightning] attempt ended: exit=0 ok" in text
+
+
+# -- reward precedence through the real CLI ---------------------------------------------------------
+def launch(tasks, traces, stub_upstream, proxy_confdir, *args):
+    cmd = [sys.executable, "-m", "lightning_harness.launcher.cli", "run", str(tasks), "--traces", str(traces),
+           "--upstream", stub_upstream, "--proxy-confdir", str(proxy_confdir), "--no-progress", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "COLUMNS": "200"})
+
+
+def view(traces) -> dict[str, tuple]:
+    con = connect(traces)
+    return {r[0]: r[1:] for r in con.sql("SELECT task_id, state, reward, reward_source FROM rollouts").fetchall()}
+
+
+def test_the_verifier_outranks_a_self_report_and_a_late_one_changes_nothing(tmp_path, write_tasks, stub_upstream, proxy_confdir, rows):
+    # the harness claims 1.0 now, and leaves a process that claims 0.9 after it exited (and after scoring)
+    tasks = write_tasks([{"id": "cheat", "claim": 1.0, "late": 0.9, "late_delay": 1.0}])
+    traces = tmp_path / "traces"
+    res = launch(tasks, traces, stub_upstream, proxy_confdir, "--reward-cmd", "echo 0.0", "--", sys.executable, ESCAPE)
+    assert res.returncode == 0, res.stderr
+    assert "process trees:" in res.stderr
+    (row,) = rows(traces, "rollouts")
+    assert (row["state"], row["reward"], row["reward_source"]) == ("succeeded", 0.0, "command")
+    late_pid = int(Path(row["log_path"]).with_name("out").joinpath("late.txt").read_text())
+    assert not pid_alive(late_pid)  # the late poster died with the harness's tree
+    assert view(traces) == {"cheat": ("succeeded", 0.0, "command")}
+    sources = sorted(r["source"] for r in rows(traces, "rewards"))
+    assert sources == ["command", "proxy"]  # the claim is kept as data, it just does not count
+
+
+def test_self_reports_after_judging_never_change_the_reward_but_the_operator_can(tmp_path, write_tasks, stub_upstream, proxy_confdir, make_proxy):
+    """Direct posts to a running proxy: a harness's (its reward URL) and the operator's (control API)."""
+    from lightning_harness.launcher.batch import run_batch
+
+    traces = tmp_path / "traces"
+    proxy = make_proxy(traces_dir=traces)
+    tasks = [{"id": "v", "claim": 1.0}, {"id": "s", "claim": 0.5}]
+    with_cmd = run_batch(tasks[:1], [sys.executable, str(ESCAPE)], traces_dir=traces, proxy=proxy, run_id="cmd",
+                         reward_cmd="echo 0.0")
+    selfish = run_batch(tasks[1:], [sys.executable, str(ESCAPE)], traces_dir=traces, proxy=proxy, run_id="self")
+    assert [(r.reward, r.reward_source) for r in with_cmd + selfish] == [(0.0, "command"), (0.5, "proxy")]
+    for r in with_cmd + selfish:  # after judging, the harness's credentials post again (through the proxy)
+        proxy_post_self_report(proxy, r.rollout_id, r.attempt, 0.99)
+    proxy.control.flush()
+    assert view(traces) == {"v": ("succeeded", 0.0, "command"), "s": ("succeeded", 0.5, "proxy")}
+    # the operator's word ranks with the verifier: it re-scores a judged attempt
+    proxy.control.reward(selfish[0].rollout_id, selfish[0].attempt, 0.25)
+    proxy.control.flush()
+    assert view(traces)["s"] == ("succeeded", 0.25, "api")
+
+
+def proxy_post_self_report(proxy, rollout_id: str, attempt: int, value: float) -> None:
+    """What a leftover process holding the harness's LIGHTNING_REWARD_URL would send."""
+    import urllib.request
+
+    from lightning_harness.launcher.proxy_link import ProxyLink
+
+    url = ProxyLink.from_process(proxy).env_for(rollout_id, attempt)["LIGHTNING_REWARD_URL"]
+    req = urllib.request.Request(url, data=json.dumps({"reward": value}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10).read()
+    except OSError:
+        pass  # a proxy that revokes a judged attempt's credential refuses it: fine, it must not count either way
+
+
+def test_a_harness_cannot_use_the_control_api_to_pose_as_the_verifier(tmp_path, write_tasks, stub_upstream, proxy_confdir, rows):
+    """The proxy the launcher starts has a control token of its own, which no harness gets."""
+    tasks = write_tasks([{"id": "forger", "forge": 1.0}])
+    traces = tmp_path / "traces"
+    res = launch(tasks, traces, stub_upstream, proxy_confdir, "--no-self-reward", "--", sys.executable, ESCAPE)
+    assert res.returncode == 0, res.stderr
+    (row,) = rows(traces, "rollouts")
+    assert "FORGE REFUSED" in Path(row["log_path"]).read_text()
+    assert (row["state"], row["reward"]) == ("no_reward", None)
+    assert view(traces) == {"forger": ("no_reward", None, None)}
+
+
+def test_no_self_reward_gives_no_reward_instead_of_the_harness_claim(tmp_path, write_tasks, stub_upstream, proxy_confdir, rows):
+    tasks = write_tasks([{"id": "claims", "claim": 1.0}, {"id": "silent"}])
+    traces = tmp_path / "traces"
+    res = launch(tasks, traces, stub_upstream, proxy_confdir, "--no-self-reward", "--", sys.executable, ESCAPE)
+    assert res.returncode == 0, res.stderr
+    got = {r["task_id"]: (r["state"], r["reward"], r["error"]) for r in rows(traces, "rollouts")}
+    assert got["claims"][:2] == ("no_reward", None) and "--no-self-reward" in got["claims"][2]
+    assert "own report was ignored" in got["claims"][2] and "own report" not in got["silent"][2]
+    assert view(traces) == {"claims": ("no_reward", None, None), "silent": ("no_reward", None, None)}
+    # the same harness with self-reports on (the default) is taken at its word
+    res = launch(tasks, traces, stub_upstream, proxy_confdir, "--run-id", "trusting", "--", sys.executable, ESCAPE)
+    assert res.returncode == 0, res.stderr
+    trusting = {r["task_id"]: (r["state"], r["reward"]) for r in rows(traces, "rollouts") if r["run_id"] == "trusting"}
+    assert trusting == {"claims": ("succeeded", 1.0), "silent": ("no_reward", None)}
+
+
+def test_the_trainer_config_key_turns_self_reports_off(tmp_path):
+    from lightning_harness.trainer import config as C
+
+    p = tmp_path / "cfg.yaml"
+    p.write_text("model: model\nharness: {command: [h]}\ntasks: {train: t.jsonl}\n")
+    (tmp_path / "model").mkdir()
+    assert C.load_config(p).harness.self_reward is True
+    assert C.load_config(p, ["harness.self_reward=false"]).harness.self_reward is False
+    with pytest.raises(C.ConfigError, match="harness.self_reward"):
+        C.load_config(p, ["harness.self_reward=maybe"])
+
+
+def test_the_view_ranks_hand_written_reports(tmp_path):
+    """The view's rule on Parquet written directly (no launcher run): ranks, judged attempts, unlabelled rows."""
+    from fixtures_traces import reward, rollout, write_traces
+
+    unlabelled = {**reward("U", 0.7), "source": None}
+    write_traces(
+        tmp_path,
+        rollouts=[rollout("J", reward=0.3, task_id="judged"),  # launcher rows end at T0+5 s
+                  rollout("Q", state="no_reward", task_id="quiet")],  # e.g. --no-self-reward ignored a claim
+        rewards=[reward("J", 1.0, at_s=9), reward("J", 0.9, at_s=9, source="file"),  # self-reports after judging
+                 reward("J", 0.1, at_s=1, source="api"),  # the operator, before the launcher judged: weighed then
+                 reward("Q", 1.0, at_s=2),
+                 reward("P", 0.2, at_s=1, source="api"), reward("P", 1.0, at_s=2),  # proxy alone: rank beats time
+                 reward("S", 0.4, at_s=1), reward("S", 0.6, at_s=2, source="file"),  # same rank: the latest
+                 unlabelled, reward("U", 0.1, at_s=-1, source="command")],
+    )
+    got = {r[0]: r[1:] for r in connect(tmp_path).sql("SELECT rollout_id, state, reward, reward_source FROM rollouts").fetchall()}
+    assert got == {"J": ("succeeded", 0.3, "file"), "Q": ("no_reward", None, None), "P": ("succeeded", 0.2, "api"),
+                   "S": ("succeeded", 0.6, "file"), "U": ("succeeded", 0.1, "command")}
