@@ -3,8 +3,11 @@
 Runs after the gate, control and routing addons and before rewrite, so it records the request as
 the harness sent it and the response as upstream sent it (token ids and logprobs included).
 SSE responses are relayed chunk by chunk (:class:`~lightning_harness.proxy.sse.SSERelay`) and
-assembled into one completion object for the span. Upstream errors, timeouts, client disconnects
-and malformed JSON become error spans; the proxy keeps serving.
+assembled into one completion object for the span. Upstream errors, timeouts, client disconnects,
+streams cut short, refusals (limits addon) and malformed JSON become error spans; the proxy keeps
+serving. Every attributed model call gets exactly one span: calls still in flight when the proxy
+stops are recorded by :meth:`Capture.record_shutdown`. Bytes that are not UTF-8 are kept with
+replacement characters (``salvaged``), never dropped and never handed to Parquet as bad text.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from datetime import datetime, timezone
 from mitmproxy import http
 
 from ..assemble import assembler_for, token_fields
+from ..codec import TooLarge, decode_body, utf8_text
 from ..sse import SSERelay
 from ..state import META, MODEL, Call, ProxyState
+from .limits import REFUSED
 
 log = logging.getLogger("lightning.proxy")
 
@@ -30,21 +35,66 @@ def _ts(t: float | None) -> datetime | None:
     return None if t is None else datetime.fromtimestamp(t, tz=timezone.utc)
 
 
+def _valid_text(row: dict, skip: str = "request_json") -> bool:
+    """Make every text field encodable as UTF-8 (JSON escapes such as ``\\ud800`` parse into lone
+    surrogates Parquet cannot write); True if one had to be fixed."""
+    fixed = False
+    for key, value in row.items():
+        if isinstance(value, str) and key != skip:
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                row[key] = value.encode("utf-8", "replace").decode("utf-8")
+                fixed = True
+    return fixed
+
+
+def _cut_short(exc: ValueError, text: str) -> bool:
+    """A JSON body that is fine up to where it stops (the parser ran out of input)."""
+    return isinstance(exc, json.JSONDecodeError) and bool(text.strip()) and exc.pos >= len(text.rstrip())
+
+
 class Capture:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
         self.redact = state.redactor
+        self.live: dict[int, tuple[http.HTTPFlow, Call]] = {}  # model calls without a span yet
+        self.on_large_body = None  # callable(nbytes): the server hands memory back after big bodies
 
     # -- request ----------------------------------------------------------------------------
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        call: Call | None = flow.metadata.get(META)
+        if call is not None and call.kind == MODEL and not call.done:
+            self.live[id(call)] = (flow, call)  # from here on the call gets a span, whatever happens
+
     def request(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
-        if call is None or call.kind != MODEL or call.done or flow.response is not None:
+        if call is None or call.kind != MODEL or call.done:
+            return
+        refused = flow.metadata.get(REFUSED)
+        if refused is not None:  # answered by the limits addon (too large, shutting down, bad coding)
+            kind, why, status = refused
+            self._start(call)
+            self._finish(flow, call, kind, why, response_json=flow.response.get_text(strict=False), status=status)
+            return
+        if flow.response is not None:  # answered by an earlier addon (no upstream): not a model call
+            self.live.pop(id(call), None)
             return
         if flow.error is not None:  # the client gave up while the request was held
+            self._start(call)
             self._finish(flow, call, "client_disconnect", f"client disconnected while held: {flow.error.msg}")
             return
-        text = flow.request.get_text(strict=False) or ""
+        raw = flow.request.raw_content or b""
+        self._note_size(len(raw))
+        text, bad = utf8_text(raw)
+        call.salvaged |= bad
         call.request_text = text
+        self._parse_request(call, text)
+        self._start(call)
+        self.state.begin(call)  # (the encoding addon asks upstream for an uncompressed body)
+
+    @staticmethod
+    def _parse_request(call: Call, text: str) -> None:
         try:
             obj = json.loads(text)
             if not isinstance(obj, dict):
@@ -56,10 +106,17 @@ class Capture:
             model = obj.get("model")
             call.model = model if isinstance(model, str) else None
             call.stream = bool(obj.get("stream"))
-        call.seq = self.state.next_seq(call.rollout_id, call.attempt)
-        call.model_version = self.state.model_version
-        call.started = time.time()
-        self.state.begin(call)  # (the encoding addon asks upstream for an uncompressed body)
+
+    def _start(self, call: Call) -> None:
+        """Seq and policy version, once: when the request is complete, or when it fails before."""
+        if call.seq is None:
+            call.seq = self.state.next_seq(call.rollout_id, call.attempt)
+            call.model_version = self.state.model_version
+            call.started = time.time()
+
+    def _note_size(self, n: int) -> None:
+        if self.on_large_body is not None and n >= 1 << 20:
+            self.on_large_body(n)
 
     # -- response ---------------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -70,7 +127,8 @@ class Capture:
         ctype = flow.response.headers.get("Content-Type", "")
         if "text/event-stream" in ctype:
             asm = assembler_for(call.endpoint)
-            relay = SSERelay(asm.add, call.event_filters, on_error=self._sse_error(call))
+            relay = SSERelay(asm.add, call.event_filters, on_error=self._sse_error(call),
+                             max_event=self.state.config.max_decoded_size)
             call.sse = (relay, asm)
 
             def stream(chunk: bytes, relay=relay, call=call):
@@ -92,20 +150,10 @@ class Capture:
         if call is None or not call.in_flight:
             return
         resp = flow.response
-        kind = err = None
         if call.sse is not None:
-            call.response_obj = call.sse[1].result()
-            response_json = json.dumps(call.response_obj, ensure_ascii=False)
-            if call.response_error:
-                kind, err = "malformed_response", call.response_error
+            response_json, kind, err = self._stream_result(call, resp.status_code)
         else:
-            response_json = resp.get_text(strict=False) if resp.raw_content is not None else None
-            try:
-                obj = json.loads(response_json or "")
-                call.response_obj = obj if isinstance(obj, dict) else None
-            except ValueError as exc:
-                if resp.status_code < 400:
-                    kind, err = "malformed_response", f"upstream response is not valid JSON ({exc})"
+            response_json, kind, err = self._body_result(call, resp)
         if resp.status_code >= 400:
             kind = "upstream_status"
             body = (response_json or "")[:MAX_ERROR_BODY]
@@ -114,45 +162,122 @@ class Capture:
             kind, err = "malformed_request", call.request_error + (f"; {err}" if err else "")
         self._finish(flow, call, kind, err, response_json=response_json, status=resp.status_code)
 
+    def _stream_result(self, call: Call, status: int) -> tuple[str, str | None, str | None]:
+        relay, asm = call.sse
+        call.response_obj = asm.result()
+        call.salvaged |= relay.salvaged
+        response_json = json.dumps(call.response_obj, ensure_ascii=False)
+        if relay.oversize:
+            return response_json, "too_large", call.response_error
+        if call.response_error:
+            return response_json, "malformed_response", call.response_error
+        if status < 400 and not relay.done and not asm.finished:
+            return response_json, "truncated", (
+                f"event stream ended without [DONE] or a finish_reason after {relay.events} events "
+                f"({relay.bytes} bytes): the answer is incomplete")
+        return response_json, None, None
+
+    def _body_result(self, call: Call, resp: http.Response) -> tuple[str | None, str | None, str | None]:
+        if resp.raw_content is None:
+            return None, None, None
+        raw = resp.raw_content
+        self._note_size(len(raw))
+        coding = resp.headers.get("Content-Encoding", "").strip()
+        if coding and coding.lower() != "identity":
+            try:
+                raw = decode_body(raw, coding, self.state.config.max_decoded_size)
+            except TooLarge as exc:
+                return None, "too_large", f"upstream answer: {exc} (max_decoded_size)"
+            except ValueError as exc:
+                return None, "malformed_response", f"upstream answer: {exc}"
+        text, bad = utf8_text(raw)
+        call.salvaged |= bad
+        try:
+            obj = json.loads(text or "")
+        except ValueError as exc:
+            if resp.status_code >= 400:
+                return text, None, None
+            if _cut_short(exc, text):
+                return text, "truncated", f"upstream JSON body ends mid-value ({exc}): the answer is incomplete"
+            return text, "malformed_response", f"upstream response is not valid JSON ({exc})"
+        call.response_obj = obj if isinstance(obj, dict) else None
+        return text, None, None
+
     def error(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
         if call is None or call.kind != MODEL or call.done:
             return
         msg = flow.error.msg if flow.error else "unknown error"
-        low = msg.lower()
         response_json = None
         if call.sse is not None:
             call.response_obj = call.sse[1].result()
+            call.salvaged |= call.sse[0].salvaged
             response_json = json.dumps(call.response_obj, ensure_ascii=False)
+        if call.seq is None:  # the request hook never ran: the body never arrived in full
+            self._start(call)
+            kind, status = "client_disconnect", None
+            msg = f"client stopped before sending the whole request body: {msg}"
+        else:
+            kind, status, msg = self._classify_error(flow, call, msg)
+        if call.request_error:
+            msg = call.request_error + "; " + msg
+        self._finish(flow, call, kind, msg, response_json=response_json, status=status)
+
+    def _classify_error(self, flow: http.HTTPFlow, call: Call, msg: str) -> tuple[str, int | None, str]:
+        low = msg.lower()
         idle = self.state.config.idle_timeout
         last_activity = call.last_chunk or call.first_byte or call.started or call.received
         if "client disconnected" in low and time.time() - last_activity >= idle * 0.95:
             # mitmproxy's inactivity watchdog closes the client side: it reads as a disconnect
-            kind, status = "timeout", None
-            msg = f"no bytes from upstream for {idle:g} s (idle timeout); connection closed: {msg}"
-        elif "client disconnected" in low or "client closed" in low:
-            kind, status = "client_disconnect", None
-            msg = f"client disconnected before the response finished: {msg}"
-        elif "timed out" in low or "timeout" in low:
-            kind, status = "timeout", None if flow.response else 504
-            msg = f"upstream timed out: {msg}"
-        else:
-            kind = "upstream_unreachable"
-            status = None if flow.response else 502
-            where = "mid-response" if flow.response else "before answering"
-            msg = f"upstream failed {where}: {msg}"
-        if call.request_error:
-            msg = call.request_error + "; " + msg
-        self._finish(flow, call, kind, msg, response_json=response_json, status=status)
+            return "timeout", None, f"no bytes from upstream for {idle:g} s (idle timeout); connection closed: {msg}"
+        if "client disconnected" in low or "client closed" in low:
+            return "client_disconnect", None, f"client disconnected before the response finished: {msg}"
+        if "timed out" in low or "timeout" in low:
+            return "timeout", None if flow.response else 504, f"upstream timed out: {msg}"
+        where = "mid-response" if flow.response else "before answering"
+        return "upstream_unreachable", None if flow.response else 502, f"upstream failed {where}: {msg}"
+
+    # -- shutdown ---------------------------------------------------------------------------
+    def record_shutdown(self, waited: float) -> int:
+        """Give every call still without a span a ``shutdown`` error span (what had streamed so far
+        included); returns how many. Called by the server after the drain, before the final flush."""
+        n = 0
+        for flow, call in list(self.live.values()):
+            if call.done:
+                continue
+            self._start(call)
+            response_json = None
+            if call.sse is not None:
+                call.response_obj = call.sse[1].result()
+                response_json = json.dumps(call.response_obj, ensure_ascii=False)
+            msg = f"the proxy shut down while the call was in flight (after waiting {waited:.1f} s for it)"
+            self._finish(flow, call, "shutdown", msg, response_json=response_json, status=None)
+            n += 1
+        return n
 
     # -- span row ---------------------------------------------------------------------------
     def _finish(self, flow, call: Call, kind, err, response_json=None, status=None) -> None:
         if call.done:
             return
         call.done = True
+        self.live.pop(id(call), None)
         self.state.end(call)
+        row = self._row(flow, call, kind, err, response_json, status)
+        row = self.redact.scrub_row(row, call.secrets, request_is_json=call.request_obj is not None)
+        if kind:
+            self.state.errors += 1
+            log.info("error span %s/%s seq=%s: %s: %.300s", call.rollout_id, call.attempt, call.seq, kind, err)
+        self.state.spans.append(row)
+        self.state.spans_captured += 1
+
+    def _row(self, flow, call: Call, kind, err, response_json, status) -> dict:
         now = time.time()
-        toks = token_fields(call.response_obj, call.endpoint)
+        try:
+            toks = token_fields(call.response_obj, call.endpoint)
+        except Exception as exc:  # an answer of an unexpected shape: keep it in response_json only
+            log.warning("token fields not extracted (%s: %s)", type(exc).__name__, exc)
+            toks = {**token_fields(None, call.endpoint), "salvaged": True}
+        salvaged = toks.pop("salvaged", False) or call.salvaged
         row = {
             "span_id": uuid.uuid4().hex,
             "rollout_id": call.rollout_id,
@@ -181,9 +306,5 @@ class Capture:
             "error": err,
             **toks,
         }
-        row = self.redact.scrub_row(row, call.secrets, request_is_json=call.request_obj is not None)
-        if kind:
-            self.state.errors += 1
-            log.info("error span %s/%s seq=%s: %s: %s", call.rollout_id, call.attempt, call.seq, kind, err)
-        self.state.spans.append(row)
-        self.state.spans_captured += 1
+        row["salvaged"] = _valid_text(row) or salvaged
+        return row

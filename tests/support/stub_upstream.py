@@ -32,6 +32,10 @@ Misbehaviour on demand, per request with headers or for all requests with
     X-Stub-Drop: 1          close the connection mid-response
     X-Stub-Encoding: E      compress the body with E (gzip, deflate or br; br needs `brotli`) whatever
                             the request's Accept-Encoding says (a misbehaving upstream or CDN)
+    X-Stub-Truncate: 1      end the answer early but cleanly: JSON cut mid-value (Content-Length of
+                            what is sent), SSE without its last events, finish_reason and [DONE]
+    X-Stub-Bad-Utf8: 1      put a byte that is not UTF-8 (0xff) in the generated text (JSON and SSE)
+    X-Stub-Event-Bytes: N   SSE: one content event of N bytes, written in 64 KiB pieces
 ``GET /_stub/requests`` returns the last 200 model-call bodies received (what the proxy sent);
 ``POST /_stub/reset`` clears them. Stops on SIGTERM/SIGINT.
 """
@@ -271,7 +275,8 @@ async def _send_json(w: asyncio.StreamWriter, status: int, obj, raw: bytes | Non
     await w.drain()
 
 
-async def _send_sse(w: asyncio.StreamWriter, chunks, malformed: bool, drop: bool, encoding: str | None = None) -> None:
+async def _send_sse(w: asyncio.StreamWriter, chunks, malformed: bool, drop: bool, encoding: str | None = None,
+                    truncate: bool = False, bad_utf8: bool = False) -> None:
     headers = {"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked", "Cache-Control": "no-cache"}
     enc = _Encoder(encoding) if encoding else None
     if enc:
@@ -283,7 +288,14 @@ async def _send_sse(w: asyncio.StreamWriter, chunks, malformed: bool, drop: bool
             await w.drain()
             w.transport.abort()
             raise ConnectionResetError("stub dropped the connection (X-Stub-Drop)")
-        payload = b"data: " + (b"{not json" if malformed and i == 1 else json.dumps(obj).encode()) + b"\n\n"
+        if truncate and i == 2:
+            w.write(b"0\r\n\r\n")  # a clean end of the body, without the rest of the events
+            await w.drain()
+            return
+        data = b"{not json" if malformed and i == 1 else json.dumps(obj).encode()
+        if bad_utf8 and i == 1:
+            data = data.replace(b"w0 ", b"w0\xff ")
+        payload = b"data: " + data + b"\n\n"
         if enc:
             payload = enc.feed(payload)
         w.write(b"%x\r\n%s\r\n" % (len(payload), payload))
@@ -299,7 +311,9 @@ async def _send_sse(w: asyncio.StreamWriter, chunks, malformed: bool, drop: bool
 
 async def _model_call(w, path: str, headers: dict, raw: bytes) -> None:
     opts = {**CONFIG}
-    for h, key in (("x-stub-fail", "fail"), ("x-stub-delay", "delay"), ("x-stub-malformed", "malformed"), ("x-stub-drop", "drop"), ("x-stub-encoding", "encoding")):
+    for h, key in (("x-stub-fail", "fail"), ("x-stub-delay", "delay"), ("x-stub-malformed", "malformed"), ("x-stub-drop", "drop"),
+                   ("x-stub-encoding", "encoding"), ("x-stub-truncate", "truncate"), ("x-stub-bad-utf8", "bad_utf8"),
+                   ("x-stub-event-bytes", "event_bytes")):
         if h in headers:
             opts[key] = headers[h]
     try:
@@ -318,16 +332,39 @@ async def _model_call(w, path: str, headers: dict, raw: bytes) -> None:
         return await _send_json(w, code, {"error": {"message": f"stub failure {code}", "type": "stub_error", "code": code}})
     chat = path.rstrip("/").endswith("/chat/completions")
     malformed, drop, encoding = bool(opts.get("malformed")), bool(opts.get("drop")), opts.get("encoding") or None
+    truncate, bad_utf8 = bool(opts.get("truncate")), bool(opts.get("bad_utf8"))
+    if body.get("stream") and opts.get("event_bytes"):
+        return await _send_big_event(w, body, int(opts["event_bytes"]))
     if body.get("stream"):
-        return await _send_sse(w, chat_chunks(body) if chat else cmpl_chunks(body), malformed, drop, encoding)
+        chunks = chat_chunks(body) if chat else cmpl_chunks(body)
+        return await _send_sse(w, chunks, malformed, drop, encoding, truncate, bad_utf8)
     if drop:
         w.write(_head(200, {"Content-Type": "application/json", "Content-Length": 1000}) + b'{"id": "x", ')
         await w.drain()
         w.transport.abort()
         raise ConnectionResetError("stub dropped the connection (X-Stub-Drop)")
     if malformed:
-        return await _send_json(w, 200, None, raw=b'{"id": "broken", "choices": [')
-    await _send_json(w, 200, chat_json(body) if chat else cmpl_json(body), encoding=encoding)
+        return await _send_json(w, 200, None, raw=b'{"id": "broken", "choices": [}')
+    answer = json.dumps(chat_json(body) if chat else cmpl_json(body)).encode()
+    if truncate:
+        answer = answer[: len(answer) // 2]
+    if bad_utf8:
+        answer = answer.replace(b"w0 ", b"w0\xff ")
+    await _send_json(w, 200, None, raw=answer, encoding=encoding)
+
+
+async def _send_big_event(w: asyncio.StreamWriter, body: dict, n: int) -> None:
+    """One chat chunk whose content is ``n`` bytes, written in 64 KiB pieces (the SSE benchmark)."""
+    base = {"id": "chatcmpl-big", "object": "chat.completion.chunk", "created": int(time.time()), "model": body.get("model")}
+    big = json.dumps({**base, "choices": [{"index": 0, "delta": {"content": "x" * n}, "finish_reason": "stop"}]}).encode()
+    w.write(_head(200, {"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked"}))
+    data = b"data: " + big + b"\n\ndata: [DONE]\n\n"
+    for i in range(0, len(data), 65536):
+        piece = data[i : i + 65536]
+        w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        await w.drain()
+    w.write(b"0\r\n\r\n")
+    await w.drain()
 
 
 async def _handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:

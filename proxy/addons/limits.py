@@ -1,0 +1,83 @@
+"""Bounds on model-call request bodies, and the door closed while the proxy shuts down.
+
+A hostile or broken harness can send a body far bigger than any prompt (memory), or a small
+compressed body that expands a thousandfold (a decompression bomb). Model calls are refused with
+413 and an OpenAI-style JSON error when:
+- ``Content-Length`` exceeds ``max_body_size`` (checked on the headers, before the body is used);
+- a chunked body (no length) turns out longer than ``max_body_size``;
+- a ``Content-Encoding`` body (gzip, deflate, br, zstd) would expand past ``max_decoded_size``:
+  it is decompressed with a running cap, never with an uncapped decode.
+An accepted compressed body is forwarded decoded (``identity``): the span, the rewrite addon and
+upstreams that do not read compressed requests (vLLM) all need the plain JSON. While the proxy
+drains at shutdown new model calls get 503. Each refusal is counted in ``rejected`` and the
+capture addon records it as an error span (``too_large``, ``malformed_request``, ``shutdown``),
+so no attributed model call goes unrecorded. Runs before routing and capture.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from mitmproxy import http
+
+from ..codec import TooLarge, decode_body
+from ..state import META, MODEL, Call, ProxyState
+
+log = logging.getLogger("lightning.proxy")
+
+REFUSED = "lh.refused"  # flow.metadata key: (error_kind, message) of a call this addon answered
+
+
+class Limits:
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+        self.draining = False  # set by the server on SIGTERM
+
+    @staticmethod
+    def _model_call(flow: http.HTTPFlow) -> Call | None:
+        call = flow.metadata.get(META)
+        if call is None or call.kind != MODEL or call.done or flow.response is not None or REFUSED in flow.metadata:
+            return None
+        return call
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if self._model_call(flow) is None:
+            return
+        if self.draining:
+            self.refuse(flow, 503, "shutdown", "the proxy is shutting down; retry on another proxy")
+            return
+        length = flow.request.headers.get("Content-Length", "")
+        limit = self.state.config.max_body_size
+        if length.strip().isdigit() and int(length) > limit:
+            self.refuse(flow, 413, "too_large", f"request body of {int(length)} bytes exceeds the proxy's max_body_size ({limit} bytes)")
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        if self._model_call(flow) is None:
+            return
+        cfg = self.state.config
+        raw = flow.request.raw_content or b""
+        if len(raw) > cfg.max_body_size:  # chunked: no length was announced
+            self.refuse(flow, 413, "too_large", f"request body of {len(raw)} bytes exceeds the proxy's max_body_size ({cfg.max_body_size} bytes)")
+            return
+        coding = flow.request.headers.get("Content-Encoding", "").strip()
+        if not coding or coding.lower() == "identity":
+            return
+        try:
+            body = decode_body(raw, coding, cfg.max_decoded_size)
+        except TooLarge as exc:
+            self.refuse(flow, 413, "too_large", f"{exc} (max_decoded_size)")
+            return
+        except ValueError as exc:
+            self.refuse(flow, 415 if "unsupported" in str(exc) else 400, "malformed_request", str(exc))
+            return
+        del flow.request.headers["Content-Encoding"]
+        flow.request.content = body  # sets Content-Length too
+
+    def refuse(self, flow: http.HTTPFlow, status: int, kind: str, why: str) -> None:
+        """Answer the call now with an OpenAI-style error; capture turns it into an error span."""
+        self.state.rejected += 1
+        flow.metadata[REFUSED] = (kind, why, status)
+        body = {"error": {"message": f"lightning-proxy: {why}", "type": kind, "code": status}}
+        flow.response = http.Response.make(status, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        log.info("refused %s %s: %s", flow.request.method, flow.request.pretty_url, why)
