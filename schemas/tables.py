@@ -63,7 +63,7 @@ SPANS = _schema(
         _f("prompt_tokens", pa.int32(), "usage.prompt_tokens reported by upstream."),
         _f("completion_tokens", pa.int32(), "usage.completion_tokens reported by upstream."),
         _f("token_ids_injected", pa.bool_(), "True when the proxy added return_token_ids/logprobs the harness did not ask for."),
-        _f("error_kind", pa.string(), "Null on success; else 'upstream_status', 'upstream_unreachable', 'timeout', 'client_disconnect', 'malformed_request', 'malformed_response'."),
+        _f("error_kind", pa.string(), "Null on success; else 'upstream_status' (upstream answered >= 400), 'upstream_unreachable' (connect failure or drop), 'timeout', 'client_disconnect' (the harness hung up mid-request-body or mid-response; seq is still assigned), 'malformed_request', 'malformed_response', 'truncated' (a stream ended without [DONE] or finish_reason, or a JSON body stops mid-value: the answer is incomplete), 'too_large' (body over max_body_size, or a compressed body / SSE event expanding past max_decoded_size: refused with 413 or not parsed), 'shutdown' (still in flight when the proxy stopped after its shutdown_grace, or refused with 503 while it drained)."),
         _f("error", pa.string(), "Human-readable error message; null on success."),
         _f("salvaged", pa.bool_(), "True when the call's bytes were not valid UTF-8 (or a field was out of range) and were recorded with replacement characters instead of being lost."),
         _f("secret_detected", pa.bool_(), "True when a known secret (API key, proxy credential, a header's credential) appeared in the call's text: it is masked in every text column, the token id and logprob columns are emptied, and training leaves the call out by default."),

@@ -51,7 +51,9 @@ def _valid_text(row: dict, skip: str = "request_json") -> bool:
 
 def _cut_short(exc: ValueError, text: str) -> bool:
     """A JSON body that is fine up to where it stops (the parser ran out of input)."""
-    return isinstance(exc, json.JSONDecodeError) and bool(text.strip()) and exc.pos >= len(text.rstrip())
+    if not isinstance(exc, json.JSONDecodeError) or not text.strip():
+        return False
+    return exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string")
 
 
 class Capture:
