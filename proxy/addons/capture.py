@@ -49,6 +49,20 @@ def _valid_text(row: dict, skip: str = "request_json") -> bool:
     return fixed
 
 
+_INT_COLUMNS = {"attempt": 31, "seq": 31, "status_code": 31, "n_choices": 31, "model_version": 63}
+
+
+def _fit_ints(row: dict) -> bool:
+    """Integers the int32/int64 columns cannot hold (a hostile attempt number, say) become null
+    instead of failing the whole part; True if one did. The text columns keep what was sent."""
+    fixed = False
+    for key, bits in _INT_COLUMNS.items():
+        v = row.get(key)
+        if isinstance(v, int) and not -(1 << bits) <= v < (1 << bits):
+            row[key], fixed = None, True
+    return fixed
+
+
 def _cut_short(exc: ValueError, text: str) -> bool:
     """A JSON body that is fine up to where it stops (the parser ran out of input)."""
     if not isinstance(exc, json.JSONDecodeError) or not text.strip():
@@ -73,6 +87,7 @@ class Capture:
         call: Call | None = flow.metadata.get(META)
         if call is None or call.kind != MODEL or call.done:
             return
+        self._note_size(len(flow.request.raw_content or b""))
         refused = flow.metadata.get(REFUSED)
         if refused is not None:  # answered by the limits addon (too large, shutting down, bad coding)
             kind, why, status = refused
@@ -86,9 +101,7 @@ class Capture:
             self._start(call)
             self._finish(flow, call, "client_disconnect", f"client disconnected while held: {flow.error.msg}")
             return
-        raw = flow.request.raw_content or b""
-        self._note_size(len(raw))
-        text, bad = utf8_text(raw)
+        text, bad = utf8_text(flow.request.raw_content or b"")
         call.salvaged |= bad
         call.request_text = text
         self._parse_request(call, text)
@@ -308,5 +321,5 @@ class Capture:
             "error": err,
             **toks,
         }
-        row["salvaged"] = _valid_text(row) or salvaged
+        row["salvaged"] = _valid_text(row) | _fit_ints(row) or salvaged
         return row
