@@ -134,20 +134,37 @@ class StreamDecoder:
         return rest
 
 
+_MEASURE_STEP = 1024  # input bytes per step when measuring: zlib turns 1 KiB into at most ~1 MiB
+
+
+def decoded_size(raw: bytes, coding: str, limit: int) -> int:
+    """How many bytes ``raw`` decodes to, without holding them: :class:`TooLarge` once past
+    ``limit``. A bomb is thus refused with ~1 MiB in memory instead of ``limit`` bytes."""
+    dec = StreamDecoder.make(coding, total=limit)
+    if dec is None:
+        raise ValueError(f"unsupported Content-Encoding {coding!r}")
+    for i in range(0, len(raw), _MEASURE_STEP):
+        dec.feed(raw[i : i + _MEASURE_STEP])  # output dropped at once; dec.produced keeps count
+    dec.end()
+    return dec.produced
+
+
 def decode_body(raw: bytes, coding: str, limit: int) -> bytes:
     """A whole ``Content-Encoding`` body decoded, at most ``limit`` bytes (:class:`TooLarge` past it;
-    ``ValueError`` for an unknown coding or corrupt data). Several codings (``gzip, br``) are undone
-    last first, as RFC 9110 says."""
+    ``ValueError`` for an unknown coding or corrupt data). Measured first (:func:`decoded_size`),
+    then decoded: twice the CPU for a legitimate compressed body (rare, and small), a bounded
+    footprint for a hostile one. Several codings (``gzip, br``) are undone last first (RFC 9110)."""
     for name in reversed([c.strip().lower() for c in coding.split(",") if c.strip()]):
         if name == "identity":
             continue
-        dec = StreamDecoder.make(name, total=limit)
-        if dec is None:
-            raise ValueError(f"unsupported Content-Encoding {name!r}")
         try:
+            decoded_size(raw, name, limit)
+            dec = StreamDecoder.make(name, total=limit)
             raw = dec.feed(raw) + dec.end()
-        except TooLarge:
-            raise
+        except (TooLarge, ValueError) as exc:
+            if isinstance(exc, TooLarge) or "unsupported" in str(exc):
+                raise
+            raise ValueError(f"cannot decode {name} body: {exc}") from None
         except Exception as exc:  # zlib.error, brotli.error, zstd.ZstdError
             raise ValueError(f"cannot decode {name} body: {exc}") from None
     return raw

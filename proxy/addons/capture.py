@@ -276,6 +276,7 @@ class Capture:
             return
         call.done = True
         self.live.pop(id(call), None)
+        self._note_size(len(call.request_text or "") + len(response_json or ""))
         self.state.end(call)
         row = self._row(flow, call, kind, err, response_json, status)
         row = self.redact.scrub_row(row, call.secrets, request_is_json=call.request_obj is not None)
