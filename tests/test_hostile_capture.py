@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -145,6 +147,20 @@ def test_compressed_request_is_forwarded_decoded(proxy, stub_server, coding):
     assert stub_server.requests()[-1]["max_tokens"] == 2  # upstream got plain JSON
 
 
+@pytest.mark.parametrize("accept", ["identity", "gzip"])
+def test_compressed_answer_bomb_is_capped(make_proxy, accept):
+    p = make_proxy(extra_args=["--max-decoded-size", str(MiB)])
+    headers = {"X-Stub-Encoding": "gzip", "X-Stub-Pad": str(8 * MiB), "Accept-Encoding": accept}
+    before = _rss_mib(p.pid)
+    with httpx.Client(trust_env=False, timeout=120) as c:
+        r = c.post(_url(p, "answer-bomb"), json=BODY, headers=headers)
+        # a harness that accepts gzip gets the body as upstream sent it; one that does not gets 502
+        assert r.status_code == (200 if accept == "gzip" else 502)
+    (span,) = _spans_of(p, "answer-bomb")
+    assert span["error_kind"] == "too_large" and "max_decoded_size" in span["error"]
+    assert _hwm_mib(p.pid) - before < 64
+
+
 # -- error kinds -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stream", [True, False])
 def test_answer_cut_short_is_truncated(proxy, stream):
@@ -199,8 +215,12 @@ def test_sigterm_drains_then_records_shutdown_spans(tmp_path, make_proxy):
         while p.control.state()["in_flight"] < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         t0 = time.monotonic()
-        assert p.stop() == 0
-        assert time.monotonic() - t0 < 15
+        os.killpg(p.proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        late = _post(_url(p, "late"), json=BODY)  # the door is closed while draining
+        assert late.status_code == 503 and late.json()["error"]["type"] == "shutdown"
+        assert p.proc.wait(15) == 0
+        assert 2.5 < time.monotonic() - t0 < 15  # waited for the grace, not for the stuck call
         for t in threads:
             t.join(30)
         assert results["quick"] == 200  # finished within the grace: answered and recorded normally
@@ -208,6 +228,7 @@ def test_sigterm_drains_then_records_shutdown_spans(tmp_path, make_proxy):
         assert rows["quick"]["error_kind"] is None and rows["quick"]["response_token_ids"] == [100, 101, 102]
         assert rows["stuck"]["error_kind"] == "shutdown" and rows["stuck"]["seq"] == 0
         assert "shut down" in rows["stuck"]["error"]
+        assert rows["late"]["error_kind"] == "shutdown" and rows["late"]["status_code"] == 503
     finally:
         slow.stop()
 

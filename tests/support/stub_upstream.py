@@ -36,6 +36,7 @@ Misbehaviour on demand, per request with headers or for all requests with
                             what is sent), SSE without its last events, finish_reason and [DONE]
     X-Stub-Bad-Utf8: 1      put a byte that is not UTF-8 (0xff) in the generated text (JSON and SSE)
     X-Stub-Event-Bytes: N   SSE: one content event of N bytes, written in 64 KiB pieces
+    X-Stub-Pad: N           JSON: N spaces of padding inside the answer (with X-Stub-Encoding: a bomb)
 ``GET /_stub/requests`` returns the last 200 model-call bodies received (what the proxy sent);
 ``POST /_stub/reset`` clears them. Stops on SIGTERM/SIGINT.
 """
@@ -313,7 +314,7 @@ async def _model_call(w, path: str, headers: dict, raw: bytes) -> None:
     opts = {**CONFIG}
     for h, key in (("x-stub-fail", "fail"), ("x-stub-delay", "delay"), ("x-stub-malformed", "malformed"), ("x-stub-drop", "drop"),
                    ("x-stub-encoding", "encoding"), ("x-stub-truncate", "truncate"), ("x-stub-bad-utf8", "bad_utf8"),
-                   ("x-stub-event-bytes", "event_bytes")):
+                   ("x-stub-event-bytes", "event_bytes"), ("x-stub-pad", "pad")):
         if h in headers:
             opts[key] = headers[h]
     try:
@@ -350,6 +351,8 @@ async def _model_call(w, path: str, headers: dict, raw: bytes) -> None:
         answer = answer[: len(answer) // 2]
     if bad_utf8:
         answer = answer.replace(b"w0 ", b"w0\xff ")
+    if opts.get("pad"):
+        answer = answer[:-1] + b" " * int(opts["pad"]) + answer[-1:]
     await _send_json(w, 200, None, raw=answer, encoding=encoding)
 
 
