@@ -272,3 +272,33 @@ def test_decode_body_caps_a_bomb(coding):
     assert decode_body(blob, coding, 64 * MiB) == plain
     with pytest.raises(ValueError, match="unsupported"):
         decode_body(blob, "compress", MiB)
+
+
+def test_assemblers_know_a_finished_stream():
+    from lightning_harness.proxy.assemble import ResponsesAssembler, StreamAssembler
+
+    chat = StreamAssembler("chat.completions")
+    chat.add({"choices": [{"index": 0, "delta": {"content": "a"}}]})
+    assert not chat.finished
+    chat.add({"choices": [{"index": 0, "delta": {"content": "b"}, "finish_reason": "stop"}]})
+    assert chat.finished and chat.result()["choices"][0]["message"]["content"] == "ab"
+    resp = ResponsesAssembler()
+    resp.add({"type": "response.output_text.delta", "delta": "a"})
+    assert not resp.finished
+    resp.add({"type": "response.completed", "response": {"status": "completed", "output": []}})
+    assert resp.finished
+
+
+def test_hostile_answer_fields_do_not_reach_the_columns():
+    from lightning_harness.proxy.assemble import StreamAssembler, token_fields
+
+    asm = StreamAssembler("chat.completions")
+    asm.add({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 10 ** 9, "function": {"arguments": "x"}}]}}]})
+    assert asm.result()["choices"][0]["message"]["tool_calls"] == []  # no list of 10**9 placeholders
+    obj = {"choices": [{"index": 0, "finish_reason": {"x": 1}, "token_ids": [1, 2 ** 40]}],
+           "usage": {"prompt_tokens": 10 ** 12, "completion_tokens": "7"}}
+    out = token_fields(obj, "chat.completions")
+    assert out["salvaged"] is True
+    assert out["finish_reason"] is None and out["prompt_tokens"] is None and out["completion_tokens"] is None
+    assert out["response_token_ids"] is None
+    assert token_fields({"choices": {"0": {}}}, "chat.completions")["n_choices"] is None
