@@ -20,9 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-from .client import BUNDLE_NAME
-from .config import ProxyConfig
-from .state import ProxyState
+# Parquet writes allocate through glibc unless the user chose otherwise. Arrow's default pool
+# (mimalloc) kept ~120 MiB after a few 20 MB spans, which MemoryTrim cannot return; with the system
+# pool RSS is back within a few MiB of its baseline (scripts/bench_hostile.py). Arrow reads this
+# when pyarrow is first imported, which is just below (state -> schemas).
+os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+
+from .client import BUNDLE_NAME  # noqa: E402
+from .config import ProxyConfig  # noqa: E402
+from .state import ProxyState  # noqa: E402
 
 log = logging.getLogger("lightning.proxy")
 
