@@ -302,3 +302,19 @@ def test_hostile_answer_fields_do_not_reach_the_columns():
     assert out["finish_reason"] is None and out["prompt_tokens"] is None and out["completion_tokens"] is None
     assert out["response_token_ids"] is None
     assert token_fields({"choices": {"0": {}}}, "chat.completions")["n_choices"] is None
+
+
+def test_big_download_through_the_forward_proxy_is_streamed(proxy, stub_server):
+    """Other traffic is not captured; a 200 MiB download must not sit whole in the proxy."""
+    env = proxy.env_for("downloader")
+    before = _rss_mib(proxy.pid)
+    Path(f"/proc/{proxy.pid}/clear_refs").write_text("5")
+    got = 0
+    with httpx.Client(proxy=env["HTTP_PROXY"], trust_env=False, timeout=120) as c:
+        with c.stream("GET", f"{stub_server.url}/_stub/blob?bytes={200 * MiB}") as r:
+            assert r.status_code == 200
+            for piece in r.iter_raw():
+                got += len(piece)
+    assert got == 200 * MiB
+    assert _hwm_mib(proxy.pid) - before < 64
+    assert [s for s in read_spans(proxy) if s["rollout_id"] == "downloader"] == []  # not a model call

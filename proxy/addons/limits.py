@@ -9,7 +9,8 @@ compressed body that expands a thousandfold (a decompression bomb). Model calls 
   it is decompressed with a running cap, never with an uncapped decode.
 An accepted compressed body is forwarded decoded (``identity``): the span, the rewrite addon and
 upstreams that do not read compressed requests (vLLM) all need the plain JSON. While the proxy
-drains at shutdown new model calls get 503. Each refusal is counted in ``rejected`` and the
+drains at shutdown new model calls get 503. Answers to other traffic (not recorded) are streamed
+rather than held whole. Each refusal is counted in ``rejected`` and the
 capture addon records it as an error span (``too_large``, ``malformed_request``, ``shutdown``),
 so no attributed model call goes unrecorded. Runs before routing and capture.
 """
@@ -22,11 +23,12 @@ import logging
 from mitmproxy import http
 
 from ..codec import TooLarge, decode_body
-from ..state import META, MODEL, Call, ProxyState
+from ..state import META, MODEL, OTHER, Call, ProxyState
 
 log = logging.getLogger("lightning.proxy")
 
-REFUSED = "lh.refused"  # flow.metadata key: (error_kind, message) of a call this addon answered
+REFUSED = "lh.refused"  # flow.metadata key: (error_kind, message, status) of a call this addon answered
+STREAM_OTHER_ABOVE = 1 << 20  # bytes: larger (or unannounced) answers to other traffic are streamed
 
 
 class Limits:
@@ -73,6 +75,16 @@ class Limits:
             return
         del flow.request.headers["Content-Encoding"]
         flow.request.content = body  # sets Content-Length too
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        """Other traffic (downloads through the forward proxy: pip, git, ...) is never captured:
+        stream its larger bodies through instead of letting mitmproxy hold them whole in memory."""
+        call = flow.metadata.get(META)
+        if call is None or call.kind != OTHER or flow.response.raw_content is not None or flow.response.stream:
+            return
+        length = flow.response.headers.get("Content-Length", "").strip()
+        if not length.isdigit() or int(length) > STREAM_OTHER_ABOVE:
+            flow.response.stream = True
 
     def refuse(self, flow: http.HTTPFlow, status: int, kind: str, why: str) -> None:
         """Answer the call now with an OpenAI-style error; capture turns it into an error span."""

@@ -37,6 +37,7 @@ Misbehaviour on demand, per request with headers or for all requests with
     X-Stub-Bad-Utf8: 1      put a byte that is not UTF-8 (0xff) in the generated text (JSON and SSE)
     X-Stub-Event-Bytes: N   SSE: one content event of N bytes, written in 64 KiB pieces
     X-Stub-Pad: N           JSON: N spaces of padding inside the answer (with X-Stub-Encoding: a bomb)
+``GET /_stub/blob?bytes=N`` sends N zero bytes (a big download through the proxy).
 ``GET /_stub/requests`` returns the last 200 model-call bodies received (what the proxy sent);
 ``POST /_stub/reset`` clears them. Stops on SIGTERM/SIGINT.
 """
@@ -52,6 +53,7 @@ import signal
 import ssl
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 DEFAULTS = {"tokens": 8, "delay": 0.0, "chunk_delay": 0.0, "model": "stub-model"}
@@ -370,6 +372,16 @@ async def _send_big_event(w: asyncio.StreamWriter, body: dict, n: int) -> None:
     await w.drain()
 
 
+async def _send_blob(w: asyncio.StreamWriter, n: int) -> None:
+    """``n`` bytes of octets (a download that is not a model call), written 1 MiB at a time."""
+    w.write(_head(200, {"Content-Type": "application/octet-stream", "Content-Length": n}))
+    piece = b"\0" * (1 << 20)
+    while n > 0:
+        w.write(piece[:n])
+        n -= len(piece)
+        await w.drain()
+
+
 async def _handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
     try:
         while True:
@@ -400,6 +412,8 @@ async def _handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
                 path = "/" + path.split("://", 1)[1].split("/", 1)[-1]
             if method == "POST" and (path.endswith("/chat/completions") or path.endswith("/completions")):
                 await _model_call(w, path, headers, raw)
+            elif path == "/_stub/blob":
+                await _send_blob(w, int(urllib.parse.parse_qs(target.split("?", 1)[-1]).get("bytes", ["0"])[0]))
             elif path in ("/health", "/v1/health"):
                 await _send_json(w, 200, {"ok": True})
             elif path.endswith("/models"):
