@@ -243,11 +243,10 @@ def test_sse_relay_split_anywhere_gives_the_same_events():
     for step in (1, 2, 3, 7, 64, len(data)):
         got = []
         relay = SSERelay(got.append, [lambda o: None])  # a filter: events are re-serialised
-        out = b"".join(x if isinstance(x, bytes) else b"".join(x) for x in
-                       (relay(data[i : i + step]) for i in range(0, len(data), step)))
-        out += b"".join(relay(b"")) if isinstance(relay(b""), list) else b""
+        pieces = [relay(data[i : i + step]) for i in range(0, len(data), step)] + [relay(b"")]
+        out = b"".join(x if isinstance(x, bytes) else b"".join(x) for x in pieces)
         assert got == events and relay.done, step
-        assert out.count(b"data: ") == 21
+        assert out.count(b"data: ") == 21 and out.endswith(b"data: [DONE]\n\n")
 
 
 def test_sse_relay_caps_one_event():
@@ -259,6 +258,9 @@ def test_sse_relay_caps_one_event():
     assert relay(first) == first  # relayed as is, never held back
     assert relay.oversize and "longer than 1000 bytes" in errors[0] and relay.events == 1
     assert relay(b'"}\n\n') == b'"}\n\n'
+    rewriting = SSERelay(lambda o: None, [lambda o: o.pop("a", None)], max_event=1000)
+    assert rewriting(first) == b'data: {}\n\n' + first[len(b'data: {"a": 1}\n\n'):]  # held part released
+    assert rewriting(b'"}\n\n') == b'"}\n\n' and rewriting.oversize
 
 
 @pytest.mark.parametrize("coding", ["gzip", "deflate"])
