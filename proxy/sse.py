@@ -119,7 +119,7 @@ class SSERelay:
             self.salvaged = True
         try:
             obj = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
             if self.on_error:
                 self.on_error(f"malformed SSE event ({exc}): {payload[:200]!r}")
             return None

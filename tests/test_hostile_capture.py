@@ -93,6 +93,15 @@ def test_upstream_answer_with_invalid_utf8_is_salvaged(proxy, stream):
     assert span["response_token_ids"] == [100, 101, 102]  # the event with the bad byte still counted
 
 
+def test_deeply_nested_request_is_malformed_not_a_crash(proxy):
+    raw = b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = _post(_url(proxy, "deep"), content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400  # the upstream's own answer: forwarded unchanged
+    (span,) = _spans_of(proxy, "deep")
+    assert span["error_kind"] == "malformed_request" and "not valid JSON" in span["error"]
+    assert span["request_json"] == raw.decode() and proxy.control.state()["in_flight"] == 0
+
+
 def test_clean_call_is_not_salvaged(proxy):
     assert _post(_url(proxy, "clean"), json=BODY).status_code == 200
     (span,) = _spans_of(proxy, "clean")
@@ -320,3 +329,13 @@ def test_big_download_through_the_forward_proxy_is_streamed(proxy, stub_server):
     assert got == 200 * MiB
     assert _hwm_mib(proxy.pid) - before < 64
     assert [s for s in read_spans(proxy) if s["rollout_id"] == "downloader"] == []  # not a model call
+
+
+def test_nested_body_with_secret_words_still_gets_a_span(proxy):
+    """Redaction re-parses bodies that mention secret keys; a nesting bomb must not lose the span."""
+    # 700 deep parses (json's C scanner), but redaction walks it with two Python frames a level
+    raw = b'{"model": "m", "api_key": "sk-abcdefghijklmnopqrstuvwxyz", "x": ' + b"[" * 700 + b"1" + b"]" * 700 + b"}"
+    _post(_url(proxy, "deep-secret"), content=raw, headers={"Content-Type": "application/json"})
+    (span,) = _spans_of(proxy, "deep-secret")
+    assert span["seq"] == 0
+    assert "sk-abcdefghijklmnopqrstuvwxyz" not in (span["request_json"] or "")

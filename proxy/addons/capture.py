@@ -94,7 +94,7 @@ class Capture:
             self._start(call)
             self._finish(flow, call, kind, why, response_json=flow.response.get_text(strict=False), status=status)
             return
-        if flow.response is not None:  # answered by an earlier addon (no upstream): not a model call
+        if flow.response is not None:  # answered by routing (no upstream configured): no span, as ever
             self.live.pop(id(call), None)
             return
         if flow.error is not None:  # the client gave up while the request was held
@@ -114,7 +114,7 @@ class Capture:
             obj = json.loads(text)
             if not isinstance(obj, dict):
                 raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
             call.request_error = f"request body is not valid JSON ({exc}); forwarded unchanged"
         else:
             call.request_obj = obj
@@ -209,7 +209,7 @@ class Capture:
         call.salvaged |= bad
         try:
             obj = json.loads(text or "")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             if resp.status_code >= 400:
                 return text, None, None
             if _cut_short(exc, text):
@@ -278,13 +278,23 @@ class Capture:
         self.live.pop(id(call), None)
         self._note_size(len(call.request_text or "") + len(response_json or ""))
         self.state.end(call)
-        row = self._row(flow, call, kind, err, response_json, status)
-        row = self.redact.scrub_row(row, call.secrets, request_is_json=call.request_obj is not None)
+        row = self._scrubbed(self._row(flow, call, kind, err, response_json, status), call)
         if kind:
             self.state.errors += 1
             log.info("error span %s/%s seq=%s: %s: %.300s", call.rollout_id, call.attempt, call.seq, kind, err)
         self.state.spans.append(row)
         self.state.spans_captured += 1
+
+    def _scrubbed(self, row: dict, call: Call) -> dict:
+        """The row through the redactor (the one redaction point). If redaction itself fails on a
+        hostile body, the span is still written, without its texts: never unredacted, never lost."""
+        try:
+            return self.redact.scrub_row(row, call.secrets, request_is_json=call.request_obj is not None)
+        except Exception as exc:
+            log.warning("redaction failed (%s: %s); span kept without its texts", type(exc).__name__, exc)
+            row.update(request_json=None, response_json=None, path=None, salvaged=True,
+                       error=f"redaction failed ({type(exc).__name__}); request and response text dropped")
+            return row
 
     def _row(self, flow, call: Call, kind, err, response_json, status) -> dict:
         now = time.time()

@@ -323,7 +323,7 @@ async def _model_call(w, path: str, headers: dict, raw: bytes) -> None:
         body = json.loads(raw or b"{}")
         if not isinstance(body, dict):
             raise ValueError("body must be a JSON object")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         REQUESTS.append({"_raw": raw.decode(errors="replace"), "_path": path})
         return await _send_json(w, 400, {"error": {"message": f"invalid JSON body: {exc}", "type": "BadRequestError", "code": 400}})
     REQUESTS.append({**body, "_path": path, "_auth": headers.get("authorization")})
