@@ -12,6 +12,7 @@ replacement characters (``salvaged``), never dropped and never handed to Parquet
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -70,6 +71,25 @@ def _cut_short(exc: ValueError, text: str) -> bool:
     return exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string")
 
 
+def _guarded(hook):
+    """A bug or an input nobody foresaw in a hook must not cost the call its span: log it and
+    record an error span with what is known (once per call), then let mitmproxy go on."""
+
+    @functools.wraps(hook)
+    def run(self, flow: http.HTTPFlow) -> None:
+        try:
+            hook(self, flow)
+        except Exception as exc:
+            log.exception("capture %s failed", hook.__name__)
+            call: Call | None = flow.metadata.get(META)
+            if call is not None and call.kind == MODEL and not call.done:
+                self._start(call)
+                self._finish(flow, call, "malformed_response" if flow.response else "malformed_request",
+                             f"capture failed in {hook.__name__} ({type(exc).__name__}: {exc})")
+
+    return run
+
+
 class Capture:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
@@ -83,6 +103,7 @@ class Capture:
         if call is not None and call.kind == MODEL and not call.done:
             self.live[id(call)] = (flow, call)  # from here on the call gets a span, whatever happens
 
+    @_guarded
     def request(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
         if call is None or call.kind != MODEL or call.done:
@@ -160,6 +181,7 @@ class Capture:
 
         return on_error
 
+    @_guarded
     def response(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
         if call is None or not call.in_flight:
@@ -218,6 +240,7 @@ class Capture:
         call.response_obj = obj if isinstance(obj, dict) else None
         return text, None, None
 
+    @_guarded
     def error(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
         if call is None or call.kind != MODEL or call.done:
