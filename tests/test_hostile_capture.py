@@ -339,3 +339,33 @@ def test_nested_body_with_secret_words_still_gets_a_span(proxy):
     (span,) = _spans_of(proxy, "deep-secret")
     assert span["seq"] == 0
     assert "sk-abcdefghijklmnopqrstuvwxyz" not in (span["request_json"] or "")
+
+
+def test_sigterm_mid_stream_keeps_what_had_streamed(tmp_path, make_proxy):
+    from lightning_harness.schemas import read_table
+
+    slow = StubServer(tmp_path, args=["--chunk-delay", "0.4"])
+    try:
+        p = make_proxy(upstreams=[slow.url], extra_args=["--shutdown-grace", "1"])
+        seen = threading.Event()
+
+        def stream():
+            try:
+                with httpx.Client(trust_env=False, timeout=60) as c:
+                    with c.stream("POST", _url(p, "streaming"), json={**BODY, "max_tokens": 50, "stream": True}) as r:
+                        for line in r.iter_lines():
+                            if "w1" in line:
+                                seen.set()
+            except httpx.HTTPError:
+                pass  # the proxy closes the stream when it stops
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert seen.wait(30)
+        assert p.stop() == 0
+        t.join(30)
+        (row,) = read_table(p.traces_dir, "spans").to_pylist()
+        assert row["error_kind"] == "shutdown" and row["stream"] is True
+        assert row["response_token_ids"][:2] == [100, 101]  # the tokens relayed before the stop
+    finally:
+        slow.stop()
