@@ -167,6 +167,7 @@ def test_compressed_answer_bomb_is_capped(make_proxy, accept):
         assert r.status_code == (200 if accept == "gzip" else 502)
     (span,) = _spans_of(p, "answer-bomb")
     assert span["error_kind"] == "too_large" and "max_decoded_size" in span["error"]
+    assert span["status_code"] == r.status_code  # what the harness got
     assert _hwm_mib(p.pid) - before < 64
 
 

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from mitmproxy import http
 
 from ..assemble import assembler_for, token_fields
-from ..codec import TooLarge, decode_body, utf8_text
+from ..codec import TooLarge, accepted, decode_body, utf8_text
 from ..sse import SSERelay
 from ..state import META, MODEL, Call, ProxyState
 from .limits import REFUSED
@@ -197,7 +197,15 @@ class Capture:
             err = f"upstream answered HTTP {resp.status_code}: {body}"
         if call.request_error:
             kind, err = "malformed_request", call.request_error + (f"; {err}" if err else "")
-        self._finish(flow, call, kind, err, response_json=response_json, status=resp.status_code)
+        status = resp.status_code
+        if kind == "too_large" and call.sse is None and not self._client_takes_coding(call, resp):
+            status = 502  # the encoding addon answers 502 instead of expanding the bomb
+        self._finish(flow, call, kind, err, response_json=response_json, status=status)
+
+    @staticmethod
+    def _client_takes_coding(call: Call, resp: http.Response) -> bool:
+        ok = accepted(call.accept_encoding)
+        return resp.headers.get("Content-Encoding", "").strip().lower() in ok or "*" in ok
 
     def _stream_result(self, call: Call, status: int) -> tuple[str, str | None, str | None]:
         relay, asm = call.sse
