@@ -53,6 +53,7 @@ def main() -> None:
 @click.option("--idle-timeout", type=float, help="Seconds without a byte either way before a connection is closed (a hung upstream becomes a 'timeout' error span). [default: 600]")
 @click.option("--max-body-size", type=int, help="Largest model-call request body in bytes; larger ones get 413. [default: 32 MiB]")
 @click.option("--max-decoded-size", type=int, help="Bytes a compressed body (or one SSE event) may expand to; past it: 413 / error span. [default: 64 MiB]")
+@click.option("--max-inflight-bytes", type=int, help="Bytes of large request bodies processed at once; more calls wait their turn. [default: 256 MiB]")
 @click.option("--shutdown-grace", type=float, help="Seconds SIGTERM waits for calls in flight; the rest become 'shutdown' error spans. [default: 5]")
 @click.option("--lean/--full-mitmproxy", "lean", default=None, help="Load only the mitmproxy built-ins a capture proxy needs (faster), or stock DumpMaster's. [default: lean]")
 @click.option("--flush-seconds", type=float, help="Longest time a span waits in memory (what a SIGKILL can lose). [default: 1]")

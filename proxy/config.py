@@ -80,6 +80,9 @@ class ProxyConfig:
     # response, one read of a compressed stream) or one SSE event may grow to; past them: 413 / error span
     max_body_size: int = 32 << 20
     max_decoded_size: int = 64 << 20
+    # bytes of request bodies (64 KiB and up) processed at once; more wait their turn (not refused):
+    # each costs several times its size while in flight
+    max_inflight_bytes: int = 256 << 20
     # seconds SIGTERM waits for calls in flight before recording the rest as 'shutdown' error spans
     shutdown_grace: float = 5.0
     # upstream TLS

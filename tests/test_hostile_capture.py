@@ -370,3 +370,31 @@ def test_sigterm_mid_stream_keeps_what_had_streamed(tmp_path, make_proxy):
         assert row["response_token_ids"][:2] == [100, 101]  # the tokens relayed before the stop
     finally:
         slow.stop()
+
+
+def test_large_bodies_beyond_the_inflight_budget_wait_their_turn(tmp_path, make_proxy):
+    """Two 600 KB calls under a 1 MiB budget run one after the other; a small call is not held."""
+    slow = StubServer(tmp_path, args=["--delay", "1.5"])
+    try:
+        p = make_proxy(upstreams=[slow.url], extra_args=["--max-inflight-bytes", str(MiB)])
+        big = {**BODY, "messages": [{"role": "user", "content": "x" * 600_000}]}
+        done = {}
+
+        def call(name, body):
+            done[name] = (_post(_url(p, name), json=body).status_code, time.monotonic())
+
+        threads = [threading.Thread(target=call, args=(n, big)) for n in ("big-a", "big-b")]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        call("small", BODY)
+        for t in threads:
+            t.join(60)
+        assert {k: v[0] for k, v in done.items()} == {"big-a": 200, "big-b": 200, "small": 200}
+        first, second = sorted(done[k][1] - t0 for k in ("big-a", "big-b"))
+        assert second - first > 1.2  # the second big body went upstream only after the first was done
+        assert done["small"][1] - t0 < first + 0.5  # the small call did not queue behind them
+        assert len(_spans_of(p, "big-b")) == 1 and len(_spans_of(p, "big-a")) == 1
+    finally:
+        slow.stop()

@@ -9,7 +9,8 @@ compressed body that expands a thousandfold (a decompression bomb). Model calls 
   it is decompressed with a running cap, never with an uncapped decode.
 An accepted compressed body is forwarded decoded (``identity``): the span, the rewrite addon and
 upstreams that do not read compressed requests (vLLM) all need the plain JSON. While the proxy
-drains at shutdown new model calls get 503. Answers to other traffic (not recorded) are streamed
+drains at shutdown new model calls get 503. Bodies of 64 KiB and more share a budget of
+``max_inflight_bytes`` being processed at once; past it a call waits its turn (:class:`ByteBudget`). Answers to other traffic (not recorded) are streamed
 rather than held whole. Each refusal is counted in ``rejected`` and the
 capture addon records it as an error span (``too_large``, ``malformed_request``, ``shutdown``),
 so no attributed model call goes unrecorded. Runs before routing and capture.
@@ -17,6 +18,7 @@ so no attributed model call goes unrecorded. Runs before routing and capture.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -29,12 +31,45 @@ log = logging.getLogger("lightning.proxy")
 
 REFUSED = "lh.refused"  # flow.metadata key: (error_kind, message, status) of a call this addon answered
 STREAM_OTHER_ABOVE = 1 << 20  # bytes: larger (or unannounced) answers to other traffic are streamed
+BUDGETED = "lh.budget"  # flow.metadata key: bytes this call holds of the in-flight budget
+BUDGET_FROM = 64 << 10  # bodies this large or larger count against max_inflight_bytes
+
+
+class ByteBudget:
+    """Bytes of large request bodies being processed at once. A call that would go past the limit
+    waits (like a paused call: held, not bounced) until others finish; one call alone always goes.
+    Why: each call in flight costs several times its body (text, parsed JSON, rewritten body,
+    Parquet row), so many concurrent big bodies could exhaust memory although each is allowed."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.waiting = 0
+        self._changed: asyncio.Event | None = None
+
+    async def acquire(self, n: int) -> None:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        self.waiting += 1
+        try:
+            while self.used and self.used + n > self.limit:
+                self._changed.clear()
+                await self._changed.wait()
+        finally:
+            self.waiting -= 1
+        self.used += n
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        if self._changed is not None:
+            self._changed.set()
 
 
 class Limits:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
         self.draining = False  # set by the server on SIGTERM
+        self.budget = ByteBudget(state.config.max_inflight_bytes)
 
     @staticmethod
     def _model_call(flow: http.HTTPFlow) -> Call | None:
@@ -54,7 +89,26 @@ class Limits:
         if length.strip().isdigit() and int(length) > limit:
             self.refuse(flow, 413, "too_large", f"request body of {int(length)} bytes exceeds the proxy's max_body_size ({limit} bytes)")
 
-    def request(self, flow: http.HTTPFlow) -> None:
+    async def request(self, flow: http.HTTPFlow) -> None:
+        self._check_body(flow)
+        n = len(flow.request.raw_content or b"")
+        if n >= BUDGET_FROM and self._model_call(flow) is not None:
+            await self.budget.acquire(n)
+            flow.metadata[BUDGETED] = n
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._release(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._release(flow)
+
+    def _release(self, flow: http.HTTPFlow) -> None:
+        n = flow.metadata.pop(BUDGETED, 0)
+        if n:
+            self.budget.release(n)
+
+    def _check_body(self, flow: http.HTTPFlow) -> None:
+        """413 for a body (or its decoded form) over the limits; a compressed one forwarded decoded."""
         if self._model_call(flow) is None:
             return
         cfg = self.state.config
