@@ -44,19 +44,14 @@ class ByteBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
-        self.waiting = 0
-        self._changed: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None  # created inside mitmproxy's loop
 
     async def acquire(self, n: int) -> None:
         if self._changed is None:
             self._changed = asyncio.Event()
-        self.waiting += 1
-        try:
-            while self.used and self.used + n > self.limit:
-                self._changed.clear()
-                await self._changed.wait()
-        finally:
-            self.waiting -= 1
+        while self.used and self.used + n > self.limit:
+            self._changed.clear()
+            await self._changed.wait()
         self.used += n
 
     def release(self, n: int) -> None:
