@@ -22,6 +22,7 @@ CHAT = "chat.completions"
 COMPLETIONS = "completions"
 RESPONSES = "responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # Responses API: ask for output token logprobs
+MAX_TOOL_CALLS = 1024  # per choice; a tool_calls index beyond it is ignored
 
 
 def endpoint_of(path: str) -> str | None:
@@ -50,9 +51,12 @@ class ResponsesAssembler:
         self.response: dict[str, Any] | None = None
         self.items: dict[int, dict] = {}
         self.chunks = 0
+        self.finished = False  # saw the event a whole stream ends with
 
     def add(self, event: dict) -> None:
         self.chunks += 1
+        if event.get("type") in ("response.completed", "response.incomplete", "response.failed"):
+            self.finished = True
         # copies: the relay's filters then strip injected fields from the event in place
         resp = event.get("response")
         if isinstance(resp, dict):
@@ -67,16 +71,45 @@ class ResponsesAssembler:
         return obj
 
 
+class _Pieces(list):
+    """A string field being assembled: its pieces, joined once in ``result()``. Appending to a str
+    held in a dict copies it every time (quadratic in the answer's length); a list does not."""
+
+
+def _append_text(dst: dict, key: str, value: str) -> None:
+    cur = dst.get(key)
+    if not isinstance(cur, _Pieces):
+        cur = dst[key] = _Pieces([cur] if isinstance(cur, str) else [])
+    cur.append(value)
+
+
+def _extend(dst: dict, key: str, value: list) -> None:
+    cur = dst.get(key)
+    if not isinstance(cur, list):
+        cur = dst[key] = []
+    cur.extend(value)
+
+
 def _concat(dst: dict, key: str, value: Any) -> None:
     if value is None:
         return
     if isinstance(value, str):
-        dst[key] = (dst.get(key) or "") + value
+        _append_text(dst, key, value)
     elif isinstance(value, list):
-        dst.setdefault(key, None)
-        dst[key] = (dst[key] or []) + value
+        _extend(dst, key, value)
     else:
         dst[key] = value
+
+
+def _materialize(value: Any) -> Any:
+    """A copy with every :class:`_Pieces` joined into its string."""
+    if isinstance(value, _Pieces):
+        return "".join(value)
+    if isinstance(value, dict):
+        return {k: _materialize(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_materialize(v) for v in value]
+    return value
 
 
 class StreamAssembler:
@@ -108,8 +141,8 @@ class StreamAssembler:
                 acc["finish_reason"] = ch["finish_reason"]
             if ch.get("stop_reason") is not None:
                 acc["stop_reason"] = ch["stop_reason"]
-            if ch.get("token_ids") is not None:
-                acc["token_ids"] = (acc.get("token_ids") or []) + list(ch["token_ids"])
+            if isinstance(ch.get("token_ids"), list):
+                _extend(acc, "token_ids", ch["token_ids"])
             if ch.get("prompt_token_ids") is not None and "prompt_token_ids" not in acc:
                 acc["prompt_token_ids"] = ch["prompt_token_ids"]
             lp = ch.get("logprobs")
@@ -120,11 +153,16 @@ class StreamAssembler:
             else:
                 _concat(acc, "text", ch.get("text"))
 
+    @property
+    def finished(self) -> bool:
+        """Every choice got its ``finish_reason`` (a stream cut short has none)."""
+        return bool(self.choices) and all(c.get("finish_reason") is not None for c in self.choices.values())
+
     def _add_logprobs(self, acc: dict, lp: dict) -> None:
         dst = acc.setdefault("logprobs", {})
         for key, value in lp.items():
             if isinstance(value, list):
-                dst[key] = (dst.get(key) or []) + value
+                _extend(dst, key, value)
             elif key not in dst:
                 dst[key] = value
 
@@ -137,6 +175,8 @@ class StreamAssembler:
                 calls = msg.setdefault("tool_calls", [])
                 for tc in value:
                     i = tc.get("index", len(calls))
+                    if not isinstance(i, int) or not 0 <= i < MAX_TOOL_CALLS:
+                        continue  # a hostile index must not allocate a list of that length
                     while len(calls) <= i:
                         calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
                     dst = calls[i]
@@ -145,19 +185,19 @@ class StreamAssembler:
                     if tc.get("type"):
                         dst["type"] = tc["type"]
                     fn = tc.get("function") or {}
-                    if fn.get("name"):
-                        dst["function"]["name"] += fn["name"]
-                    if fn.get("arguments"):
-                        dst["function"]["arguments"] += fn["arguments"]
+                    if isinstance(fn.get("name"), str) and fn["name"]:
+                        _append_text(dst["function"], "name", fn["name"])
+                    if isinstance(fn.get("arguments"), str) and fn["arguments"]:
+                        _append_text(dst["function"], "arguments", fn["arguments"])
             elif isinstance(value, str):
-                msg[key] = (msg.get(key) or "") + value
+                _append_text(msg, key, value)
             elif value is not None:
                 msg[key] = value
 
     def result(self) -> dict:
         obj: dict[str, Any] = dict(self.head)
         obj["object"] = "chat.completion" if self.endpoint == CHAT else "text_completion"
-        obj["choices"] = [self.choices[i] for i in sorted(self.choices)]
+        obj["choices"] = [_materialize(self.choices[i]) for i in sorted(self.choices)]
         if self.prompt_token_ids is not None:
             obj["prompt_token_ids"] = self.prompt_token_ids
         if self.usage is not None:
@@ -179,9 +219,9 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
     if not isinstance(obj, dict):
         return out
     if endpoint == RESPONSES:
-        return _responses_token_fields(obj, out)
-    choices = obj.get("choices") or []
-    out["n_choices"] = len(choices) if isinstance(choices, list) else None
+        return _checked(_responses_token_fields(obj, out), obj)
+    choices = obj.get("choices") if isinstance(obj.get("choices"), list) else []
+    out["n_choices"] = len(choices) if isinstance(obj.get("choices"), list) else None
     first = choices[0] if choices and isinstance(choices[0], dict) else {}
     prompt = obj.get("prompt_token_ids")
     if prompt is None:
@@ -195,7 +235,7 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
             out["response_logprobs"] = _floats([c.get("logprob") for c in lp["content"] if isinstance(c, dict)])
         elif isinstance(lp.get("token_logprobs"), list):
             out["response_logprobs"] = _floats(lp["token_logprobs"])
-    return _token_counts(out, obj.get("usage"), "prompt_tokens", "completion_tokens", count_ids=len(choices) == 1)
+    return _checked(_token_counts(out, obj.get("usage"), "prompt_tokens", "completion_tokens", count_ids=len(choices) == 1), obj)
 
 
 def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:
@@ -253,13 +293,40 @@ def _token_counts(out: dict[str, Any], usage: Any, prompt_key: str, completion_k
     return out
 
 
+INT32 = (-(1 << 31), (1 << 31) - 1)  # token ids and counts are int32 columns
+
+
+def _int32(v: Any) -> int:
+    """``v`` as an int32 column value; ``ValueError`` for anything else (bools, floats, out of range)."""
+    if isinstance(v, bool) or not isinstance(v, int) or not INT32[0] <= v <= INT32[1]:
+        raise ValueError(f"not an int32: {v!r:.40}")
+    return v
+
+
 def _ints(value: Any) -> list[int] | None:
     if not isinstance(value, list):
         return None
     try:
-        return [int(v) for v in value]
-    except (TypeError, ValueError):
+        return [_int32(v) for v in value]
+    except ValueError:
         return None
+
+
+def _checked(out: dict[str, Any], obj: dict) -> dict[str, Any]:
+    """Fields of a hostile or broken answer that the columns cannot hold become null (the answer
+    itself stays in response_json); ``salvaged`` tells the span so."""
+    dropped = False
+    for key in ("prompt_tokens", "completion_tokens"):
+        if out[key] is not None:
+            try:
+                out[key] = _int32(out[key])
+            except ValueError:
+                out[key], dropped = None, True
+    if out["finish_reason"] is not None and not isinstance(out["finish_reason"], str):
+        out["finish_reason"], dropped = None, True
+    if dropped:
+        out["salvaged"] = True
+    return out
 
 
 def _floats(value: list) -> list[float] | None:

@@ -86,6 +86,15 @@ class ProxyConfig:
     # seconds a connection may be idle (no bytes either way) before mitmproxy closes it; an upstream
     # that stops answering becomes a 'timeout' error span after this long
     idle_timeout: float = 600.0
+    # bounds on model calls (hostile input): request body bytes, and bytes a compressed body (request,
+    # response, one read of a compressed stream) or one SSE event may grow to; past them: 413 / error span
+    max_body_size: int = 32 << 20
+    max_decoded_size: int = 64 << 20
+    # bytes of request bodies (64 KiB and up) processed at once; more wait their turn (not refused):
+    # each costs several times its size while in flight
+    max_inflight_bytes: int = 256 << 20
+    # seconds SIGTERM waits for calls in flight before recording the rest as 'shutdown' error spans
+    shutdown_grace: float = 5.0
     # upstream TLS
     ssl_insecure: bool = False
     upstream_ca: str | None = None

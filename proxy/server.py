@@ -2,22 +2,33 @@
 
 Why embedded (not ``mitmdump -s``): one command with our own flags/YAML, a CA in a chosen
 ``confdir``, the CA bundle written before the listeners answer, and SIGTERM wired to a clean
-shutdown that flushes every buffered span and reward.
+shutdown (:class:`GracefulStop`) that lets calls in flight finish for ``shutdown_grace`` seconds,
+records the rest as ``shutdown`` error spans and flushes every buffered span and reward.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import gc
 import logging
 import os
 import signal
 import ssl
 import sys
+import time
 from pathlib import Path
 
-from .client import BUNDLE_NAME
-from .config import ProxyConfig
-from .state import ProxyState
+# Parquet writes allocate through glibc unless the user chose otherwise. Arrow's default pool
+# (mimalloc) kept ~120 MiB after a few 20 MB spans, which MemoryTrim cannot return; with the system
+# pool RSS is back within a few MiB of its baseline (scripts/bench_hostile.py). Arrow reads this
+# when pyarrow is first imported, which is just below (state -> schemas).
+os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+
+from .client import BUNDLE_NAME  # noqa: E402
+from .config import ProxyConfig  # noqa: E402
+from .state import ProxyState  # noqa: E402
 
 log = logging.getLogger("lightning.proxy")
 
@@ -105,6 +116,80 @@ def make_master(opts, lean: bool = True):
     return m
 
 
+class GracefulStop:
+    """SIGTERM/SIGINT: close the door to new model calls (503, limits addon), wait up to
+    ``grace`` seconds for the calls in flight, give the rest a ``shutdown`` error span, then stop
+    mitmproxy (``state.close()`` flushes). A second signal cuts the wait short. So SIGTERM loses no
+    call: each one has its normal span or a ``shutdown`` one."""
+
+    def __init__(self, master, capture, limits, grace: float) -> None:
+        self.master, self.capture, self.limits, self.grace = master, capture, limits, grace
+        self.task: asyncio.Task | None = None
+        self.hurry = asyncio.Event()
+
+    def __call__(self) -> None:
+        if self.task is not None:
+            self.hurry.set()
+            return
+        self.task = asyncio.ensure_future(self.run())
+
+    async def run(self) -> None:
+        self.limits.draining = True
+        t0 = time.monotonic()
+        deadline = t0 + self.grace
+        log.info("stopping: waiting up to %g s for %d calls in flight", self.grace, len(self.capture.live))
+        while self.capture.live and time.monotonic() < deadline and not self.hurry.is_set():
+            try:
+                await asyncio.wait_for(self.hurry.wait(), 0.05)
+            except asyncio.TimeoutError:
+                pass
+        n = self.capture.record_shutdown(time.monotonic() - t0)
+        if n:
+            log.warning("stopping: %d calls still in flight recorded as 'shutdown' error spans", n)
+        self.master.shutdown()
+
+
+class MemoryTrim:
+    """Hand memory back to the OS after large bodies. A finished flow's bodies sit in reference
+    cycles (mitmproxy's flows and layers) until a full collection, and glibc keeps freed pages, so
+    RSS stayed up by hundreds of MB after a few big calls; ``gc.collect()`` + ``malloc_trim(0)``
+    return them. Runs a quarter second after a large body, then once a second while large bodies
+    were seen in the last few seconds, never per request. No-op without glibc."""
+
+    def __init__(self) -> None:
+        name = ctypes.util.find_library("c")
+        libc = ctypes.CDLL(name) if name else None
+        self._trim = getattr(libc, "malloc_trim", None)
+        self.until = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    def note(self, nbytes: int) -> None:
+        if self._trim is None:
+            return
+        self.until = time.monotonic() + 5.0
+        if self.timer is None:  # soon: the flow is usually gone a moment after its span
+            self.timer = asyncio.get_running_loop().call_later(0.25, self._tick)
+
+    def _tick(self) -> None:
+        gc.collect()  # mitmproxy's flows and layers sit in reference cycles: freed only by the collector
+        self._trim(0)
+        self.timer = None
+        if time.monotonic() < self.until:
+            self.timer = asyncio.get_running_loop().call_later(1.0, self._tick)
+
+
+def _wire_stop(master, addons, config: ProxyConfig) -> None:
+    from .addons import Capture, Limits
+
+    capture = next(a for a in addons if isinstance(a, Capture))
+    limits = next(a for a in addons if isinstance(a, Limits))
+    capture.on_large_body = MemoryTrim().note
+    stop = GracefulStop(master, capture, limits, config.shutdown_grace)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+
+
 async def _serve(config: ProxyConfig) -> int:
     from mitmproxy.options import Options
     from mitmproxy.proxy import server as mitm_server
@@ -132,10 +217,9 @@ async def _serve(config: ProxyConfig) -> int:
     if config.idle_timeout != mitm_server.TCP_TIMEOUT:
         mitm_server.TCP_TIMEOUT = config.idle_timeout  # read per connection; no option exists in 11.0.2
     state = ProxyState(config)
-    master.addons.add(*build_addons(state))
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, master.shutdown)
+    addons = build_addons(state)
+    master.addons.add(*addons)
+    _wire_stop(master, addons, config)
     log.info(
         "lightning-proxy: forward http://%s:%s reverse http://%s:%s upstreams=%s traces=%s ca_bundle=%s",
         host, config.forward_port, host, config.reverse_port,

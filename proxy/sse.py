@@ -19,73 +19,118 @@ EventFilter = Callable[[dict], None]
 
 
 class SSERelay:
-    def __init__(self, on_event: EventSink, filters: list[EventFilter] | None = None, on_error=None) -> None:
+    """Linear in the bytes relayed: the buffer is a ``bytearray`` that only grows at its end, each
+    chunk is scanned once for event ends (from where the last scan stopped), and a partial event is
+    never copied until it is complete, so one 8 MB event costs what eight 1 MB ones do. An event
+    longer than ``max_event`` bytes is not parsed (memory): the rest of the stream is relayed
+    as is and ``oversize`` is set. Bytes that are not UTF-8 are decoded with replacement characters
+    and ``salvaged`` is set, so the event still reaches the span."""
+
+    def __init__(self, on_event: EventSink, filters: list[EventFilter] | None = None, on_error=None,
+                 max_event: int | None = None) -> None:
         self.on_event = on_event
         self.filters = filters if filters is not None else []  # live list: rewrite may add later
         self.on_error = on_error
-        self.buf = b""
+        self.max_event = max_event
+        self.buf = bytearray()
+        self.scan = 0  # event ends before this offset were already looked for
         self.done = False  # saw data: [DONE]
+        self.oversize = False
+        self.salvaged = False
         self.events = 0
         self.bytes = 0
 
     def __call__(self, chunk: bytes) -> bytes | list[bytes]:
         if not chunk:  # end of stream
-            rest, self.buf = self.buf, b""
-            if rest.strip():
+            rest = bytes(self.buf)
+            self.buf.clear()
+            if rest.strip() and not self.oversize:
                 self._parse_block(rest)  # a last event without its blank line
             return rest if rest else []
         self.bytes += len(chunk)
-        self.buf += chunk
-        if not self.filters:
-            self._drain(rewrite=False)
+        if self.oversize:
             return chunk
-        out = self._drain(rewrite=True)
+        self.buf += chunk
+        out = self._drain(rewrite=bool(self.filters))
+        if self.max_event is not None and len(self.buf) > self.max_event:
+            return self._overflow(chunk, out)
+        if not self.filters:
+            return chunk
         return out if out else []
 
+    def _overflow(self, chunk: bytes, out: bytes) -> bytes:
+        """A partial event passed ``max_event``: stop parsing, relay everything from here on as is."""
+        self.oversize = True
+        if self.on_error:
+            self.on_error(f"SSE event longer than {self.max_event} bytes (max_decoded_size); not parsed, relayed as is")
+        pending = bytes(self.buf)
+        self.buf.clear()
+        return chunk if not self.filters else (out + pending) or []
+
     def _drain(self, rewrite: bool) -> bytes:
+        """Parse every complete event in the buffer; with ``rewrite``, return them rewritten."""
         out = []
         buf = self.buf
+        start = 0  # where the current event begins
+        pos = self.scan
+        i = j = None  # next "\n\n" / "\r\n\r\n" at or after pos (-1: none left), found once each
         while True:
-            i = buf.find(b"\n\n")
-            j = buf.find(b"\r\n\r\n")
+            if i is None or 0 <= i < pos:
+                i = buf.find(b"\n\n", pos)
+            if j is None or 0 <= j < pos:
+                j = buf.find(b"\r\n\r\n", pos)
             if i < 0 and j < 0:
                 break
             if j >= 0 and (i < 0 or j < i):
-                block, buf = buf[:j], buf[j + 4 :]
-                sep = b"\r\n\r\n"
+                end, pos, sep = j, j + 4, b"\r\n\r\n"
             else:
-                block, buf = buf[:i], buf[i + 2 :]
-                sep = b"\n\n"
+                end, pos, sep = i, i + 2, b"\n\n"
+            block = bytes(buf[start:end])
             new = self._parse_block(block, rewrite)
-            out.append((new if new is not None else block) + sep)
-        self.buf = buf
-        return b"".join(out) if rewrite else b""
+            if rewrite:
+                out.append((new if new is not None else block) + sep)
+            start = pos
+        if start:
+            del buf[:start]
+        self.scan = max(len(buf) - 3, 0)  # a separator may straddle this chunk and the next
+        return b"".join(out)
 
-    def _parse_block(self, block: bytes, rewrite: bool = False) -> bytes | None:
-        """Feed one event to the sink; return its rewritten bytes (None: keep as is)."""
-        data = []
-        other = []
+    def _payload(self, block: bytes) -> tuple[bytes | None, list[bytes]]:
+        data, other = [], []
         for line in block.splitlines():
             if line.startswith(b"data:"):
                 data.append(line[5:].lstrip(b" "))
             else:
                 other.append(line)
-        if not data:
+        return (b"\n".join(data) if data else None), other
+
+    def _parse_block(self, block: bytes, rewrite: bool = False) -> bytes | None:
+        """Feed one event to the sink; return its rewritten bytes (None: keep as is)."""
+        payload, other = self._payload(block)
+        if payload is None:
             return None
-        payload = b"\n".join(data)
         if payload.strip() == b"[DONE]":
             self.done = True
             return None
         try:
-            obj = json.loads(payload)
-        except ValueError as exc:
+            text = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            text = payload.decode("utf-8", errors="replace")
+            self.salvaged = True
+        try:
+            obj = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
             if self.on_error:
                 self.on_error(f"malformed SSE event ({exc}): {payload[:200]!r}")
             return None
         if not isinstance(obj, dict):
             return None
         self.events += 1
-        self.on_event(obj)
+        try:
+            self.on_event(obj)
+        except Exception as exc:  # an event of an unexpected shape must not break the relay
+            if self.on_error:
+                self.on_error(f"SSE event not understood ({type(exc).__name__}: {exc}): {payload[:200]!r}")
         if not rewrite:
             return None
         for f in self.filters:

@@ -58,7 +58,7 @@ def test_malformed_response_json(proxy):
     url = proxy.env_for("bad-resp")["OPENAI_BASE_URL"] + "/chat/completions"
     with httpx.Client(trust_env=False, timeout=60) as c:
         r = c.post(url, json=BODY, headers={"X-Stub-Malformed": "1"})
-    assert r.status_code == 200 and r.text == '{"id": "broken", "choices": ['  # passed through untouched
+    assert r.status_code == 200 and r.text == '{"id": "broken", "choices": [}'  # passed through untouched
     (span,) = read_spans(proxy)
     assert span["error_kind"] == "malformed_response" and "not valid JSON" in span["error"]
 

@@ -6,6 +6,7 @@ The gate comes first (nothing after it sees a held request); attribution acts in
 made with the request's credentials, before routing may replace them); capture precedes rewrite so the span keeps the
 request as the harness sent it and the response with its token ids; encoding sits between them
 (it wraps capture's SSE relay with a decompressor and decodes bodies before rewrite edits them).
+Limits (body size, decompression bombs, shutdown) answers before routing dials upstream.
 """
 
 from __future__ import annotations
@@ -16,13 +17,17 @@ from .capture import Capture
 from .control import Control
 from .encoding import Encoding
 from .gate import Gate
+from .limits import Limits
 from .rewrite import Rewrite
 from .routing import Routing
 from .secrets import Secrets
 
 
 def build_addons(state: ProxyState) -> list:
-    return [Gate(state), Attribution(state), Secrets(), Control(state), Routing(state), Capture(state), Encoding(), Rewrite(state)]
+    return [
+        Gate(state), Attribution(state), Secrets(), Control(state), Limits(state), Routing(state), Capture(state),
+        Encoding(state), Rewrite(state),
+    ]
 
 
-__all__ = ["Attribution", "Capture", "Control", "Encoding", "Gate", "Rewrite", "Routing", "Secrets", "build_addons"]
+__all__ = ["Attribution", "Capture", "Control", "Encoding", "Gate", "Limits", "Rewrite", "Routing", "Secrets", "build_addons"]

@@ -3,12 +3,16 @@
 Runs after the gate, control and routing addons and before rewrite, so it records the request as
 the harness sent it and the response as upstream sent it (token ids and logprobs included).
 SSE responses are relayed chunk by chunk (:class:`~lightning_harness.proxy.sse.SSERelay`) and
-assembled into one completion object for the span. Upstream errors, timeouts, client disconnects
-and malformed JSON become error spans; the proxy keeps serving.
+assembled into one completion object for the span. Upstream errors, timeouts, client disconnects,
+streams cut short, refusals (limits addon) and malformed JSON become error spans; the proxy keeps
+serving. Every attributed model call gets exactly one span: calls still in flight when the proxy
+stops are recorded by :meth:`Capture.record_shutdown`. Bytes that are not UTF-8 are kept with
+replacement characters (``salvaged``), never dropped and never handed to Parquet as bad text.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -18,8 +22,10 @@ from datetime import datetime, timezone
 from mitmproxy import http
 
 from ..assemble import assembler_for, token_fields
+from ..codec import TooLarge, accepted, decode_body, utf8_text
 from ..sse import SSERelay
 from ..state import META, MODEL, Call, ProxyState
+from .limits import REFUSED
 
 log = logging.getLogger("lightning.proxy")
 
@@ -30,36 +36,123 @@ def _ts(t: float | None) -> datetime | None:
     return None if t is None else datetime.fromtimestamp(t, tz=timezone.utc)
 
 
+def _valid_text(row: dict, skip: str = "request_json") -> bool:
+    """Make every text field encodable as UTF-8 (JSON escapes such as ``\\ud800`` parse into lone
+    surrogates Parquet cannot write); True if one had to be fixed."""
+    fixed = False
+    for key, value in row.items():
+        if isinstance(value, str) and key != skip:
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                row[key] = value.encode("utf-8", "replace").decode("utf-8")
+                fixed = True
+    return fixed
+
+
+_INT_COLUMNS = {"attempt": 31, "seq": 31, "status_code": 31, "n_choices": 31, "model_version": 63}
+
+
+def _fit_ints(row: dict) -> bool:
+    """Integers the int32/int64 columns cannot hold (a hostile attempt number, say) become null
+    instead of failing the whole part; True if one did. The text columns keep what was sent."""
+    fixed = False
+    for key, bits in _INT_COLUMNS.items():
+        v = row.get(key)
+        if isinstance(v, int) and not -(1 << bits) <= v < (1 << bits):
+            row[key], fixed = None, True
+    return fixed
+
+
+def _cut_short(exc: ValueError, text: str) -> bool:
+    """A JSON body that is fine up to where it stops (the parser ran out of input)."""
+    if not isinstance(exc, json.JSONDecodeError) or not text.strip():
+        return False
+    return exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string")
+
+
+def _guarded(hook):
+    """A bug or an input nobody foresaw in a hook must not cost the call its span: log it and
+    record an error span with what is known (once per call), then let mitmproxy go on."""
+
+    @functools.wraps(hook)
+    def run(self, flow: http.HTTPFlow) -> None:
+        try:
+            hook(self, flow)
+        except Exception as exc:
+            log.exception("capture %s failed", hook.__name__)
+            call: Call | None = flow.metadata.get(META)
+            if call is not None and call.kind == MODEL and not call.done:
+                self._start(call)
+                self._finish(flow, call, "malformed_response" if flow.response else "malformed_request",
+                             f"capture failed in {hook.__name__} ({type(exc).__name__}: {exc})")
+
+    return run
+
+
 class Capture:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
         self.redact = state.redactor
+        self.live: dict[int, tuple[http.HTTPFlow, Call]] = {}  # model calls without a span yet
+        self.on_large_body = None  # callable(nbytes): the server hands memory back after big bodies
 
     # -- request ----------------------------------------------------------------------------
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        call: Call | None = flow.metadata.get(META)
+        if call is not None and call.kind == MODEL and not call.done:
+            self.live[id(call)] = (flow, call)  # from here on the call gets a span, whatever happens
+
+    @_guarded
     def request(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
-        if call is None or call.kind != MODEL or call.done or flow.response is not None:
+        if call is None or call.kind != MODEL or call.done:
+            return
+        self._note_size(len(flow.request.raw_content or b""))
+        refused = flow.metadata.get(REFUSED)
+        if refused is not None:  # answered by the limits addon (too large, shutting down, bad coding)
+            kind, why, status = refused
+            self._start(call)
+            self._finish(flow, call, kind, why, response_json=flow.response.get_text(strict=False), status=status)
+            return
+        if flow.response is not None:  # answered by routing (no upstream configured): no span, as ever
+            self.live.pop(id(call), None)
             return
         if flow.error is not None:  # the client gave up while the request was held
+            self._start(call)
             self._finish(flow, call, "client_disconnect", f"client disconnected while held: {flow.error.msg}")
             return
-        text = flow.request.get_text(strict=False) or ""
+        text, bad = utf8_text(flow.request.raw_content or b"")
+        call.salvaged |= bad
         call.request_text = text
+        self._parse_request(call, text)
+        self._start(call)
+        self.state.begin(call)  # (the encoding addon asks upstream for an uncompressed body)
+
+    @staticmethod
+    def _parse_request(call: Call, text: str) -> None:
         try:
             obj = json.loads(text)
             if not isinstance(obj, dict):
                 raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
             call.request_error = f"request body is not valid JSON ({exc}); forwarded unchanged"
         else:
             call.request_obj = obj
             model = obj.get("model")
             call.model = model if isinstance(model, str) else None
             call.stream = bool(obj.get("stream"))
-        call.seq = self.state.next_seq(call.rollout_id, call.attempt)
-        call.model_version = self.state.model_version
-        call.started = time.time()
-        self.state.begin(call)  # (the encoding addon asks upstream for an uncompressed body)
+
+    def _start(self, call: Call) -> None:
+        """Seq and policy version, once: when the request is complete, or when it fails before."""
+        if call.seq is None:
+            call.seq = self.state.next_seq(call.rollout_id, call.attempt)
+            call.model_version = self.state.model_version
+            call.started = time.time()
+
+    def _note_size(self, n: int) -> None:
+        if self.on_large_body is not None and n >= 1 << 20:
+            self.on_large_body(n)
 
     # -- response ---------------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -70,7 +163,8 @@ class Capture:
         ctype = flow.response.headers.get("Content-Type", "")
         if "text/event-stream" in ctype:
             asm = assembler_for(call.endpoint)
-            relay = SSERelay(asm.add, call.event_filters, on_error=self._sse_error(call))
+            relay = SSERelay(asm.add, call.event_filters, on_error=self._sse_error(call),
+                             max_event=self.state.config.max_decoded_size)
             call.sse = (relay, asm)
 
             def stream(chunk: bytes, relay=relay, call=call):
@@ -87,72 +181,160 @@ class Capture:
 
         return on_error
 
+    @_guarded
     def response(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
         if call is None or not call.in_flight:
             return
         resp = flow.response
-        kind = err = None
         if call.sse is not None:
-            call.response_obj = call.sse[1].result()
-            response_json = json.dumps(call.response_obj, ensure_ascii=False)
-            if call.response_error:
-                kind, err = "malformed_response", call.response_error
+            response_json, kind, err = self._stream_result(call, resp.status_code)
         else:
-            response_json = resp.get_text(strict=False) if resp.raw_content is not None else None
-            try:
-                obj = json.loads(response_json or "")
-                call.response_obj = obj if isinstance(obj, dict) else None
-            except ValueError as exc:
-                if resp.status_code < 400:
-                    kind, err = "malformed_response", f"upstream response is not valid JSON ({exc})"
+            response_json, kind, err = self._body_result(call, resp)
         if resp.status_code >= 400:
             kind = "upstream_status"
             body = (response_json or "")[:MAX_ERROR_BODY]
             err = f"upstream answered HTTP {resp.status_code}: {body}"
         if call.request_error:
             kind, err = "malformed_request", call.request_error + (f"; {err}" if err else "")
-        self._finish(flow, call, kind, err, response_json=response_json, status=resp.status_code)
+        status = resp.status_code
+        if kind == "too_large" and call.sse is None and not self._client_takes_coding(call, resp):
+            status = 502  # the encoding addon answers 502 instead of expanding the bomb
+        self._finish(flow, call, kind, err, response_json=response_json, status=status)
 
+    @staticmethod
+    def _client_takes_coding(call: Call, resp: http.Response) -> bool:
+        ok = accepted(call.accept_encoding)
+        return resp.headers.get("Content-Encoding", "").strip().lower() in ok or "*" in ok
+
+    def _stream_result(self, call: Call, status: int) -> tuple[str, str | None, str | None]:
+        relay, asm = call.sse
+        call.response_obj = asm.result()
+        call.salvaged |= relay.salvaged
+        response_json = json.dumps(call.response_obj, ensure_ascii=False)
+        if relay.oversize:
+            return response_json, "too_large", call.response_error
+        if call.response_error:
+            return response_json, "malformed_response", call.response_error
+        if status < 400 and not relay.done and not asm.finished:
+            return response_json, "truncated", (
+                f"event stream ended without [DONE] or a finish_reason after {relay.events} events "
+                f"({relay.bytes} bytes): the answer is incomplete")
+        return response_json, None, None
+
+    def _body_result(self, call: Call, resp: http.Response) -> tuple[str | None, str | None, str | None]:
+        if resp.raw_content is None:
+            return None, None, None
+        raw = resp.raw_content
+        self._note_size(len(raw))
+        coding = resp.headers.get("Content-Encoding", "").strip()
+        if coding and coding.lower() != "identity":
+            try:
+                raw = decode_body(raw, coding, self.state.config.max_decoded_size)
+            except TooLarge as exc:
+                return None, "too_large", f"upstream answer: {exc} (max_decoded_size)"
+            except ValueError as exc:
+                return None, "malformed_response", f"upstream answer: {exc}"
+        text, bad = utf8_text(raw)
+        call.salvaged |= bad
+        try:
+            obj = json.loads(text or "")
+        except (ValueError, RecursionError) as exc:
+            if resp.status_code >= 400:
+                return text, None, None
+            if _cut_short(exc, text):
+                return text, "truncated", f"upstream JSON body ends mid-value ({exc}): the answer is incomplete"
+            return text, "malformed_response", f"upstream response is not valid JSON ({exc})"
+        call.response_obj = obj if isinstance(obj, dict) else None
+        return text, None, None
+
+    @_guarded
     def error(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
         if call is None or call.kind != MODEL or call.done:
             return
         msg = flow.error.msg if flow.error else "unknown error"
-        low = msg.lower()
         response_json = None
         if call.sse is not None:
             call.response_obj = call.sse[1].result()
+            call.salvaged |= call.sse[0].salvaged
             response_json = json.dumps(call.response_obj, ensure_ascii=False)
+        if call.seq is None:  # the request hook never ran: the body never arrived in full
+            self._start(call)
+            kind, status = "client_disconnect", None
+            msg = f"client stopped before sending the whole request body: {msg}"
+        else:
+            kind, status, msg = self._classify_error(flow, call, msg)
+        if call.request_error:
+            msg = call.request_error + "; " + msg
+        self._finish(flow, call, kind, msg, response_json=response_json, status=status)
+
+    def _classify_error(self, flow: http.HTTPFlow, call: Call, msg: str) -> tuple[str, int | None, str]:
+        low = msg.lower()
         idle = self.state.config.idle_timeout
         last_activity = call.last_chunk or call.first_byte or call.started or call.received
         if "client disconnected" in low and time.time() - last_activity >= idle * 0.95:
             # mitmproxy's inactivity watchdog closes the client side: it reads as a disconnect
-            kind, status = "timeout", None
-            msg = f"no bytes from upstream for {idle:g} s (idle timeout); connection closed: {msg}"
-        elif "client disconnected" in low or "client closed" in low:
-            kind, status = "client_disconnect", None
-            msg = f"client disconnected before the response finished: {msg}"
-        elif "timed out" in low or "timeout" in low:
-            kind, status = "timeout", None if flow.response else 504
-            msg = f"upstream timed out: {msg}"
-        else:
-            kind = "upstream_unreachable"
-            status = None if flow.response else 502
-            where = "mid-response" if flow.response else "before answering"
-            msg = f"upstream failed {where}: {msg}"
-        if call.request_error:
-            msg = call.request_error + "; " + msg
-        self._finish(flow, call, kind, msg, response_json=response_json, status=status)
+            return "timeout", None, f"no bytes from upstream for {idle:g} s (idle timeout); connection closed: {msg}"
+        if "client disconnected" in low or "client closed" in low:
+            return "client_disconnect", None, f"client disconnected before the response finished: {msg}"
+        if "timed out" in low or "timeout" in low:
+            return "timeout", None if flow.response else 504, f"upstream timed out: {msg}"
+        where = "mid-response" if flow.response else "before answering"
+        return "upstream_unreachable", None if flow.response else 502, f"upstream failed {where}: {msg}"
+
+    # -- shutdown ---------------------------------------------------------------------------
+    def record_shutdown(self, waited: float) -> int:
+        """Give every call still without a span a ``shutdown`` error span (what had streamed so far
+        included); returns how many. Called by the server after the drain, before the final flush."""
+        n = 0
+        for flow, call in list(self.live.values()):
+            if call.done:
+                continue
+            self._start(call)
+            response_json = None
+            if call.sse is not None:
+                call.response_obj = call.sse[1].result()
+                response_json = json.dumps(call.response_obj, ensure_ascii=False)
+            msg = f"the proxy shut down while the call was in flight (after waiting {waited:.1f} s for it)"
+            self._finish(flow, call, "shutdown", msg, response_json=response_json, status=None)
+            n += 1
+        return n
 
     # -- span row ---------------------------------------------------------------------------
     def _finish(self, flow, call: Call, kind, err, response_json=None, status=None) -> None:
         if call.done:
             return
         call.done = True
+        self.live.pop(id(call), None)
+        self._note_size(len(call.request_text or "") + len(response_json or ""))
         self.state.end(call)
+        row = self._scrubbed(self._row(flow, call, kind, err, response_json, status), call)
+        if kind:
+            self.state.errors += 1
+            log.info("error span %s/%s seq=%s: %s: %.300s", call.rollout_id, call.attempt, call.seq, kind, err)
+        self.state.spans.append(row)
+        self.state.spans_captured += 1
+
+    def _scrubbed(self, row: dict, call: Call) -> dict:
+        """The row through the redactor (the one redaction point). If redaction itself fails on a
+        hostile body, the span is still written, without its texts: never unredacted, never lost."""
+        try:
+            return self.redact.scrub_row(row, call.secrets, request_is_json=call.request_obj is not None)
+        except Exception as exc:
+            log.warning("redaction failed (%s: %s); span kept without its texts", type(exc).__name__, exc)
+            row.update(request_json=None, response_json=None, path=None, salvaged=True,
+                       error=f"redaction failed ({type(exc).__name__}); request and response text dropped")
+            return row
+
+    def _row(self, flow, call: Call, kind, err, response_json, status) -> dict:
         now = time.time()
-        toks = token_fields(call.response_obj, call.endpoint)
+        try:
+            toks = token_fields(call.response_obj, call.endpoint)
+        except Exception as exc:  # an answer of an unexpected shape: keep it in response_json only
+            log.warning("token fields not extracted (%s: %s)", type(exc).__name__, exc)
+            toks = {**token_fields(None, call.endpoint), "salvaged": True}
+        salvaged = toks.pop("salvaged", False) or call.salvaged
         row = {
             "span_id": uuid.uuid4().hex,
             "rollout_id": call.rollout_id,
@@ -181,9 +363,5 @@ class Capture:
             "error": err,
             **toks,
         }
-        row = self.redact.scrub_row(row, call.secrets, request_is_json=call.request_obj is not None)
-        if kind:
-            self.state.errors += 1
-            log.info("error span %s/%s seq=%s: %s: %s", call.rollout_id, call.attempt, call.seq, kind, err)
-        self.state.spans.append(row)
-        self.state.spans_captured += 1
+        row["salvaged"] = _valid_text(row) | _fit_ints(row) or salvaged
+        return row

@@ -6,6 +6,8 @@ bodies are rewritten). Some upstreams, gateways and CDNs compress regardless. Th
   harness uncompressed (its chunks stay live; the span gets decoded events);
 - a whole body keeps its encoding only if the harness's own ``Accept-Encoding`` allowed it,
   otherwise it is decoded (a client that asked for gzip must never get brotli).
+Both decodings are capped at ``max_decoded_size`` (per read of a stream, for a whole body): a
+decompression bomb from upstream ends the stream's parsing (``too_large`` span) or is answered 502.
 Runs after capture (which set the request up) and before rewrite (which re-encodes on write).
 """
 
@@ -15,13 +17,16 @@ import logging
 
 from mitmproxy import http
 
-from ..codec import StreamDecoder, accepted, join_chunks
-from ..state import META, MODEL, Call
+from ..codec import StreamDecoder, TooLarge, accepted, decode_body, join_chunks
+from ..state import META, MODEL, Call, ProxyState
 
 log = logging.getLogger("lightning.proxy")
 
 
 class Encoding:
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+
     def request(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
         if call is None or call.kind != MODEL or not call.in_flight:
@@ -36,7 +41,7 @@ class Encoding:
         coding = flow.response.headers.get("Content-Encoding", "").strip().lower()
         if not coding or coding == "identity":
             return
-        decoder = StreamDecoder.make(coding)
+        decoder = StreamDecoder.make(coding, limit=self.state.config.max_decoded_size)
         if decoder is None:
             log.warning("cannot decode a %r-encoded event stream; it is relayed as is", coding)
             return
@@ -52,8 +57,10 @@ class Encoding:
                     data = decoder.feed(chunk)
                     return relay(data) if data else []
                 rest = decoder.end()
-            except Exception as exc:  # zlib.error, brotli.error
+            except Exception as exc:  # TooLarge, zlib.error, brotli.error, zstd.ZstdError
                 failed.append(exc)
+                if isinstance(exc, TooLarge):
+                    call.sse[0].oversize = True  # capture records too_large
                 if call.response_error is None:
                     call.response_error = f"cannot decode {coding} event stream: {exc}"
                 return [] if chunk else relay(b"")
@@ -74,6 +81,13 @@ class Encoding:
         if coding in ok or "*" in ok:
             return
         try:
-            flow.response.decode()
+            body = decode_body(flow.response.raw_content or b"", coding, self.state.config.max_decoded_size)
+        except TooLarge as exc:
+            msg = f'{{"error": {{"message": "lightning-proxy: upstream answer {exc} (max_decoded_size)", "type": "too_large", "code": 502}}}}'
+            flow.response = http.Response.make(502, msg.encode(), {"Content-Type": "application/json"})
+            return
         except ValueError as exc:
             log.warning("cannot decode a %r-encoded response: %s", coding, exc)
+            return
+        del flow.response.headers["Content-Encoding"]
+        flow.response.content = body

@@ -32,6 +32,12 @@ Misbehaviour on demand, per request with headers or for all requests with
     X-Stub-Drop: 1          close the connection mid-response
     X-Stub-Encoding: E      compress the body with E (gzip, deflate or br; br needs `brotli`) whatever
                             the request's Accept-Encoding says (a misbehaving upstream or CDN)
+    X-Stub-Truncate: 1      end the answer early but cleanly: JSON cut mid-value (Content-Length of
+                            what is sent), SSE without its last events, finish_reason and [DONE]
+    X-Stub-Bad-Utf8: 1      put a byte that is not UTF-8 (0xff) in the generated text (JSON and SSE)
+    X-Stub-Event-Bytes: N   SSE: one content event of N bytes, written in 64 KiB pieces
+    X-Stub-Pad: N           JSON: N spaces of padding inside the answer (with X-Stub-Encoding: a bomb)
+``GET /_stub/blob?bytes=N`` sends N zero bytes (a big download through the proxy).
 ``GET /_stub/requests`` returns the last 200 model-call bodies received (what the proxy sent);
 ``POST /_stub/reset`` clears them. Stops on SIGTERM/SIGINT.
 """
@@ -47,6 +53,7 @@ import signal
 import ssl
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 DEFAULTS = {"tokens": 8, "delay": 0.0, "chunk_delay": 0.0, "model": "stub-model"}
@@ -271,7 +278,8 @@ async def _send_json(w: asyncio.StreamWriter, status: int, obj, raw: bytes | Non
     await w.drain()
 
 
-async def _send_sse(w: asyncio.StreamWriter, chunks, malformed: bool, drop: bool, encoding: str | None = None) -> None:
+async def _send_sse(w: asyncio.StreamWriter, chunks, malformed: bool, drop: bool, encoding: str | None = None,
+                    truncate: bool = False, bad_utf8: bool = False) -> None:
     headers = {"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked", "Cache-Control": "no-cache"}
     enc = _Encoder(encoding) if encoding else None
     if enc:
@@ -283,7 +291,14 @@ async def _send_sse(w: asyncio.StreamWriter, chunks, malformed: bool, drop: bool
             await w.drain()
             w.transport.abort()
             raise ConnectionResetError("stub dropped the connection (X-Stub-Drop)")
-        payload = b"data: " + (b"{not json" if malformed and i == 1 else json.dumps(obj).encode()) + b"\n\n"
+        if truncate and i == 2:
+            w.write(b"0\r\n\r\n")  # a clean end of the body, without the rest of the events
+            await w.drain()
+            return
+        data = b"{not json" if malformed and i == 1 else json.dumps(obj).encode()
+        if bad_utf8 and i == 1:
+            data = data.replace(b"w0 ", b"w0\xff ")
+        payload = b"data: " + data + b"\n\n"
         if enc:
             payload = enc.feed(payload)
         w.write(b"%x\r\n%s\r\n" % (len(payload), payload))
@@ -299,14 +314,16 @@ async def _send_sse(w: asyncio.StreamWriter, chunks, malformed: bool, drop: bool
 
 async def _model_call(w, path: str, headers: dict, raw: bytes) -> None:
     opts = {**CONFIG}
-    for h, key in (("x-stub-fail", "fail"), ("x-stub-delay", "delay"), ("x-stub-malformed", "malformed"), ("x-stub-drop", "drop"), ("x-stub-encoding", "encoding")):
+    for h, key in (("x-stub-fail", "fail"), ("x-stub-delay", "delay"), ("x-stub-malformed", "malformed"), ("x-stub-drop", "drop"),
+                   ("x-stub-encoding", "encoding"), ("x-stub-truncate", "truncate"), ("x-stub-bad-utf8", "bad_utf8"),
+                   ("x-stub-event-bytes", "event_bytes"), ("x-stub-pad", "pad")):
         if h in headers:
             opts[key] = headers[h]
     try:
         body = json.loads(raw or b"{}")
         if not isinstance(body, dict):
             raise ValueError("body must be a JSON object")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         REQUESTS.append({"_raw": raw.decode(errors="replace"), "_path": path})
         return await _send_json(w, 400, {"error": {"message": f"invalid JSON body: {exc}", "type": "BadRequestError", "code": 400}})
     REQUESTS.append({**body, "_path": path, "_auth": headers.get("authorization")})
@@ -318,16 +335,51 @@ async def _model_call(w, path: str, headers: dict, raw: bytes) -> None:
         return await _send_json(w, code, {"error": {"message": f"stub failure {code}", "type": "stub_error", "code": code}})
     chat = path.rstrip("/").endswith("/chat/completions")
     malformed, drop, encoding = bool(opts.get("malformed")), bool(opts.get("drop")), opts.get("encoding") or None
+    truncate, bad_utf8 = bool(opts.get("truncate")), bool(opts.get("bad_utf8"))
+    if body.get("stream") and opts.get("event_bytes"):
+        return await _send_big_event(w, body, int(opts["event_bytes"]))
     if body.get("stream"):
-        return await _send_sse(w, chat_chunks(body) if chat else cmpl_chunks(body), malformed, drop, encoding)
+        chunks = chat_chunks(body) if chat else cmpl_chunks(body)
+        return await _send_sse(w, chunks, malformed, drop, encoding, truncate, bad_utf8)
     if drop:
         w.write(_head(200, {"Content-Type": "application/json", "Content-Length": 1000}) + b'{"id": "x", ')
         await w.drain()
         w.transport.abort()
         raise ConnectionResetError("stub dropped the connection (X-Stub-Drop)")
     if malformed:
-        return await _send_json(w, 200, None, raw=b'{"id": "broken", "choices": [')
-    await _send_json(w, 200, chat_json(body) if chat else cmpl_json(body), encoding=encoding)
+        return await _send_json(w, 200, None, raw=b'{"id": "broken", "choices": [}')
+    answer = json.dumps(chat_json(body) if chat else cmpl_json(body)).encode()
+    if truncate:
+        answer = answer[: len(answer) // 2]
+    if bad_utf8:
+        answer = answer.replace(b"w0 ", b"w0\xff ")
+    if opts.get("pad"):
+        answer = answer[:-1] + b" " * int(opts["pad"]) + answer[-1:]
+    await _send_json(w, 200, None, raw=answer, encoding=encoding)
+
+
+async def _send_big_event(w: asyncio.StreamWriter, body: dict, n: int) -> None:
+    """One chat chunk whose content is ``n`` bytes, written in 64 KiB pieces (the SSE benchmark)."""
+    base = {"id": "chatcmpl-big", "object": "chat.completion.chunk", "created": int(time.time()), "model": body.get("model")}
+    big = json.dumps({**base, "choices": [{"index": 0, "delta": {"content": "x" * n}, "finish_reason": "stop"}]}).encode()
+    w.write(_head(200, {"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked"}))
+    data = b"data: " + big + b"\n\ndata: [DONE]\n\n"
+    for i in range(0, len(data), 65536):
+        piece = data[i : i + 65536]
+        w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        await w.drain()
+    w.write(b"0\r\n\r\n")
+    await w.drain()
+
+
+async def _send_blob(w: asyncio.StreamWriter, n: int) -> None:
+    """``n`` bytes of octets (a download that is not a model call), written 1 MiB at a time."""
+    w.write(_head(200, {"Content-Type": "application/octet-stream", "Content-Length": n}))
+    piece = b"\0" * (1 << 20)
+    while n > 0:
+        w.write(piece[:n])
+        n -= len(piece)
+        await w.drain()
 
 
 async def _handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -360,6 +412,8 @@ async def _handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
                 path = "/" + path.split("://", 1)[1].split("/", 1)[-1]
             if method == "POST" and (path.endswith("/chat/completions") or path.endswith("/completions")):
                 await _model_call(w, path, headers, raw)
+            elif path == "/_stub/blob":
+                await _send_blob(w, int(urllib.parse.parse_qs(target.split("?", 1)[-1]).get("bytes", ["0"])[0]))
             elif path in ("/health", "/v1/health"):
                 await _send_json(w, 200, {"ok": True})
             elif path.endswith("/models"):

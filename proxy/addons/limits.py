@@ -1,0 +1,144 @@
+"""Bounds on model-call request bodies, and the door closed while the proxy shuts down.
+
+A hostile or broken harness can send a body far bigger than any prompt (memory), or a small
+compressed body that expands a thousandfold (a decompression bomb). Model calls are refused with
+413 and an OpenAI-style JSON error when:
+- ``Content-Length`` exceeds ``max_body_size`` (checked on the headers, before the body is used);
+- a chunked body (no length) turns out longer than ``max_body_size``;
+- a ``Content-Encoding`` body (gzip, deflate, br, zstd) would expand past ``max_decoded_size``:
+  it is decompressed with a running cap, never with an uncapped decode.
+An accepted compressed body is forwarded decoded (``identity``): the span, the rewrite addon and
+upstreams that do not read compressed requests (vLLM) all need the plain JSON. While the proxy
+drains at shutdown new model calls get 503. Bodies of 64 KiB and more share a budget of
+``max_inflight_bytes`` being processed at once; past it a call waits its turn (:class:`ByteBudget`). Answers to other traffic (not recorded) are streamed
+rather than held whole. Each refusal is counted in ``rejected`` and the
+capture addon records it as an error span (``too_large``, ``malformed_request``, ``shutdown``),
+so no attributed model call goes unrecorded. Runs before routing and capture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from mitmproxy import http
+
+from ..codec import TooLarge, decode_body
+from ..state import META, MODEL, OTHER, Call, ProxyState
+
+log = logging.getLogger("lightning.proxy")
+
+REFUSED = "lh.refused"  # flow.metadata key: (error_kind, message, status) of a call this addon answered
+STREAM_OTHER_ABOVE = 1 << 20  # bytes: larger (or unannounced) answers to other traffic are streamed
+BUDGETED = "lh.budget"  # flow.metadata key: bytes this call holds of the in-flight budget
+BUDGET_FROM = 64 << 10  # bodies this large or larger count against max_inflight_bytes
+
+
+class ByteBudget:
+    """Bytes of large request bodies being processed at once. A call that would go past the limit
+    waits (like a paused call: held, not bounced) until others finish; one call alone always goes.
+    Why: each call in flight costs several times its body (text, parsed JSON, rewritten body,
+    Parquet row), so many concurrent big bodies could exhaust memory although each is allowed."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._changed: asyncio.Event | None = None  # created inside mitmproxy's loop
+
+    async def acquire(self, n: int) -> None:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        while self.used and self.used + n > self.limit:
+            self._changed.clear()
+            await self._changed.wait()
+        self.used += n
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        if self._changed is not None:
+            self._changed.set()
+
+
+class Limits:
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+        self.draining = False  # set by the server on SIGTERM
+        self.budget = ByteBudget(state.config.max_inflight_bytes)
+
+    @staticmethod
+    def _model_call(flow: http.HTTPFlow) -> Call | None:
+        call = flow.metadata.get(META)
+        if call is None or call.kind != MODEL or call.done or flow.response is not None or REFUSED in flow.metadata:
+            return None
+        return call
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if self._model_call(flow) is None:
+            return
+        if self.draining:
+            self.refuse(flow, 503, "shutdown", "the proxy is shutting down; retry on another proxy")
+            return
+        length = flow.request.headers.get("Content-Length", "")
+        limit = self.state.config.max_body_size
+        if length.strip().isdigit() and int(length) > limit:
+            self.refuse(flow, 413, "too_large", f"request body of {int(length)} bytes exceeds the proxy's max_body_size ({limit} bytes)")
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        self._check_body(flow)
+        n = len(flow.request.raw_content or b"")
+        if n >= BUDGET_FROM and self._model_call(flow) is not None:
+            await self.budget.acquire(n)
+            flow.metadata[BUDGETED] = n
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._release(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._release(flow)
+
+    def _release(self, flow: http.HTTPFlow) -> None:
+        n = flow.metadata.pop(BUDGETED, 0)
+        if n:
+            self.budget.release(n)
+
+    def _check_body(self, flow: http.HTTPFlow) -> None:
+        """413 for a body (or its decoded form) over the limits; a compressed one forwarded decoded."""
+        if self._model_call(flow) is None:
+            return
+        cfg = self.state.config
+        raw = flow.request.raw_content or b""
+        if len(raw) > cfg.max_body_size:  # chunked: no length was announced
+            self.refuse(flow, 413, "too_large", f"request body of {len(raw)} bytes exceeds the proxy's max_body_size ({cfg.max_body_size} bytes)")
+            return
+        coding = flow.request.headers.get("Content-Encoding", "").strip()
+        if not coding or coding.lower() == "identity":
+            return
+        try:
+            body = decode_body(raw, coding, cfg.max_decoded_size)
+        except TooLarge as exc:
+            self.refuse(flow, 413, "too_large", f"{exc} (max_decoded_size)")
+            return
+        except ValueError as exc:
+            self.refuse(flow, 415 if "unsupported" in str(exc) else 400, "malformed_request", str(exc))
+            return
+        del flow.request.headers["Content-Encoding"]
+        flow.request.content = body  # sets Content-Length too
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        """Other traffic (downloads through the forward proxy: pip, git, ...) is never captured:
+        stream its larger bodies through instead of letting mitmproxy hold them whole in memory."""
+        call = flow.metadata.get(META)
+        if call is None or call.kind != OTHER or flow.response.raw_content is not None or flow.response.stream:
+            return
+        length = flow.response.headers.get("Content-Length", "").strip()
+        if not length.isdigit() or int(length) > STREAM_OTHER_ABOVE:
+            flow.response.stream = True
+
+    def refuse(self, flow: http.HTTPFlow, status: int, kind: str, why: str) -> None:
+        """Answer the call now with an OpenAI-style error; capture turns it into an error span."""
+        self.state.rejected += 1
+        flow.metadata[REFUSED] = (kind, why, status)
+        body = {"error": {"message": f"lightning-proxy: {why}", "type": kind, "code": status}}
+        flow.response = http.Response.make(status, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        log.info("refused %s %s: %s", flow.request.method, flow.request.pretty_url, why)

@@ -1,0 +1,400 @@
+"""Hostile input on the capture side (issue 10): nothing is lost, nothing grows without bound.
+
+Real proxy process, real stub upstream, real httpx and raw sockets, real Parquet: bytes that are not
+UTF-8 are salvaged (``salvaged``), oversized bodies and decompression bombs get 413 while the
+proxy's RSS stays bounded, streams and JSON cut short are ``truncated``, a client that stops
+mid-body is a ``client_disconnect`` with its ``seq``, and SIGTERM drains calls in flight and gives
+the rest a ``shutdown`` span.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import urllib.parse
+import zlib
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fixtures_proxy import StubServer, read_spans
+
+pytestmark = pytest.mark.timeout(300)
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+MiB = 1 << 20
+
+
+def _url(p, rollout: str) -> str:
+    return p.env_for(rollout)["OPENAI_BASE_URL"] + "/chat/completions"
+
+
+def _post(url: str, **kw) -> httpx.Response:
+    with httpx.Client(trust_env=False, timeout=120) as c:
+        return c.post(url, **kw)
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _hwm_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def _spans_of(p, rollout: str, n: int = 1, timeout: float = 30) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [s for s in read_spans(p) if s["rollout_id"] == rollout]
+        if len(got) >= n or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+# -- salvage -----------------------------------------------------------------------------------------
+def test_request_with_invalid_utf8_is_salvaged(proxy):
+    raw = json.dumps(BODY).encode().replace(b'"hi"', b'"h\xffi"')
+    r = _post(_url(proxy, "bad-req-bytes"), content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200
+    (span,) = _spans_of(proxy, "bad-req-bytes")
+    assert span["salvaged"] is True and span["error_kind"] is None
+    assert "h\ufffdi" in span["request_json"] and span["response_token_ids"] == [100, 101, 102]
+
+
+def test_lone_surrogate_escape_is_salvaged(proxy):
+    raw = b'{"model": "m\\ud800", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    r = _post(_url(proxy, "surrogate"), content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200
+    (span,) = _spans_of(proxy, "surrogate")
+    assert span["salvaged"] is True and span["model"] == "m?"
+    assert span["request_json"] == raw.decode()  # the escape itself is valid text: kept as sent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_upstream_answer_with_invalid_utf8_is_salvaged(proxy, stream):
+    rollout = f"bad-answer-{stream}"
+    r = _post(_url(proxy, rollout), json={**BODY, "stream": stream}, headers={"X-Stub-Bad-Utf8": "1"})
+    assert r.status_code == 200
+    (span,) = _spans_of(proxy, rollout)
+    assert span["salvaged"] is True and span["error_kind"] is None, span["error"]
+    assert "w0\ufffd" in span["response_json"]
+    assert span["response_token_ids"] == [100, 101, 102]  # the event with the bad byte still counted
+
+
+def test_deeply_nested_request_is_malformed_not_a_crash(proxy):
+    raw = b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = _post(_url(proxy, "deep"), content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400  # the upstream's own answer: forwarded unchanged
+    (span,) = _spans_of(proxy, "deep")
+    assert span["error_kind"] == "malformed_request" and "not valid JSON" in span["error"]
+    assert span["request_json"] == raw.decode() and proxy.control.state()["in_flight"] == 0
+
+
+def test_clean_call_is_not_salvaged(proxy):
+    assert _post(_url(proxy, "clean"), json=BODY).status_code == 200
+    (span,) = _spans_of(proxy, "clean")
+    assert span["salvaged"] is False and span["error_kind"] is None
+
+
+# -- bounds --------------------------------------------------------------------------------------------
+def test_oversized_body_gets_413_and_an_error_span(make_proxy):
+    p = make_proxy(extra_args=["--max-body-size", str(MiB)])
+    big = {**BODY, "messages": [{"role": "user", "content": "x" * (2 * MiB)}]}
+    r = _post(_url(p, "big"), json=big)
+    assert r.status_code == 413
+    assert r.json()["error"]["type"] == "too_large" and "max_body_size" in r.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: refused once the body is in
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 65536):
+            yield data[i : i + 65536]
+
+    r2 = _post(_url(p, "big"), content=chunked(), headers={"Content-Type": "application/json"})
+    assert r2.status_code == 413
+    assert _post(_url(p, "big"), json=BODY).status_code == 200  # the proxy still serves
+    spans = _spans_of(p, "big", 3)
+    assert [s["seq"] for s in spans] == [0, 1, 2]
+    assert [s["error_kind"] for s in spans] == ["too_large", "too_large", None]
+    assert spans[0]["status_code"] == 413 and spans[0]["request_json"] is None
+    assert p.control.state()["rejected"] == 2
+
+
+def test_gzip_bomb_gets_413_with_bounded_memory(proxy, stub_server):
+    bomb = gzip.compress(b" " * (200 * MiB), compresslevel=9)
+    assert len(bomb) < 300 * 1024
+    assert _post(_url(proxy, "warm"), json=BODY).status_code == 200
+    before = _rss_mib(proxy.pid)
+    Path(f"/proc/{proxy.pid}/clear_refs").write_text("5")  # VmHWM restarts from the current RSS
+    r = _post(_url(proxy, "bomb"), content=bomb, headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert r.status_code == 413 and "max_decoded_size" in r.json()["error"]["message"]
+    peak = _hwm_mib(proxy.pid)
+    assert peak - before < 32, f"RSS peak {peak:.0f} MiB vs {before:.0f} MiB before"  # measured first, never held
+    (span,) = _spans_of(proxy, "bomb")
+    assert span["error_kind"] == "too_large" and span["seq"] == 0
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_compressed_request_is_forwarded_decoded(proxy, stub_server, coding):
+    data = json.dumps({**BODY, "max_tokens": 2}).encode()
+    blob = gzip.compress(data) if coding == "gzip" else zlib.compress(data)
+    r = _post(_url(proxy, f"zip-{coding}"), content=blob, headers={"Content-Type": "application/json", "Content-Encoding": coding})
+    assert r.status_code == 200, r.text
+    (span,) = _spans_of(proxy, f"zip-{coding}")
+    assert span["error_kind"] is None and json.loads(span["request_json"])["max_tokens"] == 2
+    assert stub_server.requests()[-1]["max_tokens"] == 2  # upstream got plain JSON
+
+
+@pytest.mark.parametrize("accept", ["identity", "gzip"])
+def test_compressed_answer_bomb_is_capped(make_proxy, accept):
+    p = make_proxy(extra_args=["--max-decoded-size", str(MiB)])
+    headers = {"X-Stub-Encoding": "gzip", "X-Stub-Pad": str(8 * MiB), "Accept-Encoding": accept}
+    before = _rss_mib(p.pid)
+    with httpx.Client(trust_env=False, timeout=120) as c:
+        r = c.post(_url(p, "answer-bomb"), json=BODY, headers=headers)
+        # a harness that accepts gzip gets the body as upstream sent it; one that does not gets 502
+        assert r.status_code == (200 if accept == "gzip" else 502)
+    (span,) = _spans_of(p, "answer-bomb")
+    assert span["error_kind"] == "too_large" and "max_decoded_size" in span["error"]
+    assert span["status_code"] == r.status_code  # what the harness got
+    assert _hwm_mib(p.pid) - before < 64
+
+
+# -- error kinds -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [True, False])
+def test_answer_cut_short_is_truncated(proxy, stream):
+    rollout = f"cut-{stream}"
+    r = _post(_url(proxy, rollout), json={**BODY, "stream": stream}, headers={"X-Stub-Truncate": "1"})
+    assert r.status_code == 200
+    (span,) = _spans_of(proxy, rollout)
+    assert span["error_kind"] == "truncated", span["error"]
+    assert "incomplete" in span["error"] and span["status_code"] == 200
+    if stream:
+        assert span["response_token_ids"] == [100]  # what had arrived is kept
+
+
+def _raw_partial_post(p, rollout: str, send: int, announce: int) -> None:
+    """Announce ``announce`` body bytes, send ``send`` of them, hang up."""
+    u = urllib.parse.urlsplit(_url(p, rollout))
+    head = (f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {announce}\r\n\r\n").encode()
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(head + b"x" * send)
+        time.sleep(0.3)
+
+
+def test_client_stopping_mid_body_is_client_disconnect_with_seq(proxy):
+    url = _url(proxy, "quitter")
+    _raw_partial_post(proxy, "quitter", send=100, announce=5000)
+    assert _post(url, json=BODY).status_code == 200
+    spans = _spans_of(proxy, "quitter", 2)
+    assert [(s["seq"], s["error_kind"]) for s in spans] == [(0, "client_disconnect"), (1, None)]
+    assert "request body" in spans[0]["error"]
+    assert proxy.control.state()["in_flight"] == 0
+
+
+def test_sigterm_drains_then_records_shutdown_spans(tmp_path, make_proxy):
+    from lightning_harness.schemas import read_table
+
+    slow = StubServer(tmp_path)
+    try:
+        p = make_proxy(upstreams=[slow.url], extra_args=["--shutdown-grace", "3"])
+        results = {}
+
+        def call(name, delay):
+            try:
+                results[name] = _post(_url(p, name), json=BODY, headers={"X-Stub-Delay": str(delay)}).status_code
+            except httpx.HTTPError as exc:
+                results[name] = type(exc).__name__
+
+        threads = [threading.Thread(target=call, args=a) for a in (("quick", 1.0), ("stuck", 60.0))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while p.control.state()["in_flight"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        os.killpg(p.proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        late = _post(_url(p, "late"), json=BODY)  # the door is closed while draining
+        assert late.status_code == 503 and late.json()["error"]["type"] == "shutdown"
+        assert p.proc.wait(15) == 0
+        assert 2.5 < time.monotonic() - t0 < 15  # waited for the grace, not for the stuck call
+        for t in threads:
+            t.join(30)
+        assert results["quick"] == 200  # finished within the grace: answered and recorded normally
+        rows = {r["rollout_id"]: r for r in read_table(p.traces_dir, "spans").to_pylist()}
+        assert rows["quick"]["error_kind"] is None and rows["quick"]["response_token_ids"] == [100, 101, 102]
+        assert rows["stuck"]["error_kind"] == "shutdown" and rows["stuck"]["seq"] == 0
+        assert "shut down" in rows["stuck"]["error"]
+        assert rows["late"]["error_kind"] == "shutdown" and rows["late"]["status_code"] == 503
+    finally:
+        slow.stop()
+
+
+# -- pure parts ------------------------------------------------------------------------------------------
+def test_sse_relay_split_anywhere_gives_the_same_events():
+    from lightning_harness.proxy.sse import SSERelay
+
+    events = [{"i": i, "s": "é" * i} for i in range(20)]
+    data = b"".join(b"data: " + json.dumps(e, ensure_ascii=False).encode() + (b"\r\n\r\n" if i % 3 else b"\n\n")
+                    for i, e in enumerate(events)) + b"data: [DONE]\n\n"
+    for step in (1, 2, 3, 7, 64, len(data)):
+        got = []
+        relay = SSERelay(got.append, [lambda o: None])  # a filter: events are re-serialised
+        pieces = [relay(data[i : i + step]) for i in range(0, len(data), step)] + [relay(b"")]
+        out = b"".join(x if isinstance(x, bytes) else b"".join(x) for x in pieces)
+        assert got == events and relay.done, step
+        assert out.count(b"data: ") == 21 and out.endswith(b"data: [DONE]\n\n")
+
+
+def test_sse_relay_caps_one_event():
+    from lightning_harness.proxy.sse import SSERelay
+
+    errors = []
+    relay = SSERelay(lambda o: None, on_error=errors.append, max_event=1000)
+    first = b'data: {"a": 1}\n\ndata: {"b": "' + b"x" * 2000
+    assert relay(first) == first  # relayed as is, never held back
+    assert relay.oversize and "longer than 1000 bytes" in errors[0] and relay.events == 1
+    assert relay(b'"}\n\n') == b'"}\n\n'
+    rewriting = SSERelay(lambda o: None, [lambda o: o.pop("a", None)], max_event=1000)
+    assert rewriting(first) == b'data: {}\n\n' + first[len(b'data: {"a": 1}\n\n'):]  # held part released
+    assert rewriting(b'"}\n\n') == b'"}\n\n' and rewriting.oversize
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_decode_body_caps_a_bomb(coding):
+    from lightning_harness.proxy.codec import TooLarge, decode_body
+
+    plain = b"\0" * (64 * MiB)
+    blob = gzip.compress(plain) if coding == "gzip" else zlib.compress(plain)
+    with pytest.raises(TooLarge):
+        decode_body(blob, coding, 8 * MiB)
+    assert decode_body(blob, coding, 64 * MiB) == plain
+    with pytest.raises(ValueError, match="unsupported"):
+        decode_body(blob, "compress", MiB)
+
+
+def test_assemblers_know_a_finished_stream():
+    from lightning_harness.proxy.assemble import ResponsesAssembler, StreamAssembler
+
+    chat = StreamAssembler("chat.completions")
+    chat.add({"choices": [{"index": 0, "delta": {"content": "a"}}]})
+    assert not chat.finished
+    chat.add({"choices": [{"index": 0, "delta": {"content": "b"}, "finish_reason": "stop"}]})
+    assert chat.finished and chat.result()["choices"][0]["message"]["content"] == "ab"
+    resp = ResponsesAssembler()
+    resp.add({"type": "response.output_text.delta", "delta": "a"})
+    assert not resp.finished
+    resp.add({"type": "response.completed", "response": {"status": "completed", "output": []}})
+    assert resp.finished
+
+
+def test_hostile_answer_fields_do_not_reach_the_columns():
+    from lightning_harness.proxy.assemble import StreamAssembler, token_fields
+
+    asm = StreamAssembler("chat.completions")
+    asm.add({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 10 ** 9, "function": {"arguments": "x"}}]}}]})
+    assert asm.result()["choices"][0]["message"]["tool_calls"] == []  # no list of 10**9 placeholders
+    obj = {"choices": [{"index": 0, "finish_reason": {"x": 1}, "token_ids": [1, 2 ** 40]}],
+           "usage": {"prompt_tokens": 10 ** 12, "completion_tokens": "7"}}
+    out = token_fields(obj, "chat.completions")
+    assert out["salvaged"] is True
+    assert out["finish_reason"] is None and out["prompt_tokens"] is None and out["completion_tokens"] is None
+    assert out["response_token_ids"] is None
+    assert token_fields({"choices": {"0": {}}}, "chat.completions")["n_choices"] is None
+
+
+def test_big_download_through_the_forward_proxy_is_streamed(proxy, stub_server):
+    """Other traffic is not captured; a 200 MiB download must not sit whole in the proxy."""
+    env = proxy.env_for("downloader")
+    before = _rss_mib(proxy.pid)
+    Path(f"/proc/{proxy.pid}/clear_refs").write_text("5")
+    got = 0
+    with httpx.Client(proxy=env["HTTP_PROXY"], trust_env=False, timeout=120) as c:
+        with c.stream("GET", f"{stub_server.url}/_stub/blob?bytes={200 * MiB}") as r:
+            assert r.status_code == 200
+            for piece in r.iter_raw():
+                got += len(piece)
+    assert got == 200 * MiB
+    assert _hwm_mib(proxy.pid) - before < 64
+    assert [s for s in read_spans(proxy) if s["rollout_id"] == "downloader"] == []  # not a model call
+
+
+def test_nested_body_with_secret_words_still_gets_a_span(proxy):
+    """Redaction re-parses bodies that mention secret keys; a nesting bomb must not lose the span."""
+    # 700 deep parses (json's C scanner), but redaction walks it with two Python frames a level
+    raw = b'{"model": "m", "api_key": "sk-abcdefghijklmnopqrstuvwxyz", "x": ' + b"[" * 700 + b"1" + b"]" * 700 + b"}"
+    _post(_url(proxy, "deep-secret"), content=raw, headers={"Content-Type": "application/json"})
+    (span,) = _spans_of(proxy, "deep-secret")
+    assert span["seq"] == 0
+    assert "sk-abcdefghijklmnopqrstuvwxyz" not in (span["request_json"] or "")
+
+
+def test_sigterm_mid_stream_keeps_what_had_streamed(tmp_path, make_proxy):
+    from lightning_harness.schemas import read_table
+
+    slow = StubServer(tmp_path, args=["--chunk-delay", "0.4"])
+    try:
+        p = make_proxy(upstreams=[slow.url], extra_args=["--shutdown-grace", "1"])
+        seen = threading.Event()
+
+        def stream():
+            try:
+                with httpx.Client(trust_env=False, timeout=60) as c:
+                    with c.stream("POST", _url(p, "streaming"), json={**BODY, "max_tokens": 50, "stream": True}) as r:
+                        for line in r.iter_lines():
+                            if "w1" in line:
+                                seen.set()
+            except httpx.HTTPError:
+                pass  # the proxy closes the stream when it stops
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert seen.wait(30)
+        assert p.stop() == 0
+        t.join(30)
+        (row,) = read_table(p.traces_dir, "spans").to_pylist()
+        assert row["error_kind"] == "shutdown" and row["stream"] is True
+        assert row["response_token_ids"][:2] == [100, 101]  # the tokens relayed before the stop
+    finally:
+        slow.stop()
+
+
+def test_large_bodies_beyond_the_inflight_budget_wait_their_turn(tmp_path, make_proxy):
+    """Two 600 KB calls under a 1 MiB budget run one after the other; a small call is not held."""
+    slow = StubServer(tmp_path, args=["--delay", "1.5"])
+    try:
+        p = make_proxy(upstreams=[slow.url], extra_args=["--max-inflight-bytes", str(MiB)])
+        big = {**BODY, "messages": [{"role": "user", "content": "x" * 600_000}]}
+        done = {}
+
+        def call(name, body):
+            done[name] = (_post(_url(p, name), json=body).status_code, time.monotonic())
+
+        threads = [threading.Thread(target=call, args=(n, big)) for n in ("big-a", "big-b")]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        call("small", BODY)
+        for t in threads:
+            t.join(60)
+        assert {k: v[0] for k, v in done.items()} == {"big-a": 200, "big-b": 200, "small": 200}
+        first, second = sorted(done[k][1] - t0 for k in ("big-a", "big-b"))
+        assert second - first > 1.2  # the second big body went upstream only after the first was done
+        assert done["small"][1] - t0 < first + 0.5  # the small call did not queue behind them
+        assert len(_spans_of(p, "big-b")) == 1 and len(_spans_of(p, "big-a")) == 1
+    finally:
+        slow.stop()
