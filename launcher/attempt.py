@@ -7,7 +7,10 @@ when it happens. Runners (local.py, k8s.py) only start and stop things.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +87,7 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel, mod
     env: dict[str, str] = dict(s.extra_env)
     if s.proxy is not None:
         view = getattr(s.runner, "proxy_view", None)
-        env.update((view(s.proxy) if view else s.proxy).env_for(spec.rollout_id, attempt))
+        env.update((view(s.proxy) if view else own_ca(s, work)).env_for(spec.rollout_id, attempt))
     env.update(
         LIGHTNING_ROLLOUT_ID=spec.rollout_id,
         LIGHTNING_ATTEMPT=str(attempt),
@@ -132,6 +135,18 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel, mod
                          runner=getattr(s.runner, "name", "local"), reward=reward, error=error,
                          log_path=log_path, model_version=model_version)
     return result, reward
+
+
+def own_ca(s: AttemptSettings, work: Path) -> ProxyLink:
+    """The proxy link, with the CA bundle copied into the attempt folder when the harness runs as
+    another user (--run-as): the proxy's confdir (root's home by default) is not that user's to read."""
+    if getattr(s.runner, "run_as", None) is None or not Path(s.proxy.ca_bundle).is_file():
+        return s.proxy
+    copy = work / "ca-bundle.pem"
+    copy.unlink(missing_ok=True)
+    shutil.copyfile(s.proxy.ca_bundle, copy)
+    os.chmod(copy, 0o644)
+    return dataclasses.replace(s.proxy, ca_bundle=str(copy))
 
 
 def collect_reward(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome,

@@ -33,6 +33,7 @@ from .progress import BatchProgress, BatchStats
 from .proxy_link import ProxyLink
 from .results import CANCELLED, FAILED, FAILURES, NO_REWARD, GroupResult, History, RolloutResult, load_history
 from .rewards import RewardsTable
+from .runas import lock_traces
 from .tasks import Task, tasks_from_rows
 
 _UNSET = object()
@@ -123,6 +124,7 @@ class BatchRunner:
         reward_cmd: str | None = None,
         reward_timeout: float = 300.0,
         self_reward: bool = True,
+        run_as: Any = None,
         step: int | None = None,
         split: str = "train",
         model_version: int | None = None,
@@ -144,7 +146,11 @@ class BatchRunner:
         self.proxy = _as_link(proxy)
         self._checks = [c for c in (process_check("capture proxy", proxy), health_check) if c is not None]
         self.error: str | None = None  # why the batch stopped by itself (a dead proxy or engine)
-        self.runner = runner or LocalRunner()
+        if run_as is not None and runner is not None:
+            raise ValueError("run_as is for the local runner (give LocalRunner(run_as=...) yourself, or no runner)")
+        self.runner = runner or LocalRunner(run_as=run_as)
+        if getattr(self.runner, "run_as", None) is not None:  # harnesses of another user: close the traces to them
+            lock_traces(self.traces_dir)
         if not harness and isinstance(self.runner, LocalRunner):
             raise ValueError("a harness command is needed (only a Kubernetes Job template may supply its own)")
         self.run_id = run_id

@@ -76,6 +76,7 @@ def main() -> None:
 @click.option("--api-key", envvar=["LIGHTNING_API_KEY", "OPENAI_API_KEY"], show_envvar=False, help="OPENAI_API_KEY handed to harnesses (never recorded). [env LIGHTNING_API_KEY, then OPENAI_API_KEY; default: a placeholder]")
 @click.option("--reward-cmd", help="Shell command scoring a finished attempt; prints a number or {\"reward\": x}. Sees LIGHTNING_TASK, LIGHTNING_OUTPUT_DIR, LIGHTNING_LOG_FILE; {placeholders} as in --cmd.")
 @click.option("--self-reward/--no-self-reward", default=True, show_default=True, help="Without --reward-cmd, take the harness's own report (LIGHTNING_REWARD_FILE, a POST to LIGHTNING_REWARD_URL) as its reward. Off: only the verifier (--reward-cmd, the operator's control-API post) counts. With --reward-cmd, self-reports never count.")
+@click.option("--run-as", help="Run every harness as this unprivileged USER (or USER:GROUP; names or ids), no supplementary groups, from its private attempt folder: it cannot read the proxy's secrets, write the traces, signal the proxy or vLLM, or read other attempts (docs/LAUNCH.md). Needs root; refuses root. The --reward-cmd verifier keeps the launcher's user.")
 @click.option("--reward-timeout", type=float, default=300.0, show_default=True, help="Seconds allowed to --reward-cmd.")
 @click.option("--k8s", "k8s_template", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Run each attempt as a Kubernetes Job rendered from this Jinja2 YAML template.")
 @click.option("--k8s-namespace", default="default", show_default=True, help="Namespace of the Jobs.")
@@ -88,7 +89,7 @@ def main() -> None:
 def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeout, retries, run_id, split, step,
         id_field, limit, upstreams, model_dir, served_name, max_model_len, engine_args, route_hosts, proxy_url, proxy_token,
         proxy_control_token, proxy_forward_url,
-        proxy_ca, proxy_confdir, api_key, reward_cmd, self_reward, reward_timeout, k8s_template, k8s_namespace, k8s_proxy_host, k8s_keep, cwd,
+        proxy_ca, proxy_confdir, api_key, reward_cmd, self_reward, run_as, reward_timeout, k8s_template, k8s_namespace, k8s_proxy_host, k8s_keep, cwd,
         extra_env, resume, progress) -> None:
     """Run every task of TASK_FILE (.jsonl, .json or .parquet) SAMPLES times with the harness after '--'.
 
@@ -122,13 +123,23 @@ def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeou
         tasks = load_tasks(task_file, id_field=id_field, limit=limit)
     except TaskFileError as exc:
         raise click.UsageError(str(exc)) from None
+    runner = None  # the local runner by default
+    if run_as and k8s_template:
+        raise click.UsageError("--run-as is for local harnesses; a Job's pod sets its own user (securityContext)")
+    if run_as:
+        from .local import LocalRunner
+        from .runas import RunAsError
+
+        try:
+            runner = LocalRunner(run_as=run_as)
+        except RunAsError as exc:
+            raise click.UsageError(str(exc)) from None
     harness_text = harness if isinstance(harness, str) else shlex.join(harness)
     run_id = run_id or batch_run_id(task_file.stem, *(t.id for t in tasks), harness_text, split, str(step))
     traces.mkdir(parents=True, exist_ok=True)
     logs = traces / "launch"
     logs.mkdir(exist_ok=True)
 
-    runner = None
     if k8s_template:
         from .k8s import K8sRunner, K8sTemplateError
 
@@ -138,10 +149,13 @@ def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeou
             raise click.UsageError(f"{k8s_template}: {exc}") from None
 
     console.print(f"[bold]run[/] {run_id}: {len(tasks)} tasks x {samples} samples, concurrency {concurrency}, traces {traces}")
-    if runner is None:
+    if runner is None or runner.name == "local":
         from .proctree import ProcessTree
 
         console.print(f"process trees: {ProcessTree.mechanism()} (every process a harness starts ends with it)")
+    if run_as:
+        who = runner.run_as
+        console.print(f"harnesses run as {who.user} (uid {who.uid}, gid {who.gid}, no supplementary groups)")
     def on_signal(signum, frame):  # SIGTERM behaves like Ctrl-C: stop children, flush, exit
         raise KeyboardInterrupt
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import BinaryIO, Mapping, Sequence
 
 from .proctree import ProcessTree
+from .runas import RunAs
 
 
 def utcnow() -> dt.datetime:
@@ -137,10 +138,12 @@ class LocalRunner:
 
     name = "local"
 
-    def __init__(self, *, kill_grace: float = 3.0, max_log_bytes: int = 1 << 20, inherit_env: bool = True) -> None:
+    def __init__(self, *, kill_grace: float = 3.0, max_log_bytes: int = 1 << 20, inherit_env: bool = True,
+                 run_as: "str | int | RunAs | None" = None) -> None:
         self.kill_grace = kill_grace
         self.max_log_bytes = max_log_bytes
         self.inherit_env = inherit_env
+        self.run_as = RunAs.resolve(run_as) if run_as is not None else None  # see launcher/runas.py
         self._live: dict[int, ProcessTree] = {}
         self._lock = threading.Lock()
 
@@ -149,10 +152,19 @@ class LocalRunner:
         base = os.environ if self.inherit_env else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
         env = {k: v for k, v in base.items() if not k.startswith("LIGHTNING_")}
         env.update(job.env)
-        return env
+        return self.run_as.environ(env, job.workdir) if self.run_as else env
 
     def run(self, job: AttemptJob, cancel: threading.Event) -> AttemptOutcome:
         job.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.run_as is None:
+            return self._run(job, cancel)
+        self.run_as.hand_over(job.workdir)
+        try:
+            return self._run(job, cancel)
+        finally:  # the tree is gone: no harness of this user can open the folder again
+            RunAs.take_back(job.workdir)
+
+    def _run(self, job: AttemptJob, cancel: threading.Event) -> AttemptOutcome:
         started = utcnow()
         with open_log(job.log_path) as log:  # kept open: the harness may replace the file, not our descriptor
             try:
@@ -163,7 +175,8 @@ class LocalRunner:
                 proc = tree.popen(
                     job.command, shell=isinstance(job.command, str),
                     executable="/bin/sh" if isinstance(job.command, str) else None, env=self._environ(job),
-                    cwd=job.cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    cwd=job.cwd or (job.workdir if self.run_as else None), stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True, privileges=self.run_as and self.run_as.preexec,
                 )
             except (OSError, subprocess.SubprocessError) as exc:
                 tree.close()

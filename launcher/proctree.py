@@ -167,12 +167,19 @@ class ProcessTree:
         self._last_scan = 0.0
 
     def popen(self, args, **kwargs) -> subprocess.Popen:
-        """``subprocess.Popen`` with the child inside this tree (and the marker in its environment)."""
+        """``subprocess.Popen`` with the child inside this tree (and the marker in its environment).
+
+        ``privileges``: a function making the preexec function from the cgroup join (or None), e.g.
+        ``RunAs.preexec``: the child must join while it still has the launcher's rights, and only
+        then drop them (subprocess's own ``user=`` would switch before any ``preexec_fn``)."""
         env = kwargs.pop("env", None)
+        privileges = kwargs.pop("privileges", None)
         env = dict(os.environ if env is None else env)
         env[TREE_ENV] = self.marker
-        if self.cgroup is not None:
-            kwargs["preexec_fn"] = _join(str(self.cgroup / "cgroup.procs"))
+        join = _join(str(self.cgroup / "cgroup.procs")) if self.cgroup is not None else None
+        preexec = privileges(join) if privileges is not None else join
+        if preexec is not None:
+            kwargs["preexec_fn"] = preexec
         proc = subprocess.Popen(args, env=env, **kwargs)
         self.leader = proc.pid
         st = _stat(proc.pid)

@@ -240,7 +240,7 @@ class TrainingRun:
         self.runner = BatchRunner(
             command, traces_dir=self.traces, proxy=self.proxy, run_id=cfg.run_id,
             samples=cfg.rollout.group_size, concurrency=cfg.harness.concurrency, timeout=cfg.harness.timeout_s,
-            retries=cfg.harness.retries, reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward, split="train",
+            retries=cfg.harness.retries, reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward, run_as=cfg.harness.run_as, split="train",
             cwd=self._cwd(), extra_env=self._harness_env(), flush_seconds=0.5,
         )
 
@@ -453,7 +453,7 @@ class TrainingRun:
         results = run_batch(self.eval_tasks, command, traces_dir=self.traces, run_id=f"{cfg.run_id}-eval",
                             proxy=self.proxy, samples=e.group_size, concurrency=cfg.harness.concurrency,
                             timeout=cfg.harness.timeout_s, retries=cfg.harness.retries,
-                            reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward, step=version, split="eval",
+                            reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward, run_as=cfg.harness.run_as, step=version, split="eval",
                             cwd=self._cwd(), extra_env=self._harness_env())
         rewards = [r.reward if r.reward is not None else 0.0 for r in results]
         out = {
