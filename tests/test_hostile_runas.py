@@ -163,3 +163,24 @@ def test_a_hostile_harness_as_nobody_reaches_only_its_own_rollout(open_dir, stub
     assert _mode(traces) == (0, 0o711) and _mode(traces / "spans") == (0, 0o700)
     assert {_mode(Path(r["log_path"]).parent) for r in got.values()} == {(0, 0o700)}
     assert [p.parent.name for p in traces.rglob("forged-*")] == ["out", "out"]  # only in their own folders
+    from lightning_harness.trainer.views import connect  # empty tables made by lock_traces read as empty
+
+    con = connect(traces)
+    assert con.sql("SELECT count(*) FROM samples").fetchall() == [(0,)]
+    assert sorted(con.sql("SELECT task_id, state, reward_source FROM rollouts").fetchall()) == [
+        ("first", "succeeded", "command"), ("second", "succeeded", "command")]
+
+
+def test_the_trainer_config_key_and_the_python_api(tmp_path):
+    from lightning_harness.launcher.batch import BatchRunner
+    from lightning_harness.trainer import config as C
+
+    p = tmp_path / "cfg.yaml"
+    p.write_text("model: model\nharness: {command: [h]}\ntasks: {train: t.jsonl}\n")
+    (tmp_path / "model").mkdir()
+    assert C.load_config(p).harness.run_as is None
+    assert C.load_config(p, ["harness.run_as=nobody"]).harness.run_as == "nobody"
+    with pytest.raises(RunAsError, match="root"):
+        BatchRunner(["h"], traces_dir=tmp_path / "t", run_id="r", run_as="root")
+    with pytest.raises(ValueError, match="local runner"):
+        BatchRunner(["h"], traces_dir=tmp_path / "t", run_id="r", run_as="nobody", runner=LocalRunner())
