@@ -93,6 +93,8 @@ def read_reward_file(path: Path) -> Reward | None:
         raise RewardError(f"reward file {path}: {exc.strerror or exc}") from None
     if len(data) > MAX_REWARD_FILE:
         raise RewardError(f"reward file {path} is larger than {MAX_REWARD_FILE} bytes")
+    if st.st_nlink != 1:  # a hard link to someone else's file (--run-as: the launcher reads what the harness owns)
+        raise RewardError(f"reward file {path} has {st.st_nlink} hard links; not read")
     at = dt.datetime.fromtimestamp(st.st_mtime, dt.timezone.utc)
     value, info = parse_reward(data, what=f"reward file {path}")
     return Reward(value, "file", info, at)

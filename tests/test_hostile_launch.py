@@ -134,6 +134,18 @@ def test_trap_files_in_the_attempt_folder_neither_hang_the_launcher_nor_lose_the
     assert "READY" in text and "[lightning] attempt ended: exit=0 ok" in text
 
 
+def test_a_hard_linked_reward_file_is_not_read(tmp_path):
+    """With --run-as the launcher reads files another user made; a hard link to a file of the
+    launcher's (where fs.protected_hardlinks is off) must not be read as the reward."""
+    from lightning_harness.launcher.rewards import read_reward_file
+
+    secret = tmp_path / "secret"
+    secret.write_text("0.5\n")
+    os.link(secret, tmp_path / "reward.json")
+    with pytest.raises(RewardError, match="hard links"):
+        read_reward_file(tmp_path / "reward.json")
+
+
 # -- reward precedence through the real CLI ---------------------------------------------------------
 def launch(tasks, traces, stub_upstream, proxy_confdir, *args):
     cmd = [sys.executable, "-m", "lightning_harness.launcher.cli", "run", str(tasks), "--traces", str(traces),

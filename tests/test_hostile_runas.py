@@ -184,3 +184,4 @@ def test_the_trainer_config_key_and_the_python_api(tmp_path):
         BatchRunner(["h"], traces_dir=tmp_path / "t", run_id="r", run_as="root")
     with pytest.raises(ValueError, match="local runner"):
         BatchRunner(["h"], traces_dir=tmp_path / "t", run_id="r", run_as="nobody", runner=LocalRunner())
+
