@@ -156,6 +156,7 @@ def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeou
     if run_as:
         who = runner.run_as
         console.print(f"harnesses run as {who.user} (uid {who.uid}, gid {who.gid}, no supplementary groups)")
+        _warn_secret_argv()
     def on_signal(signum, frame):  # SIGTERM behaves like Ctrl-C: stop children, flush, exit
         raise KeyboardInterrupt
 
@@ -216,6 +217,17 @@ def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeou
     elif failed:
         code = EXIT_FAILURES
     sys.exit(code)
+
+
+def _warn_secret_argv() -> None:
+    """Every user can read a process's command line (/proc/<pid>/cmdline): secrets given there reach
+    the --run-as user too; the environment variables do not."""
+    ctx = click.get_current_context()
+    for name, env in (("proxy_token", "LIGHTNING_PROXY_TOKEN"), ("proxy_control_token", "LIGHTNING_PROXY_CONTROL_TOKEN"),
+                      ("api_key", "LIGHTNING_API_KEY")):
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            opt = "--" + name.replace("_", "-")
+            console.print(f"[yellow]warning: {opt} on the command line is readable by every user (harnesses too); use ${env}[/]")
 
 
 def _services(stack, checks, *, traces, logs, upstreams, model_dir, served_name, max_model_len, engine_args,

@@ -139,9 +139,10 @@ def test_a_hostile_harness_as_nobody_reaches_only_its_own_rollout(open_dir, stub
         {"id": "second", "confdir": str(confdir), "reward": 0.25, "sibling": "ra-first-0"},
     )))
     res = launch(traces, tasks, stub_upstream, confdir, "--run-as", "nobody", "--run-id", "ra", "-j", "1",
-                 "--reward-cmd", 'cat "$LIGHTNING_REWARD_FILE"', "--", PYTHON, open_dir / "harness_runas.py")
+                 "--api-key", "sk-test", "--reward-cmd", 'cat "$LIGHTNING_REWARD_FILE"', "--", PYTHON, open_dir / "harness_runas.py")
     assert res.returncode == 0, res.stderr
     assert "harnesses run as nobody" in res.stderr
+    assert "--api-key on the command line is readable by every user" in res.stderr
     got = {r["task_id"]: r for r in rows(traces, "rollouts")}
     # the verifier (root) read each harness's reward file from the folder taken back after the run
     assert {t: (r["state"], r["reward"], r["reward_source"]) for t, r in got.items()} == {
