@@ -139,7 +139,7 @@ class LocalRunner:
     name = "local"
 
     def __init__(self, *, kill_grace: float = 3.0, max_log_bytes: int = 1 << 20, inherit_env: bool = True,
-                 run_as: "str | int | RunAs | None" = None) -> None:
+                 run_as: str | int | RunAs | None = None) -> None:
         self.kill_grace = kill_grace
         self.max_log_bytes = max_log_bytes
         self.inherit_env = inherit_env

@@ -50,7 +50,7 @@ class RunAs:
     gid: int
 
     @classmethod
-    def resolve(cls, spec: "str | int | RunAs") -> "RunAs":
+    def resolve(cls, spec: str | int | RunAs) -> RunAs:
         """``USER`` or ``USER:GROUP`` (names or numeric ids) -> RunAs, or RunAsError saying why not.
 
         Refused: unknown users or groups, uid 0 or gid 0 (no protection at all), and a different

@@ -29,6 +29,7 @@ from fixtures_launch import wait_dead
 from lightning_harness.launcher.local import AttemptJob, LocalRunner
 from lightning_harness.launcher.proctree import ProcessTree
 from lightning_harness.launcher.runas import RunAs, RunAsError
+from lightning_harness.trainer.views import connect
 
 pytestmark = pytest.mark.timeout(300)
 SUPPORT = Path(__file__).parent / "support"
@@ -164,10 +165,8 @@ def test_a_hostile_harness_as_nobody_reaches_only_its_own_rollout(open_dir, stub
     assert _mode(traces) == (0, 0o711) and _mode(traces / "spans") == (0, 0o700)
     assert {_mode(Path(r["log_path"]).parent) for r in got.values()} == {(0, 0o700)}
     assert [p.parent.name for p in traces.rglob("forged-*")] == ["out", "out"]  # only in their own folders
-    from lightning_harness.trainer.views import connect  # empty tables made by lock_traces read as empty
-
     con = connect(traces)
-    assert con.sql("SELECT count(*) FROM samples").fetchall() == [(0,)]
+    assert con.sql("SELECT count(*) FROM samples").fetchall() == [(0,)]  # made empty by lock_traces: reads as empty
     assert sorted(con.sql("SELECT task_id, state, reward_source FROM rollouts").fetchall()) == [
         ("first", "succeeded", "command"), ("second", "succeeded", "command")]
 

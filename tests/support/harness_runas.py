@@ -44,7 +44,8 @@ def proxy_pid(confdir: str) -> int | None:
     """The capture proxy: the process whose command line names this run's confdir (cmdline is public)."""
     for path in glob.glob("/proc/[0-9]*/cmdline"):
         try:
-            argv = open(path, "rb").read().split(b"\0")
+            with open(path, "rb") as fh:
+                argv = fh.read().split(b"\0")
         except OSError:
             continue
         if b"--confdir" in argv and confdir.encode() in argv:
