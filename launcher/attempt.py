@@ -140,7 +140,7 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel, mod
 def own_ca(s: AttemptSettings, work: Path) -> ProxyLink:
     """The proxy link, with the CA bundle copied into the attempt folder when the harness runs as
     another user (--run-as): the proxy's confdir (root's home by default) is not that user's to read."""
-    if getattr(s.runner, "run_as", None) is None or not Path(s.proxy.ca_bundle).is_file():
+    if not getattr(s.runner, "run_as", None) or not Path(s.proxy.ca_bundle).is_file():
         return s.proxy
     copy = work / "ca-bundle.pem"
     copy.unlink(missing_ok=True)

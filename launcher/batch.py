@@ -149,7 +149,7 @@ class BatchRunner:
         if run_as is not None and runner is not None:
             raise ValueError("run_as is for the local runner (give LocalRunner(run_as=...) yourself, or no runner)")
         self.runner = runner or LocalRunner(run_as=run_as)
-        if getattr(self.runner, "run_as", None) is not None:  # harnesses of another user: close the traces to them
+        if getattr(self.runner, "run_as", None):  # harnesses of other users: close the traces to them
             lock_traces(self.traces_dir)
         if not harness and isinstance(self.runner, LocalRunner):
             raise ValueError("a harness command is needed (only a Kubernetes Job template may supply its own)")

@@ -76,7 +76,7 @@ def main() -> None:
 @click.option("--api-key", envvar=["LIGHTNING_API_KEY", "OPENAI_API_KEY"], show_envvar=False, help="OPENAI_API_KEY handed to harnesses (never recorded). [env LIGHTNING_API_KEY, then OPENAI_API_KEY; default: a placeholder]")
 @click.option("--reward-cmd", help="Shell command scoring a finished attempt; prints a number or {\"reward\": x}. Sees LIGHTNING_TASK, LIGHTNING_OUTPUT_DIR, LIGHTNING_LOG_FILE; {placeholders} as in --cmd.")
 @click.option("--self-reward/--no-self-reward", default=True, show_default=True, help="Without --reward-cmd, take the harness's own report (LIGHTNING_REWARD_FILE, a POST to LIGHTNING_REWARD_URL) as its reward. Off: only the verifier (--reward-cmd, the operator's control-API post) counts. With --reward-cmd, self-reports never count.")
-@click.option("--run-as", help="Run every harness as this unprivileged USER (or USER:GROUP; names or ids), no supplementary groups, from its private attempt folder: it cannot read the proxy's secrets, write the traces, signal the proxy or vLLM, or read other attempts (docs/LAUNCH.md). Needs root; refuses root. The --reward-cmd verifier keeps the launcher's user.")
+@click.option("--run-as", multiple=True, help="Run every harness as this unprivileged USER (or USER:GROUP; names or ids), no supplementary groups, from its private attempt folder: it cannot read the proxy's secrets, write the traces, signal the proxy or vLLM, or read other attempts (docs/LAUNCH.md). Repeat for one user per running attempt (at most that many run at once). Needs root; refuses root. The --reward-cmd verifier keeps the launcher's user.")
 @click.option("--reward-timeout", type=float, default=300.0, show_default=True, help="Seconds allowed to --reward-cmd.")
 @click.option("--k8s", "k8s_template", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Run each attempt as a Kubernetes Job rendered from this Jinja2 YAML template.")
 @click.option("--k8s-namespace", default="default", show_default=True, help="Namespace of the Jobs.")
@@ -154,8 +154,11 @@ def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeou
 
         console.print(f"process trees: {ProcessTree.mechanism()} (every process a harness starts ends with it)")
     if run_as:
-        who = runner.run_as
-        console.print(f"harnesses run as {who.user} (uid {who.uid}, gid {who.gid}, no supplementary groups)")
+        who = ", ".join(f"{u.user} ({u.uid}:{u.gid})" for u in runner.run_as)
+        console.print(f"harnesses run as {who}, no supplementary groups, one user per running attempt")
+        if len(runner.run_as) < concurrency:
+            console.print(f"[yellow]--run-as: {len(runner.run_as)} user(s), so at most {len(runner.run_as)} harness(es) "
+                          f"at once (--concurrency {concurrency}); give one user per running attempt[/]")
         _warn_secret_argv()
     def on_signal(signum, frame):  # SIGTERM behaves like Ctrl-C: stop children, flush, exit
         raise KeyboardInterrupt

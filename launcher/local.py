@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import BinaryIO, Mapping, Sequence
 
 from .proctree import ProcessTree
-from .runas import RunAs
+from .runas import RunAs, UserPool
 
 
 def utcnow() -> dt.datetime:
@@ -139,32 +139,40 @@ class LocalRunner:
     name = "local"
 
     def __init__(self, *, kill_grace: float = 3.0, max_log_bytes: int = 1 << 20, inherit_env: bool = True,
-                 run_as: str | int | RunAs | None = None) -> None:
+                 run_as=None) -> None:
+        """``run_as``: a user (``RunAs`` spec) or several, one per attempt running at once (launcher/runas.py)."""
         self.kill_grace = kill_grace
         self.max_log_bytes = max_log_bytes
         self.inherit_env = inherit_env
-        self.run_as = RunAs.resolve(run_as) if run_as is not None else None  # see launcher/runas.py
+        self.users = UserPool(run_as) if run_as is not None else None
+        self.run_as: tuple[RunAs, ...] = self.users.users if self.users else ()
         self._live: dict[int, ProcessTree] = {}
         self._lock = threading.Lock()
 
-    def _environ(self, job: AttemptJob) -> dict[str, str]:
+    def _environ(self, job: AttemptJob, user: RunAs | None) -> dict[str, str]:
         """The launcher's environment minus its own LIGHTNING_* (control tokens stay with us), plus the job's."""
         base = os.environ if self.inherit_env else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
         env = {k: v for k, v in base.items() if not k.startswith("LIGHTNING_")}
         env.update(job.env)
-        return self.run_as.environ(env, job.workdir) if self.run_as else env
+        return user.environ(env, job.workdir) if user else env
 
     def run(self, job: AttemptJob, cancel: threading.Event) -> AttemptOutcome:
         job.log_path.parent.mkdir(parents=True, exist_ok=True)
-        if self.run_as is None:
-            return self._run(job, cancel)
-        self.run_as.hand_over(job.workdir)
+        if self.users is None:
+            return self._run(job, cancel, None)
+        user = self.users.take(cancel)
+        if user is None:
+            return AttemptOutcome(None, utcnow(), utcnow(), cancelled=True, error="cancelled before it started")
         try:
-            return self._run(job, cancel)
-        finally:  # the tree is gone: no harness of this user can open the folder again
-            RunAs.take_back(job.workdir)
+            user.hand_over(job.workdir)
+            try:
+                return self._run(job, cancel, user)
+            finally:  # the tree is gone: no harness of this user can open the folder again
+                RunAs.take_back(job.workdir)
+        finally:
+            self.users.give_back(user)
 
-    def _run(self, job: AttemptJob, cancel: threading.Event) -> AttemptOutcome:
+    def _run(self, job: AttemptJob, cancel: threading.Event, user: RunAs | None) -> AttemptOutcome:
         started = utcnow()
         with open_log(job.log_path) as log:  # kept open: the harness may replace the file, not our descriptor
             try:
@@ -174,9 +182,9 @@ class LocalRunner:
             try:
                 proc = tree.popen(
                     job.command, shell=isinstance(job.command, str),
-                    executable="/bin/sh" if isinstance(job.command, str) else None, env=self._environ(job),
-                    cwd=job.cwd or (job.workdir if self.run_as else None), stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True, privileges=self.run_as and self.run_as.preexec,
+                    executable="/bin/sh" if isinstance(job.command, str) else None, env=self._environ(job, user),
+                    cwd=job.cwd or (job.workdir if user else None), stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True, privileges=user and user.preexec,
                 )
             except (OSError, subprocess.SubprocessError) as exc:
                 tree.close()

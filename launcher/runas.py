@@ -22,9 +22,11 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import queue
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from lightning_harness.schemas import TABLES
 
@@ -105,6 +107,36 @@ class RunAs:
         if workdir.is_dir() and not workdir.is_symlink():
             os.chown(workdir, os.geteuid(), os.getegid(), follow_symlinks=False)
             os.chmod(workdir, 0o700)
+
+
+class UserPool:
+    """The ``--run-as`` users, one per running attempt: two attempts running at once as the same user
+    could signal each other, read each other's ``/proc/<pid>/environ`` (their credentials) and folders.
+    With fewer users than ``--concurrency`` an attempt waits for a free user."""
+
+    def __init__(self, specs: "str | int | RunAs | Iterable[str | int | RunAs]") -> None:
+        specs = [specs] if isinstance(specs, (str, int, RunAs)) else list(specs)
+        self.users = tuple(RunAs.resolve(s) for s in specs)
+        if not self.users:
+            raise RunAsError("--run-as: no user given")
+        if len({u.uid for u in self.users}) != len(self.users):
+            raise RunAsError("--run-as: a user is named twice (each running attempt needs a user of its own)")
+        self._free: queue.Queue[RunAs] = queue.Queue()
+        for user in self.users:
+            self._free.put(user)
+
+    def take(self, cancel: threading.Event) -> RunAs | None:
+        """A free user (waiting for one), or None when ``cancel`` is set meanwhile."""
+        while not cancel.is_set():
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        return None
+
+    def give_back(self, user: RunAs) -> None:
+        """Only once the attempt's whole process tree is gone: none of its processes may meet the next attempt."""
+        self._free.put(user)
 
 
 def lock_traces(traces_dir: Path) -> None:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,50 @@ def test_the_trainer_config_key_and_the_python_api(tmp_path):
     with pytest.raises(ValueError, match="local runner"):
         BatchRunner(["h"], traces_dir=tmp_path / "t", run_id="r", run_as="nobody", runner=LocalRunner())
 
+
+
+def test_attempts_running_at_once_run_as_different_users_of_the_pool(open_dir, stub_upstream, rows):
+    """Two users, two harnesses at once: each finds the other running and cannot read its environment
+    (its credential), signal it or list its folder."""
+    try:
+        RunAs.resolve("daemon")
+        subprocess.run([PYTHON, "-c", "pass"], user="daemon", check=True, timeout=30, cwd="/")
+    except (RunAsError, OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"no second usable user 'daemon': {exc}")
+    confdir, traces = open_dir / "conf", open_dir / "traces"
+    tasks = open_dir / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": me, "confdir": str(confdir), "peer": f"pp-{peer}-0"}) + "\n"
+                             for me, peer in (("a", "b"), ("b", "a"))))
+    res = launch(traces, tasks, stub_upstream, confdir, "--run-as", "nobody", "--run-as", "daemon", "--run-id", "pp",
+                 "-j", "2", "--", PYTHON, open_dir / "harness_runas.py")
+    assert res.returncode == 0, res.stderr
+    got = {r["task_id"]: r for r in rows(traces, "rollouts")}
+    assert {t: r["state"] for t, r in got.items()} == {"a": "succeeded", "b": "succeeded"}
+    reports = [json.loads(Path(r["log_path"]).with_name("out").joinpath("probe.json").read_text()) for r in got.values()]
+    assert sorted(r["uid"] for r in reports) == sorted([65534, pwd.getpwnam("daemon").pw_uid])
+    for report in reports:
+        assert report["peer_pid"], report
+        assert (report["peer_environ"], report["peer_signal"], report["peer_list"]) == ("EACCES", "EPERM", "EACCES"), report
+
+
+def test_one_user_runs_one_attempt_at_a_time(open_dir):
+    """The pool: with one user, a second attempt waits until the first one's tree is gone."""
+    runner = LocalRunner(run_as="nobody")
+    spans = []
+
+    def one(name: str) -> None:
+        work = open_dir / name
+        work.mkdir()
+        t0 = time.monotonic()
+        runner.run(AttemptJob(name, 0, [PYTHON, "-c", "import time; time.sleep(1)"], {}, work, work / "harness.log"), threading.Event())
+        spans.append((t0, time.monotonic()))
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in ("x", "y")]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    (s1, e1), (s2, e2) = sorted(spans, key=lambda s: s[1])
+    assert e2 - min(s1, s2) >= 2.0  # one after the other, not side by side
+    cancel = threading.Event()
+    cancel.set()
+    assert runner.users.take(cancel) is None  # cancelled: no attempt starts
+    assert runner.users.take(threading.Event()) is not None  # and the user was given back after each run

@@ -75,7 +75,7 @@ class HarnessConfig:
     cwd: str | None = None  # where harnesses run (default: the config file's folder)
     reward_cmd: Any = None  # optional verifier printing a reward; when set, the harness's own report never counts
     self_reward: bool = True  # without reward_cmd, may the harness's own report be its reward (launcher --self-reward)
-    run_as: Any = None  # run harnesses as this unprivileged user ('nobody', a uid, 'user:group'; launcher --run-as)
+    run_as: Any = None  # run harnesses as this unprivileged user ('nobody', a uid, 'user:group') or a list, one per running attempt (launcher --run-as)
     timeout_s: float = 300.0  # per rollout attempt
     retries: int = 0
     env: dict = field(default_factory=dict)  # extra environment for every harness

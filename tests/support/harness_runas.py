@@ -4,7 +4,9 @@
 Standard library only: it runs as another user under the system interpreter, which must be able to
 read it (the test copies it into a world-readable folder). The task row gives ``confdir`` (the
 proxy's, to find the proxy process by its command line and its control-token file) and optionally
-``sibling`` (the rollout id of an attempt that ran before this one, in the same run).
+``sibling`` (the rollout id of an attempt that ran before this one, in the same run) or ``peer``
+(the rollout id of one running at the same time: it waits for that process, probes it, and stays
+alive a second for the peer's probes).
 
 Each probe records ``"ok"`` (it worked: a hole) or the errno name it failed with. Then it makes a
 model call through the proxy (OPENAI_BASE_URL) and writes its reward file, as a well-behaved harness
@@ -18,6 +20,7 @@ import glob
 import json
 import os
 import signal
+import time
 import urllib.request
 
 
@@ -64,6 +67,36 @@ def model_call() -> int:
         return resp.status
 
 
+def peer_pid(timeout: float = 20.0) -> int | None:
+    """The other harness_runas.py running now (both are started at once), found by its public cmdline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for path in glob.glob("/proc/[0-9]*/cmdline"):
+            pid = int(path.split("/")[2])
+            try:
+                with open(path, "rb") as fh:
+                    argv = fh.read().split(b"\0")
+            except OSError:
+                continue
+            if pid != os.getpid() and any(a.endswith(b"harness_runas.py") for a in argv):
+                return pid
+        time.sleep(0.05)
+    return None
+
+
+def peer_probes(folder: str) -> dict:
+    """What a harness can do to one running at the same time (another user from the --run-as pool)."""
+    pid = peer_pid()
+    report = {
+        "peer_pid": pid,
+        "peer_environ": attempt(lambda: read(f"/proc/{pid}/environ")),
+        "peer_signal": attempt(lambda: os.kill(pid, 0)),
+        "peer_list": attempt(lambda: os.listdir(folder)),
+    }
+    time.sleep(1.0)  # stay alive while the peer probes this one
+    return report
+
+
 def probes(task: dict, out: str) -> dict:
     work = os.path.dirname(out)  # TRACES/launch/<run>/<rollout>/<attempt>
     traces = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(work))))
@@ -84,6 +117,8 @@ def probes(task: dict, out: str) -> dict:
         "own_task_file": attempt(lambda: read(os.environ["LIGHTNING_TASK_FILE"])),
         "own_out_write": attempt(lambda: create_in(out)),
     }
+    if task.get("peer"):
+        report.update(peer_probes(os.path.join(os.path.dirname(os.path.dirname(work)), task["peer"], "0")))
     if task.get("sibling"):
         sib = os.path.join(os.path.dirname(os.path.dirname(work)), task["sibling"], "0")
         report["sibling_list"] = attempt(lambda: os.listdir(sib))
