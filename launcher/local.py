@@ -188,6 +188,9 @@ class LocalRunner:
                 )
             except (OSError, subprocess.SubprocessError) as exc:
                 tree.close()
+                if user and isinstance(exc, PermissionError):  # the usual cause: a venv under /root
+                    exc = PermissionError(f"{exc} (as --run-as {user.user}: that user must be able to read the "
+                                          "interpreter, the harness code and every folder above them; docs/LAUNCH.md)")
                 return self._not_started(job, log, started, exc)
             with self._lock:
                 self._live[proc.pid] = tree

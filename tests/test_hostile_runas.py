@@ -233,3 +233,18 @@ def test_one_user_runs_one_attempt_at_a_time(open_dir):
     cancel.set()
     assert runner.users.take(cancel) is None  # cancelled: no attempt starts
     assert runner.users.take(threading.Event()) is not None  # and the user was given back after each run
+
+
+def test_an_interpreter_the_user_cannot_read_fails_with_a_hint(open_dir):
+    """A harness environment inside root's 0700 folder is the usual mistake: the attempt fails and says why."""
+    private = Path(tempfile.mkdtemp(prefix="lh-private-"))  # 0700, like /root
+    try:
+        exe = private / "python"
+        exe.symlink_to(PYTHON)
+        work = open_dir / "w"
+        work.mkdir()
+        out = LocalRunner(run_as="nobody").run(AttemptJob("r", 0, [str(exe), "-c", "pass"], {}, work, work / "harness.log"), threading.Event())
+        assert out.error and "Permission denied" in out.error and "--run-as nobody" in out.error
+        assert "must be able to read the interpreter" in (work / "harness.log").read_text()
+    finally:
+        shutil.rmtree(private)
