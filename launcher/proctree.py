@@ -17,7 +17,8 @@ launcher process and logged once (``ProcessTree.mechanism()``):
     moved out *and* exec'd with a clean environment escapes: only a separate user or container
     stops a root harness). Ending the tree writes ``cgroup.kill``
     (Linux >= 5.14), or freezes the cgroup and SIGKILLs each pid of ``cgroup.procs``. The preexec
-    function only makes raw syscalls (open/write/close of bytes prepared before the fork), so the
+    function only makes raw syscalls (open/write/close of bytes prepared before the fork, then, with
+    ``--run-as``, setgroups/setresgid/setresuid: the join needs the launcher's rights), so the
     "preexec_fn is unsafe with threads" hazard (locks held by other threads) does not apply.
 ``scan``
     Without a usable cgroup v2 (not mounted, not writable, controllers in the way) the launcher
