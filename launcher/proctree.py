@@ -148,20 +148,19 @@ class ProcessTree:
             pid = d.name.split("-")[1]
             if pid.isdigit() and _stat(int(pid)) is None:
                 tree = ProcessTree.__new__(ProcessTree)
-                tree._init_state("cgroup", d)
+                tree._init_state("cgroup", d, d.name)
                 tree.kill(grace=0.0)
                 tree.close()
 
     def __init__(self) -> None:
         kind = self.mechanism()
         name = f"lightning-{os.getpid()}-{next(self._seq)}"
-        self._init_state(kind, self._root / name if kind == "cgroup" else None)
-        self.marker = name
+        self._init_state(kind, self._root / name if kind == "cgroup" else None, name)
         if self.cgroup is not None:
             self.cgroup.mkdir()
 
-    def _init_state(self, kind: str, cgroup: Path | None) -> None:
-        self.kind, self.cgroup = kind, cgroup
+    def _init_state(self, kind: str, cgroup: Path | None, marker: str) -> None:
+        self.kind, self.cgroup, self.marker = kind, cgroup, marker  # marker: the cgroup's name
         self.leader: int | None = None
         self._known: dict[int, int] = {}  # scan: pid -> start time
         self._adopted: set[int] = set()  # scan: members whose parent is now the launcher (we reap them)

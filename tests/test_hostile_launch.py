@@ -269,3 +269,26 @@ def test_the_view_ranks_hand_written_reports(tmp_path):
     got = {r[0]: r[1:] for r in connect(tmp_path).sql("SELECT rollout_id, state, reward, reward_source FROM rollouts").fetchall()}
     assert got == {"J": ("succeeded", 0.3, "file"), "Q": ("no_reward", None, None), "P": ("succeeded", 0.2, "api"),
                    "S": ("succeeded", 0.6, "file"), "U": ("succeeded", 0.1, "command")}
+
+
+def test_a_killed_launchers_trees_are_ended_by_the_next_one(tmp_path):
+    """A launcher killed with SIGKILL leaves ``lightning-<pid>-<n>`` cgroups with live processes; the
+    next launcher ends them when it probes (what `lightning-train run --resume` relies on)."""
+    from lightning_harness.launcher import proctree
+
+    own = proctree._own_cgroup_dir()
+    if ProcessTree.mechanism() != "cgroup" or own is None:
+        pytest.skip("cgroup only")
+    gone = subprocess.Popen(["/bin/true"])
+    gone.wait()  # a pid that no longer runs: the "killed launcher"
+    stale = own / f"lightning-{gone.pid}-0"
+    stale.mkdir()
+    sleeper = subprocess.Popen(["sleep", "300"], preexec_fn=proctree._join(str(stale / "cgroup.procs")), start_new_session=True)
+    try:
+        assert (stale / "cgroup.procs").read_text().split() == [str(sleeper.pid)]
+        ProcessTree._reap_stale(own)
+        assert sleeper.wait(timeout=10) == -9
+        assert not stale.exists()
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
