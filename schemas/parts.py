@@ -270,10 +270,12 @@ class PartWriter:
             pass  # recorded and logged by _failed
 
     def _ticker(self) -> None:
+        # A row is flushed at the last check before it turns flush_seconds old, never after: what a
+        # SIGKILL can lose is then at most flush_seconds of rows (plus the write in progress).
         period = max(0.05, self.flush_seconds / 4)
         while not self._closed.wait(period):
             with self._lock:
-                old = self._oldest is not None and time.monotonic() - self._oldest >= self.flush_seconds
+                old = self._oldest is not None and time.monotonic() - self._oldest >= self.flush_seconds - period
             if old:
                 self._auto_flush()
 

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_proxy import rss_mib  # noqa: E402
 
+from lightning_harness.proxy.credentials import InvalidId, attempt_credential  # noqa: E402
 from lightning_harness.proxy.client import ProxyProcess  # noqa: E402
 from lightning_harness.schemas import read_table  # noqa: E402
 
@@ -65,10 +66,17 @@ def reset_hwm(pid: int) -> None:
 
 # -- a tiny HTTP/1.1 client: one connection per call, so a call can misbehave on its own ------------
 class Call:
-    def __init__(self, base: str, rollout: str, token: str) -> None:
+    def __init__(self, base: str, rollout: str, token: str, *, forged: bool = False) -> None:
+        """``rollout`` is ``id`` or ``id~attempt``; the path carries that attempt's own credential
+        (derived from the proxy token, as the launcher does), or ``token`` as is when ``forged``."""
         u = urllib.parse.urlsplit(base)
         self.host, self.port = u.hostname, u.port
-        self.path = f"/lh/{rollout}/{token}/v1/chat/completions"
+        rid, _, att = rollout.partition("~")
+        try:
+            secret = token if forged or not token else attempt_credential(token, rid, int(att) if att.isdigit() else 0)
+        except InvalidId:  # an id the proxy must refuse by its rules, whatever the credential
+            secret = "no-credential-for-an-invalid-id"
+        self.path = f"/lh/{rollout}/{secret}/v1/chat/completions"
 
     def bytes(self, body: bytes, headers: dict | None = None, length: int | None = None) -> bytes:
         lines = [f"POST {self.path} HTTP/1.1", f"Host: {self.host}:{self.port}", "Content-Type: application/json",
@@ -130,7 +138,7 @@ def hostile_call(kind: str, base: str, token: str, i: int, max_body: int) -> tup
     if kind == "disconnect_mid_body":
         return Call(base, rid, token), plain + b" " * 4000, {}, 100
     if kind == "bad_credentials":
-        return Call(base, rid, "wrong-token"), plain, {}, None
+        return Call(base, rid, "wrong-token", forged=True), plain, {}, None
     if kind == "huge_attempt":
         return Call(base, f"{rid}~{10 ** 30}", token), plain, {}, None
     return Call(base, f"soak%0D%0A{kind}%0D%0AX-Injected:%20{i}", token), plain, {}, None  # crlf_rollout
