@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from fixtures_proxy import read_spans
+from fixtures_proxy import read_rewards, read_spans
 from lightning_harness.proxy.redact import MASK, Redactor, decode_escapes, spellings
 
 KEY = "sk-real-Q7fGh2KpX9vLm4Ns8TbW1cYd"  # the harness's OPENAI_API_KEY
@@ -157,6 +157,20 @@ def test_credential_headers_and_query_values_are_masked(proxy, openai_from_env):
     _assert_absent(span, azure, anth, cookie, query, KEY)
     _assert_scrubbed(span)
     assert "api-key=" in span["path"] and MASK in span["path"]
+
+
+def test_a_harness_reward_info_holding_its_own_key_is_masked(proxy):
+    """A self-reported reward's ``info`` is text the harness chose: its credentials are masked there too."""
+    env = proxy.env_for("rw", api_key=GATEWAY_KEY)
+    body = json.dumps({"reward": 1.0, "info": {"note": f"key was {GATEWAY_KEY}", "steps": 3}}).encode()
+    req = urllib.request.Request(env["LIGHTNING_REWARD_URL"], data=body, method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {GATEWAY_KEY}"})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30) as answer:
+        assert answer.status == 200
+    proxy.control.flush()
+    (row,) = read_rewards(proxy)
+    assert GATEWAY_KEY not in row["info_json"] and MASK in row["info_json"]
+    assert json.loads(row["info_json"])["steps"] == 3
 
 
 # -- the redactor alone: encodings a secret can take ------------------------------------------------------

@@ -99,7 +99,7 @@ class Control:
         body = _body(flow)
         if "reward" not in body:
             raise BadRequest('expected {"reward": number, "info": {...}}')
-        row = self.write_reward(call.rollout_id, call.attempt, body["reward"], body.get("info"), "proxy")
+        row = self.write_reward(call.rollout_id, call.attempt, body["reward"], body.get("info"), "proxy", call.secrets)
         return _json_response(flow, 200, {"ok": True, "reward_id": row})
 
     def _authorized(self, flow: http.HTTPFlow) -> bool:
@@ -161,7 +161,8 @@ class Control:
             return _json_response(flow, 200, st.snapshot())
         return _json_response(flow, 404, {"error": f"unknown control call {path}"})
 
-    def write_reward(self, rollout_id, attempt, reward, info, source: str) -> str:
+    def write_reward(self, rollout_id, attempt, reward, info, source: str, secrets=()) -> str:
+        """Append one reward row; ``secrets``: the posting harness's credentials, masked in ``info``."""
         if not rollout_id:
             raise BadRequest("a reward needs a rollout (credentials or rollout_id)")
         value = parse_reward(reward)
@@ -176,7 +177,7 @@ class Control:
                 "reward": value,
                 "created_at": datetime.now(timezone.utc),
                 "source": source,
-                "info_json": self.state.redactor.json_text(json.dumps(info or {})),
+                "info_json": self.state.redactor.json_text(json.dumps(info or {}), secrets),
             }
         )
         self.state.rewards_captured += 1

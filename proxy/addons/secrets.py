@@ -23,7 +23,7 @@ import re
 
 from mitmproxy import http
 
-from ..state import META, MODEL, Call
+from ..state import META, MODEL, REWARD, Call
 
 # header names whose values are credentials (Authorization, X-Api-Key, Api-Key, X-Goog-Api-Key,
 # X-Amz-Security-Token, Private-Token, X-Auth-Token, ...); not Idempotency-Key, not session ids
@@ -74,10 +74,10 @@ def credentials(headers: http.Headers, query) -> set[str]:
 
 
 class Secrets:
-    """Fills ``Call.secrets`` of model calls from their request headers and URL."""
+    """Fills ``Call.secrets`` of model calls and harness rewards from their request headers and URL."""
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
-        if call is None or call.kind != MODEL or flow.response is not None:
+        if call is None or call.kind not in (MODEL, REWARD) or flow.response is not None:
             return
         call.secrets |= credentials(flow.request.headers, flow.request.query)
