@@ -111,7 +111,7 @@ def test_clean_call_is_not_salvaged(proxy):
 # -- bounds --------------------------------------------------------------------------------------------
 def test_oversized_body_gets_413_and_an_error_span(make_proxy):
     p = make_proxy(extra_args=["--max-body-size", str(MiB)])
-    big = {**BODY, "messages": [{"role": "user", "content": "x" * (2 * MiB)}]}
+    big = {**BODY, "messages": [{"role": "user", "content": "x" * (3 * MiB // 2)}]}  # within 2x: read, then 413
     r = _post(_url(p, "big"), json=big)
     assert r.status_code == 413
     assert r.json()["error"]["type"] == "too_large" and "max_body_size" in r.json()["error"]["message"]
@@ -192,6 +192,29 @@ def _raw_partial_post(p, rollout: str, send: int, announce: int) -> None:
     with socket.create_connection((u.hostname, u.port), timeout=10) as s:
         s.sendall(head + b"x" * send)
         time.sleep(0.3)
+
+
+def test_a_body_announced_far_over_the_limit_is_never_read(make_proxy):
+    """Content-Length over twice max_body_size: the proxy closes the connection without reading the
+    body (a 413 would first buffer all of it), records a too_large span, and keeps serving."""
+    p = make_proxy(extra_args=["--max-body-size", str(MiB)])
+    u = urllib.parse.urlsplit(_url(p, "huge"))
+    announce = 10 << 30  # 10 GiB announced
+    head = (f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {announce}\r\n\r\n").encode()
+    sent = 0
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(head)
+        with pytest.raises(OSError):  # reset or broken pipe long before 10 GiB
+            while sent < 256 * MiB:
+                s.sendall(b"x" * MiB)
+                sent += MiB
+            raise AssertionError(f"the proxy read {sent} bytes of an announced {announce}")
+    assert _post(_url(p, "huge"), json=BODY).status_code == 200
+    spans = _spans_of(p, "huge", 2)
+    assert [(s["seq"], s["error_kind"]) for s in spans] == [(0, "too_large"), (1, None)]
+    assert "never" in spans[0]["error"] or "without reading" in spans[0]["error"]
+    assert _hwm_mib(p.pid) < 400
 
 
 def test_client_stopping_mid_body_is_client_disconnect_with_seq(proxy):

@@ -259,7 +259,11 @@ class Capture:
             call.response_obj = call.sse[1].result()
             call.salvaged |= call.sse[0].salvaged
             response_json = json.dumps(call.response_obj, ensure_ascii=False)
-        if call.seq is None:  # the request hook never ran: the body never arrived in full
+        refused = flow.metadata.get(REFUSED)
+        if refused is not None and call.seq is None:  # cut off by the limits addon, body never read
+            self._start(call)
+            kind, msg, status = refused
+        elif call.seq is None:  # the request hook never ran: the body never arrived in full
             self._start(call)
             kind, status = "client_disconnect", None
             msg = f"client stopped before sending the whole request body: {msg}"

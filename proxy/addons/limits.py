@@ -3,7 +3,8 @@
 A hostile or broken harness can send a body far bigger than any prompt (memory), or a small
 compressed body that expands a thousandfold (a decompression bomb). Model calls are refused with
 413 and an OpenAI-style JSON error when:
-- ``Content-Length`` exceeds ``max_body_size`` (checked on the headers, before the body is used);
+- ``Content-Length`` exceeds ``max_body_size`` (checked on the headers, before the body is used;
+  beyond twice the limit the connection is closed at once instead, so the body is never read);
 - a chunked body (no length) turns out longer than ``max_body_size``;
 - a ``Content-Encoding`` body (gzip, deflate, br, zstd) would expand past ``max_decoded_size``:
   it is decompressed with a running cap, never with an uncapped decode.
@@ -33,6 +34,7 @@ REFUSED = "lh.refused"  # flow.metadata key: (error_kind, message, status) of a 
 STREAM_OTHER_ABOVE = 1 << 20  # bytes: larger (or unannounced) answers to other traffic are streamed
 BUDGETED = "lh.budget"  # flow.metadata key: bytes this call holds of the in-flight budget
 BUDGET_FROM = 64 << 10  # bodies this large or larger count against max_inflight_bytes
+KILL_ABOVE = 2  # a Content-Length over this many times max_body_size: connection closed, body never read
 
 
 class ByteBudget:
@@ -81,8 +83,13 @@ class Limits:
             return
         length = flow.request.headers.get("Content-Length", "")
         limit = self.state.config.max_body_size
-        if length.strip().isdigit() and int(length) > limit:
-            self.refuse(flow, 413, "too_large", f"request body of {int(length)} bytes exceeds the proxy's max_body_size ({limit} bytes)")
+        if not length.strip().isdigit() or int(length) <= limit:
+            return
+        why = f"request body of {int(length)} bytes exceeds the proxy's max_body_size ({limit} bytes)"
+        if int(length) > KILL_ABOVE * limit:
+            self.cut_off(flow, why)
+        else:
+            self.refuse(flow, 413, "too_large", why)
 
     async def request(self, flow: http.HTTPFlow) -> None:
         self._check_body(flow)
@@ -134,6 +141,15 @@ class Limits:
         length = flow.response.headers.get("Content-Length", "").strip()
         if not length.isdigit() or int(length) > STREAM_OTHER_ABOVE:
             flow.response.stream = True
+
+    def cut_off(self, flow: http.HTTPFlow, why: str) -> None:
+        """Close the connection now instead of answering 413. mitmproxy reads a whole body before it
+        sends an answer an addon set, so a 413 for a 10 GB body would first hold 10 GB; a body
+        announced this far over the limit is not read at all. Capture records a ``too_large`` span."""
+        self.state.rejected += 1
+        flow.metadata[REFUSED] = ("too_large", f"{why}; connection closed without reading the body", None)
+        flow.kill()
+        log.info("cut off %s %s: %s", flow.request.method, flow.request.pretty_url, why)
 
     def refuse(self, flow: http.HTTPFlow, status: int, kind: str, why: str) -> None:
         """Answer the call now with an OpenAI-style error; capture turns it into an error span."""
