@@ -1,0 +1,120 @@
+"""The SWE bug-fix task generator: deterministic, committed splits match, tasks are real bugs.
+
+Full generation is in-process and takes a few seconds, so the committed JSONL is regenerated in full;
+the subprocess checks (score, pytest on a task folder) run on a fixed sample.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SWE = Path(__file__).resolve().parents[1] / "examples" / "swe"
+FAMILY_WORDS = ("operator", "off-by-one", "off by one", "swap", "constant", "invert", "condition",
+                "return", "family")
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("swe_generate", SWE / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = load_generator()
+
+
+def committed(split: str) -> list[dict]:
+    return [json.loads(line) for line in (SWE / f"tasks_{split}.jsonl").read_text().splitlines()]
+
+
+def sample(n: int) -> list[dict]:
+    tasks = committed("train") + committed("eval")
+    return random.Random(1234).sample(tasks, n)
+
+
+def test_committed_splits_match_regeneration():
+    seed = committed("train")[0]["seed"]
+    splits = gen.build(seed)
+    for split in ("train", "eval"):
+        assert gen.dump(splits[split]) == (SWE / f"tasks_{split}.jsonl").read_text(), split
+
+
+def test_same_seed_same_bytes_and_subset_agrees(tmp_path):
+    names = "stats,roman,rle"
+    for run in ("a", "b"):
+        assert gen.main(["--seed", "3", "--out", str(tmp_path / run), "--projects", names]) == 0
+    for split in ("train", "eval"):
+        first = (tmp_path / "a" / f"tasks_{split}.jsonl").read_bytes()
+        assert first == (tmp_path / "b" / f"tasks_{split}.jsonl").read_bytes()
+    other = gen.build(4, names.split(","))
+    assert gen.dump(other["train"] + other["eval"]) != (
+        (tmp_path / "a" / "tasks_train.jsonl").read_text() + (tmp_path / "a" / "tasks_eval.jsonl").read_text())
+
+
+def test_splits_share_no_project_or_function_and_sizes():
+    train, held_out = committed("train"), committed("eval")
+    assert len(train) >= 200 and len(held_out) >= 50
+    assert not {t["project"] for t in train} & {t["project"] for t in held_out}
+    assert not {t["function"] for t in train} & {t["function"] for t in held_out}
+    ids = [t["id"] for t in train + held_out]
+    assert len(ids) == len(set(ids))
+    assert {t["family"] for t in train} == set(gen.FAMILIES)
+
+
+def test_bug_is_inside_the_named_function_only():
+    for task in committed("train") + committed("eval"):
+        buggy = dict(gen.functions(ast.parse(task["files"][f"{task['project']}.py"])))
+        fixed = dict(gen.functions(ast.parse(task["solution"])))
+        assert buggy.keys() == fixed.keys()
+        changed = [name for name in fixed if ast.dump(buggy[name]) != ast.dump(fixed[name])]
+        assert changed == [task["function"]], task["id"]
+
+
+def test_prompts_name_a_failing_test_and_the_file_but_not_the_family():
+    for task in committed("train") + committed("eval"):
+        prompt = task["prompt"]
+        assert f"{task['project']}.py" in prompt
+        named = set(re.findall(r"test_\w+(?<!\.py)\b", prompt)) - {f"test_{task['project']}"}
+        assert named and named <= set(task["failing_visible_tests"]), task["id"]
+        assert not any(word in prompt.lower() for word in FAMILY_WORDS), prompt
+
+
+@pytest.mark.parametrize("task", sample(20), ids=lambda t: t["id"])
+def test_buggy_folder_scores_zero_and_original_scores_one(task, tmp_path):
+    folder = gen.write_task(task, tmp_path / "task")
+    module = folder / f"{task['project']}.py"
+    visible = (folder / f"test_{task['project']}.py").read_text()
+    failing = gen.run_suite(task["project"], module.read_text(), visible)
+    assert failing == task["failing_visible_tests"]
+    assert gen.score(task, folder) == 0.0
+    module.write_text(task["solution"])
+    assert gen.run_suite(task["project"], module.read_text(), visible) == []
+    assert gen.score(task, folder) == 1.0
+
+
+@pytest.mark.parametrize("task", sample(3), ids=lambda t: t["id"])
+def test_pytest_in_the_task_folder_sees_the_same_failures(task, tmp_path):
+    folder = gen.write_task(task, tmp_path / "task")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider"],
+                          cwd=folder, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1, proc.stdout
+    reported = sorted(re.findall(r"^FAILED \S+::(test_\w+)", proc.stdout, re.MULTILINE))
+    assert reported == sorted(task["failing_visible_tests"])
+
+
+def test_score_ignores_edited_visible_tests_and_times_out(tmp_path):
+    task = sample(1)[0]
+    folder = gen.write_task(task, tmp_path / "task")
+    (folder / f"test_{task['project']}.py").write_text("def test_nothing():\n    pass\n")
+    assert gen.score(task, folder) == 0.0
+    (folder / f"{task['project']}.py").write_text("while True:\n    pass\n")
+    assert gen.score(task, folder, timeout=2) == 0.0
