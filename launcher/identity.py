@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from lightning_harness.proxy.credentials import check_attempt, check_rollout_id, rollout_user
+from lightning_harness.proxy.credentials import check_rollout_id, rollout_user
 
 from .tasks import Task
 
@@ -69,7 +69,7 @@ class RolloutSpec:
 
     def credential(self, attempt: int) -> str:
         """The ``<rollout_id>~<attempt>`` string used as proxy username and URL segment."""
-        return rollout_user(self.rollout_id, check_attempt(attempt))
+        return rollout_user(self.rollout_id, attempt)  # checks the attempt (the id was checked at init)
 
 
 def plan_rollouts(

@@ -33,6 +33,12 @@ def accepted(header: str | None) -> set[str]:
     return out
 
 
+def client_accepts(header: str | None, coding: str) -> bool:
+    """Whether a client whose ``Accept-Encoding`` is ``header`` can take a body in ``coding``."""
+    ok = accepted(header)
+    return coding in ok or "*" in ok
+
+
 class TooLarge(ValueError):
     """Decoding would produce more bytes than allowed (a decompression bomb, or just too big)."""
 

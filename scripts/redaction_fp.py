@@ -148,8 +148,7 @@ def calc_traces(n: int, out: Path) -> Path:
             env = {**base, **proxy.env_for(f"calc-{i}"), "LIGHTNING_TASK": row}
             subprocess.run([sys.executable, str(ROOT / "examples/calc/harness.py")], env=env, timeout=120,
                            capture_output=True, check=False)
-        proxy.control.flush()
-    finally:
+    finally:  # stop() is a SIGTERM: the proxy flushes everything before it exits
         proxy.stop()
         stub.stop()
     return out / "traces"
@@ -204,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             text = Path(f).read_text(errors="replace")
             tally.add(f"file:{Path(f).relative_to(ROOT).parts[0]}", text, red.scrub_text(text, known)[0])
     if a.corpus:
-        for t in corpus():
+        texts = corpus()
+        for t in texts:
             tally.add("corpus:text", t, red.scrub_text(t, known)[0])
-        for body in as_requests(corpus()):
+        for body in as_requests(texts):
             tally.add("corpus:request_json", body, red.scrub_json(body, known)[0])
     return 1 if tally.report() else 0
 

@@ -129,8 +129,11 @@ class Attribution:
         call = flow.metadata.get(META)
         if call is None or call.done or flow.response is not None or call.rollout_id is None:
             return
-        if call.kind != CONTROL and (call.rollout_id, call.attempt) in self.state.revoked:
-            self._refuse(flow, 407 if call.mode == "forward" else 401, f"attempt {call.rollout_id}~{call.attempt} has ended")
+        if call.kind == CONTROL:
+            return
+        ident = self.still_valid(Identity(call.rollout_id, call.attempt, True))
+        if not ident.ok:
+            self._refuse(flow, 407 if call.mode == "forward" else 401, ident.why)
 
     # -- modes ------------------------------------------------------------------------------
     def _forward(self, flow: http.HTTPFlow) -> None:

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from mitmproxy import http
 
 from ..assemble import assembler_for, token_fields
-from ..codec import TooLarge, accepted, decode_body, utf8_text
+from ..codec import TooLarge, client_accepts, decode_body, utf8_text
 from ..sse import SSERelay
 from ..state import META, MODEL, Call, ProxyState
 from .limits import REFUSED
@@ -204,14 +204,19 @@ class Capture:
 
     @staticmethod
     def _client_takes_coding(call: Call, resp: http.Response) -> bool:
-        ok = accepted(call.accept_encoding)
-        return resp.headers.get("Content-Encoding", "").strip().lower() in ok or "*" in ok
+        return client_accepts(call.accept_encoding, resp.headers.get("Content-Encoding", "").strip().lower())
 
-    def _stream_result(self, call: Call, status: int) -> tuple[str, str | None, str | None]:
+    @staticmethod
+    def _streamed_json(call: Call) -> str:
+        """The assembled stream so far as the span's response (and its salvaged flag on the call)."""
         relay, asm = call.sse
         call.response_obj = asm.result()
         call.salvaged |= relay.salvaged
-        response_json = json.dumps(call.response_obj, ensure_ascii=False)
+        return json.dumps(call.response_obj, ensure_ascii=False)
+
+    def _stream_result(self, call: Call, status: int) -> tuple[str, str | None, str | None]:
+        relay, asm = call.sse
+        response_json = self._streamed_json(call)
         if relay.oversize:
             return response_json, "too_large", call.response_error
         if call.response_error:
@@ -254,11 +259,7 @@ class Capture:
         if call is None or call.kind != MODEL or call.done:
             return
         msg = flow.error.msg if flow.error else "unknown error"
-        response_json = None
-        if call.sse is not None:
-            call.response_obj = call.sse[1].result()
-            call.salvaged |= call.sse[0].salvaged
-            response_json = json.dumps(call.response_obj, ensure_ascii=False)
+        response_json = self._streamed_json(call) if call.sse is not None else None
         refused = flow.metadata.get(REFUSED)
         if refused is not None and call.seq is None:  # cut off by the limits addon, body never read
             self._start(call)
@@ -296,10 +297,7 @@ class Capture:
             if call.done:
                 continue
             self._start(call)
-            response_json = None
-            if call.sse is not None:
-                call.response_obj = call.sse[1].result()
-                response_json = json.dumps(call.response_obj, ensure_ascii=False)
+            response_json = self._streamed_json(call) if call.sse is not None else None
             msg = f"the proxy shut down while the call was in flight (after waiting {waited:.1f} s for it)"
             self._finish(flow, call, "shutdown", msg, response_json=response_json, status=None)
             n += 1

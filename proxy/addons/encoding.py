@@ -13,11 +13,12 @@ Runs after capture (which set the request up) and before rewrite (which re-encod
 
 from __future__ import annotations
 
+import json
 import logging
 
 from mitmproxy import http
 
-from ..codec import StreamDecoder, TooLarge, accepted, decode_body, join_chunks
+from ..codec import StreamDecoder, TooLarge, client_accepts, decode_body, join_chunks
 from ..state import META, MODEL, Call, ProxyState
 
 log = logging.getLogger("lightning.proxy")
@@ -77,14 +78,13 @@ class Encoding:
         coding = flow.response.headers.get("Content-Encoding", "").strip().lower()
         if not coding or coding == "identity":
             return
-        ok = accepted(call.accept_encoding)
-        if coding in ok or "*" in ok:
+        if client_accepts(call.accept_encoding, coding):
             return
         try:
             body = decode_body(flow.response.raw_content or b"", coding, self.state.config.max_decoded_size)
         except TooLarge as exc:
-            msg = f'{{"error": {{"message": "lightning-proxy: upstream answer {exc} (max_decoded_size)", "type": "too_large", "code": 502}}}}'
-            flow.response = http.Response.make(502, msg.encode(), {"Content-Type": "application/json"})
+            body = {"error": {"message": f"lightning-proxy: upstream answer {exc} (max_decoded_size)", "type": "too_large", "code": 502}}
+            flow.response = http.Response.make(502, json.dumps(body).encode(), {"Content-Type": "application/json"})
             return
         except ValueError as exc:
             log.warning("cannot decode a %r-encoded response: %s", coding, exc)

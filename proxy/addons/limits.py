@@ -26,7 +26,9 @@ import logging
 from mitmproxy import http
 
 from ..codec import TooLarge, decode_body
+from ..credentials import log_safe
 from ..state import META, MODEL, OTHER, Call, ProxyState
+from .attribution import loggable_url
 
 log = logging.getLogger("lightning.proxy")
 
@@ -149,7 +151,7 @@ class Limits:
         self.state.rejected += 1
         flow.metadata[REFUSED] = ("too_large", f"{why}; connection closed without reading the body", None)
         flow.kill()
-        log.info("cut off %s %s: %s", flow.request.method, flow.request.pretty_url, why)
+        log.info("cut off %s %s: %s", log_safe(flow.request.method), loggable_url(flow), why)
 
     def refuse(self, flow: http.HTTPFlow, status: int, kind: str, why: str) -> None:
         """Answer the call now with an OpenAI-style error; capture turns it into an error span."""
@@ -157,4 +159,4 @@ class Limits:
         flow.metadata[REFUSED] = (kind, why, status)
         body = {"error": {"message": f"lightning-proxy: {why}", "type": kind, "code": status}}
         flow.response = http.Response.make(status, json.dumps(body).encode(), {"Content-Type": "application/json"})
-        log.info("refused %s %s: %s", flow.request.method, flow.request.pretty_url, why)
+        log.info("refused %s %s: %s", log_safe(flow.request.method), loggable_url(flow), why)
