@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from fixtures_traces import reward, rollout, span, write_traces
+from lightning_harness.proxy.locate import proxy_python
 from lightning_harness.trainer.sql import CANNED
 
 BIN = Path(sys.executable).parent
@@ -89,6 +90,20 @@ def test_query_formats_and_errors(traces, tmp_path):
     p = _run("lightning-sql", traces, "-q", "nope", check=False)
     assert p.returncode != 0 and "tokens_per_rollout" in p.stderr
     assert "latency_by_version" in _run("lightning-sql", "--list").stdout
+
+
+def test_proxy_only_install_queries_its_traces(traces):
+    """A capture-only user has just the proxy's environment: its `lightning-sql` must work there
+    (no torch, no vLLM), on the same views as the training environment's."""
+    proxy_bin = Path(proxy_python()).parent
+    if proxy_bin == BIN:
+        pytest.skip("the proxy runs from the training environment here; nothing separate to check")
+    p = subprocess.run([str(proxy_bin / "lightning-sql"), str(traces), "-q", "tokens_per_rollout", "--format", "json"],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    assert [(r["rollout_id"], r["generated_tokens"]) for r in json.loads(p.stdout)] == [("a", 4), ("b", 1)]
+    probe = "import importlib.util as u; print(u.find_spec('torch') is None, u.find_spec('vllm') is None)"
+    assert subprocess.run([str(proxy_bin / "python"), "-c", probe], capture_output=True, text=True).stdout.split() == ["True", "True"]
 
 
 def test_shell_reads_statements_from_stdin(traces):
