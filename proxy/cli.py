@@ -13,7 +13,7 @@ import click
 
 from .client import BUNDLE_NAME, ProxyControl, ProxyError, control_token_path, default_confdir, harness_env, read_control_token
 from .config import ProxyConfig, parse_model_map
-from .credentials import InvalidId
+from .credentials import InvalidId, check_attempt, check_rollout_id
 
 
 def _load(config_path, **flags) -> ProxyConfig:
@@ -240,6 +240,58 @@ def reward(c: ProxyControl, rollout_id, reward, attempt, info) -> None:
     except ValueError as exc:
         raise click.BadParameter(f"--info is not JSON: {exc}") from None
     _run(c.reward, rollout_id, attempt, reward, info_obj)
+
+
+def read_rewards_file(path: str) -> list[tuple[str, int, float, dict]]:
+    """Every line of a rewards JSONL file, checked before any is posted: ``{"rollout_id": str,
+    "reward": number, "attempt": int (default 0), "info": {...} (optional)}``. Raises one error
+    naming every bad line, so a typo on line 900 does not leave 899 rewards half-imported."""
+    rows, bad = [], []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise ValueError("not a JSON object")
+                reward = obj.get("reward")
+                if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward \
+                        or reward in (float("inf"), float("-inf")):
+                    raise ValueError(f"reward must be a finite number, got {reward!r}")
+                info = obj.get("info") or {}
+                if not isinstance(info, dict):
+                    raise ValueError("info must be a JSON object")
+                rows.append((check_rollout_id(obj.get("rollout_id")), check_attempt(obj.get("attempt", 0)),
+                             float(reward), info))
+            except ValueError as exc:  # InvalidId and JSONDecodeError are ValueErrors
+                bad.append(f"line {n}: {exc}")
+    if bad:
+        raise click.ClickException(f"{path}: {len(bad)} bad line(s), nothing posted:\n  " + "\n  ".join(bad[:20]))
+    return rows
+
+
+@ctl.command()
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.pass_obj
+def rewards(c: ProxyControl, path) -> None:
+    """Post every reward in PATH, a JSONL file (one {"rollout_id", "reward", "attempt", "info"} per line).
+
+    For rewards that arrive after the traffic (user feedback, a grader run later): the file is checked
+    whole first; re-posting it is harmless, since the latest reward of an attempt wins.
+
+    \b
+    Example:
+      lightning-proxy ctl rewards graded.jsonl
+    """
+    rows = read_rewards_file(path)
+    for done, (rollout_id, attempt, reward, info) in enumerate(rows):
+        try:
+            c.reward(rollout_id, attempt, reward, info)
+        except (ProxyError, OSError) as exc:
+            raise click.ClickException(f"posted {done} of {len(rows)}; {rollout_id}~{attempt} failed: {exc} "
+                                       f"(re-run to post the rest: reposting is harmless)") from None
+    click.echo(json.dumps({"posted": len(rows)}))
 
 
 @ctl.command()
