@@ -152,3 +152,52 @@ def test_the_page_embeds_hostile_text_only_as_escaped_json(tmp_path):
     block = re.search(r'<script type="application/json" id="run-data">(.*?)</script>', html, re.S).group(1)
     data = json.loads(block)
     assert any(HOSTILE in m["content"] for r in data["rollouts"] for c in r["calls"] for m in c["messages"])
+
+
+TOOL_REQUEST = {"model": "m", "tools": [{"type": "function", "function": {"name": "calculator"}}], "messages": [
+    {"role": "system", "content": "Use the calculator."},
+    {"role": "user", "content": [{"type": "text", "text": "What is 6 times 7?"}]},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": "{\"expr\": \"6*7\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "42 <img src=x onerror=alert(2)>"}]}
+TOOL_RESPONSE = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ANSWER: 42"}}]}
+RESPONSES_REQUEST = {"model": "m", "instructions": "Be brief.", "input": [
+    {"role": "user", "content": "What is 6 times 7?"},
+    {"type": "function_call", "call_id": "fc_1", "name": "calculator", "arguments": "{\"expr\": \"6*7\"}"},
+    {"type": "function_call_output", "call_id": "fc_1", "output": "42"}]}
+RESPONSES_RESPONSE = {"output": [{"type": "message", "content": [{"type": "output_text", "text": "ANSWER: 42"}]}]}
+
+
+def test_tool_calls_of_chat_and_responses_requests_become_messages():
+    from lightning_harness.trainer.report import request_messages, response_message
+
+    chat = request_messages("chat.completions", TOOL_REQUEST)
+    assert [m["role"] for m in chat] == ["system", "user", "assistant", "tool"]
+    assert chat[1]["content"] == "What is 6 times 7?"
+    assert chat[2]["tool_calls"] == [{"id": "call_1", "name": "calculator", "arguments": "{\"expr\": \"6*7\"}"}]
+    assert chat[3]["tool_call_id"] == "call_1"
+    resp = request_messages("responses", RESPONSES_REQUEST)
+    assert [m["role"] for m in resp] == ["system", "user", "assistant", "tool"]
+    assert resp[2]["tool_calls"][0]["name"] == "calculator" and resp[3]["content"] == "42"
+    assert response_message(RESPONSES_RESPONSE)["content"] == "ANSWER: 42"
+    assert response_message(TOOL_RESPONSE)["content"] == "ANSWER: 42"
+
+
+@needs_chromium
+def test_a_tool_using_rollout_shows_its_tool_calls(tmp_path):
+    """A proxy-only traces directory (no launcher rows) with an OpenAI tool-calling conversation."""
+    import datetime as dt
+
+    from lightning_harness.schemas import PartWriter
+
+    now = dt.datetime.now(dt.timezone.utc)
+    with PartWriter(tmp_path / "traces", "spans", background=False) as w:
+        w.append({"span_id": "s1", "rollout_id": "tool-r", "attempt": 0, "seq": 0, "endpoint": "chat.completions",
+                  "started_at": now, "ended_at": now, "model_version": 0, "status_code": 200,
+                  "request_json": json.dumps(TOOL_REQUEST), "response_json": json.dumps(TOOL_RESPONSE)})
+    out = write_report(tmp_path / "traces", tmp_path / "p.html")
+    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                          "--dump-dom", f"{out.as_uri()}#rollout=1"], capture_output=True, text=True, timeout=120).stdout
+    assert 'class="toolcall"' in dom and "tool call calculator({\"expr\": \"6*7\"})" in dom
+    assert "42 &lt;img src=x onerror=alert(2)&gt;" in dom and "<img" not in dom
+    assert "ANSWER: 42" in dom

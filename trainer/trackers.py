@@ -98,8 +98,7 @@ class WandbTracker:
 
         root.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=project, name=run_id, dir=str(root), config=dict(config or {}),
-                              mode=mode or os.environ.get("WANDB_MODE") or "offline",
-                              reinit="create_new")
+                              mode=mode or os.environ.get("WANDB_MODE") or "offline")
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         self.run.log(dict(values), step=step)
