@@ -62,10 +62,12 @@ def test_the_page_is_self_contained_and_holds_the_run(page):
     trained = [r for r in data["rollouts"] if r["samples"]]
     assert trained and all(r["split"] == "train" for r in trained)
     merged = [s for r in trained for s in r["samples"] if s["n_calls"] > 1]
-    assert merged and all({t[3] for t in s["tokens"]} == {0, 1} for s in merged)  # model + inserted tokens
-    assert all(t[2] is not None for s in merged for t in s["tokens"] if t[3] == 1)  # logprobs to shade by
+    assert merged and all(set(s["tokens"]["mask"]) == {0, 1} for s in merged)  # model + inserted tokens
+    assert all(lp is not None for s in merged for lp, m in zip(s["tokens"]["lp"], s["tokens"]["mask"]) if m)
+    assert all(str(t) in data["vocab"] for s in merged for t in s["tokens"]["ids"])  # every token's text
+    assert "".join(data["vocab"][str(t)] for t in merged[0]["tokens"]["ids"]).count("<|im_start|>") >= 1
     call = trained[0]["calls"][0]
-    assert call["messages"][0]["role"] == "system" and call["tokens"] and call["answer"]["content"]
+    assert call["messages"][0]["role"] == "system" and call["tokens"]["ids"] and call["answer"]["content"]
     # a later call shows only what the harness added (the tool result), not the whole context again
     later = [c for r in trained for c in r["calls"][1:]]
     assert later and all(not c["new_context"] and c["messages"][0]["role"] == "user" for c in later)
@@ -136,8 +138,8 @@ def test_a_person_clicks_a_rollout_and_reads_it(page):
             assert rows.count() == 1
             rows.first.click()
             samples = data["rollouts"][trained]["samples"]
-            assert view.locator("#samples .tokens .tok").count() == sum(len(s["tokens"]) for s in samples)
-            inserted = sum(1 for s in samples for t in s["tokens"] if t[3] == 0)
+            assert view.locator("#samples .tokens .tok").count() == sum(len(s["tokens"]["ids"]) for s in samples)
+            inserted = sum(s["tokens"]["mask"].count(0) for s in samples)
             assert view.locator("#samples .tokens .tok.ctx").count() == inserted > 0
             assert "trained in sample" in view.locator("#conversation").inner_text()
         finally:

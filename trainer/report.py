@@ -106,7 +106,9 @@ def _read_yaml(path: Path) -> dict:
 # token text
 # ---------------------------------------------------------------------------------------------
 class TokenText:
-    """Token id -> its text, through the run's tokenizer (``tokenizer.json``); ids alone without one."""
+    """Token id -> its text, through the run's tokenizer (``tokenizer.json``); ids alone without one.
+
+    The page carries each used token's text once (``vocab``); a strip is three parallel lists."""
 
     def __init__(self, folder: str | os.PathLike | None) -> None:
         self.tokenizer = None
@@ -116,21 +118,23 @@ class TokenText:
 
             self.tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
             self.source = str(folder)
-        self._cache: dict[int, str] = {}
+        self.vocab: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
-        if token_id not in self._cache:
+        if token_id not in self.vocab:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
-            self._cache[token_id] = text if text else f"⟨{token_id}⟩"
-        return self._cache[token_id]
+            self.vocab[token_id] = text if text else f"⟨{token_id}⟩"
+        return self.vocab[token_id]
 
-    def strip(self, ids, logprobs=None, mask=None) -> list[list]:
-        """``[[text, id, logprob|None, mask|None], ...]`` for the page's token strips."""
-        ids = list(ids or [])
+    def strip(self, ids, logprobs=None, mask=None) -> dict[str, list]:
+        """``{"ids": [...], "lp": [logprob|None...], "mask": [0/1...] or None}`` for a token strip."""
+        ids = [int(t) for t in ids or []]
+        for t in ids:
+            self(t)
         lps = list(logprobs or [])
-        masks = list(mask or [])
-        return [[self(t), int(t), _num(lps[i]) if i < len(lps) else None,
-                 int(masks[i]) if i < len(masks) else None] for i, t in enumerate(ids)]
+        lp = [round(v, 4) if (v := _num(lps[i] if i < len(lps) else None)) is not None else None
+              for i in range(len(ids))]
+        return {"ids": ids, "lp": lp, "mask": [int(m) for m in mask] if mask is not None else None}
 
 
 def tokenizer_folder(run_dir: Path, state: dict, config: dict, explicit: str | None) -> str | None:
@@ -387,7 +391,7 @@ def collect(run_dir: str | os.PathLike, *, tokenizer: str | None = None, split: 
                 "generated_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 "rollouts_total": int(total), "rollouts_shown": len(rollouts),
                 "filters": {"split": split, "step": step, "max_rollouts": max_rollouts}},
-        "steps": steps, "rollouts": rollouts,
+        "steps": steps, "rollouts": rollouts, "vocab": {str(k): v for k, v in tokens.vocab.items()},
     }
 
 

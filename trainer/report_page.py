@@ -151,9 +151,11 @@ function renderList(filter) {
   list.replaceChildren(ROLLOUTS.length ? table : el("p", {class: "empty"}, "No rollouts recorded."));
 }
 
-function tokenStrip(tokens, masked) {
+function tokenStrip(strip, masked) {
   const box = el("div", {class: "tokens"});
-  for (const [text, id, lp, mask] of tokens) {
+  strip.ids.forEach((id, k) => {
+    const lp = strip.lp[k], mask = strip.mask ? strip.mask[k] : null;
+    const text = Object.prototype.hasOwnProperty.call(DATA.vocab, id) ? DATA.vocab[id] : "⟨" + id + "⟩";
     const span = el("span", {class: "tok"}, text);
     let tip = "id " + id;
     if (masked && mask === 0) {
@@ -166,7 +168,7 @@ function tokenStrip(tokens, masked) {
     }
     span.setAttribute("title", tip);
     box.append(span);
-  }
+  });
   return box;
 }
 
@@ -204,7 +206,7 @@ function select(i) {
     for (const m of c.messages) conv.append(message(m));
     const answer = message(c.answer);
     answer.classList.add("answer");
-    if (c.tokens.length) answer.append(el("details", {}, el("summary", {}, c.tokens.length + " generated tokens, shaded by logprob"), tokenStrip(c.tokens, false)));
+    if (c.tokens.ids.length) answer.append(el("details", {}, el("summary", {}, c.tokens.ids.length + " generated tokens, shaded by logprob"), tokenStrip(c.tokens, false)));
     conv.append(answer);
   }
   const samples = el("div", {id: "samples"}, el("h2", {}, "Training samples"));
