@@ -176,3 +176,29 @@ def test_a_training_run_logs_every_step_to_the_trackers_it_names(tmp_path, monke
     page = collect(cfg.run_path)
     assert [r[0] for r in page["steps"]["rows"]] == [0, 1] and page["run"]["rollouts_total"] == 8 + 2 * 2
     assert all(r["calls"] for r in page["rollouts"])
+
+
+def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path, monkeypatch):
+    """--resume opens the trackers again: W&B keeps the run id, MLflow the run; a redone step overrides."""
+    need("wandb")
+    need("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from support.wandb_log import records
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    for steps in ({1: {"a": 1.0}, 2: {"a": 2.0}}, {2: {"a": 2.5}, 3: {"a": 3.0}}):  # killed after step 2, resumed
+        log = MetricsLog(tmp_path / "traces", "r", open_trackers(["wandb", "mlflow"], tmp_path / "t", "r"))
+        for step, values in steps.items():
+            log.log(step, values)
+        log.close()
+    ids = {r.run.run_id for f in (tmp_path / "t" / "wandb").glob("offline-run-*/run-*.wandb")
+           for r in records(f) if r.WhichOneof("record_type") == "run"}
+    assert len(list((tmp_path / "t" / "wandb").glob("offline-run-*"))) == 2 and len(ids) == 1
+    client = MlflowClient(tracking_uri=(tmp_path / "t" / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("lightning-harness").experiment_id])
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "a"))
+    assert history == [(1, 1.0), (2, 2.0), (2, 2.5), (3, 3.0)] and run.info.status == "FINISHED"
+    assert read_metrics(tmp_path / "traces", "r") == {"a": {1: 1.0, 2: 2.5, 3: 3.0}}

@@ -13,8 +13,11 @@ uploads later), MLflow into a file store under the run folder.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -90,14 +93,16 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """A W&B run, offline unless told otherwise (``tracking.wandb_mode`` or ``WANDB_MODE``)."""
+    """A W&B run, offline unless told otherwise (``tracking.wandb_mode`` or ``WANDB_MODE``). Its id
+    is stable per run folder, so a ``--resume`` continues the same W&B run."""
 
     def __init__(self, root: Path, run_id: str, project: str, mode: str | None,
                  config: Mapping[str, Any] | None = None) -> None:
         import wandb
 
         root.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=project, name=run_id, dir=str(root), config=dict(config or {}),
+        self.run = wandb.init(project=project, name=run_id, id=stable_id(run_id, root), resume="allow",
+                              dir=str(root), config=dict(config or {}),
                               mode=mode or os.environ.get("WANDB_MODE") or "offline")
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
@@ -122,12 +127,32 @@ class MlflowTracker:
             # backend that needs no database or server, so a local run uses it
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
-        exp = self.client.get_experiment_by_name(project)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(project)
-        self.run_id = self.client.create_run(exp_id, run_name=run_id).info.run_id
-        params = [Param(k, str(v)[:500]) for k, v in _flatten(config or {}).items()][:100]
-        if params:
-            self.client.log_batch(self.run_id, params=params)
+        self.run_id = self._resumed(root / "mlflow-run.json", uri)
+        if self.run_id is None:
+            exp = self.client.get_experiment_by_name(project)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(project)
+            self.run_id = self.client.create_run(exp_id, run_name=run_id).info.run_id
+            params = [Param(k, str(v)[:500]) for k, v in _flatten(config or {}).items()][:100]
+            if params:
+                self.client.log_batch(self.run_id, params=params)
+            root.mkdir(parents=True, exist_ok=True)
+            (root / "mlflow-run.json").write_text(json.dumps({"tracking_uri": uri, "run_id": self.run_id}))
+
+    def _resumed(self, marker: Path, uri: str) -> str | None:
+        """The MLflow run an earlier start of this run folder opened (``--resume``), if it still exists."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            known = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(known, dict) or known.get("tracking_uri") != uri:
+            return None
+        try:
+            self.client.update_run(str(known["run_id"]), status="RUNNING")
+        except (MlflowException, KeyError):
+            return None
+        return str(known["run_id"])
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         import time
@@ -139,6 +164,12 @@ class MlflowTracker:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def stable_id(run_id: str, root: Path) -> str:
+    """A tracker run id for this run folder: readable, and the same on every start of the run."""
+    digest = hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '-', run_id)[:48]}-{digest}"
 
 
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
