@@ -6,7 +6,7 @@ calc tasks, one of whose questions is model-visible markup (``</script><script>.
 escaping is tested on real traces. Keeps what `lightning-train report` reads: traces/ (Parquet),
 state.json, config.yaml, summary.json; checkpoints and logs are left out.
 
-    .venv/bin/python scripts/make_report_fixture.py            # ~5 minutes on 2 cores
+    .venv/bin/python scripts/make_report_fixture.py [OUT]      # ~3 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def tasks() -> tuple[list[dict], list[dict]]:
 
 
 def main() -> None:
+    out = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else OUT
     work = Path(tempfile.mkdtemp(prefix="report-fixture-"))
     train, evals = tasks()
     (work / "train.jsonl").write_text("".join(json.dumps(t) + "\n" for t in train))
@@ -52,16 +53,16 @@ def main() -> None:
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     subprocess.run([sys.executable, "-m", "lightning_harness.trainer.cli", "run", "--config",
                     str(work / "config.yaml")], check=True)
-    if OUT.exists():
-        shutil.rmtree(OUT)
-    OUT.mkdir(parents=True)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
     # the launcher's harness logs (traces/launch) are not read by the page
-    shutil.copytree(work / "run" / "traces", OUT / "traces", ignore=shutil.ignore_patterns("launch"))
+    shutil.copytree(work / "run" / "traces", out / "traces", ignore=shutil.ignore_patterns("launch"))
     for name in ("state.json", "config.yaml", "summary.json"):  # no machine's paths in the repository
         text = (work / "run" / name).read_text().replace(str(work), "/tmp/report-fixture").replace(str(ROOT), ".")
-        (OUT / name).write_text(text)
+        (out / name).write_text(text)
     shutil.rmtree(work, ignore_errors=True)
-    print(f"wrote {OUT}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
