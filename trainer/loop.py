@@ -655,6 +655,8 @@ def print_summary(console, summary: dict[str, Any], traces: Path, run_id: str) -
     if summary.get("plot"):
         console.print(f"reward curve:     {summary['plot']}", soft_wrap=True)
     console.print(f"final checkpoint: {summary['checkpoint']} (model version {summary['model_version']})", soft_wrap=True)
+    console.print(f"read the rollouts: lightning-train report {summary['run_dir']}  (one HTML page)",
+                  soft_wrap=True, highlight=False, markup=False)
     console.print("inspect the run:  lightning-sql " + f"{traces} " +
                   f"\"SELECT step, name, round(value, 3) AS value FROM metrics WHERE run_id = '{run_id}' "
                   f"AND name IN ('train/reward_mean', 'eval/reward_mean', 'eval/success') ORDER BY step, name\"",
