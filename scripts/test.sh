@@ -6,6 +6,12 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup_envs.sh train proxy verl
+# The run viewer's tests open its page in Debian's Chromium (headless); they skip, saying why, without it.
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  echo "installing chromium for the report viewer's browser tests (apt-get, ~150 MB)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } >/tmp/lightning-chromium-apt.log 2>&1 \
+    || echo "warning: chromium did not install (log: /tmp/lightning-chromium-apt.log); its tests will skip"
+fi
 export LIGHTNING_PROXY_PYTHON="$ROOT/.venv-proxy/bin/python"
 export LIGHTNING_VERL_PYTHON="$ROOT/.venv-verl/bin/python"
 exec "$ROOT/.venv/bin/python" -m pytest -q -rs "$@"

@@ -15,6 +15,7 @@ COMMANDS = {
     "build": ("build", "build_command", "spans + rewards + rollouts -> samples (merging, advantages, loss weights)"),
     "run": ("loop", "run_command", "the collocated loop: rollouts through the proxy, updates, weight swaps"),
     "step": ("update", "step_command", "one update from a samples table to a checkpoint"),
+    "report": ("report", "report_command", "one self-contained HTML page to read a run: reward curve, steps, rollouts"),
 }
 
 

@@ -161,6 +161,19 @@ class CheckpointConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Where the trackers named in ``logger`` write (trainer/trackers.py)."""
+
+    project: str = "lightning-harness"  # W&B project and MLflow experiment; the run is named run_id
+    dir: str | None = None  # tracker files (TensorBoard events, W&B offline runs, MLflow file store);
+    #   default RUN/trackers
+    wandb_mode: str | None = None  # 'offline' (default unless WANDB_MODE says otherwise; `wandb sync`
+    #   uploads later), 'online' or 'disabled'
+    mlflow_uri: str | None = None  # MLflow tracking URI; default MLFLOW_TRACKING_URI, else a file store
+    #   under tracking.dir
+
+
+@dataclass
 class RunConfig:
     """A whole `lightning-train run`. Paths are relative to the config file's folder unless absolute."""
 
@@ -179,6 +192,9 @@ class RunConfig:
     proxy: ProxyRunConfig = field(default_factory=ProxyRunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plot: bool = True
+    logger: Any = field(default_factory=list)  # metric trackers beside the Parquet table: any of
+    #   tensorboard, wandb, mlflow (--set logger=[tensorboard,wandb]); each is an optional extra
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     base_dir: str | None = None  # folder relative paths resolve against (set by load_config)
 
     # -- paths ------------------------------------------------------------------------------
@@ -197,6 +213,11 @@ class RunConfig:
     def run_path(self) -> Path:
         """The run folder: relative to the current folder (where the user runs the command)."""
         return Path(os.path.expanduser(self.run_dir)).resolve()
+
+    @property
+    def tracking_path(self) -> Path:
+        """Where the trackers write: tracking.dir, or RUN/trackers."""
+        return self.path(self.tracking.dir) if self.tracking.dir else self.run_path / "trackers"
 
     @property
     def run_id(self) -> str:
@@ -234,6 +255,14 @@ class RunConfig:
             problems.append(f"update.lr_schedule: {self.update.lr_schedule!r} is not one of {LR_SCHEDULES}")
         if self.engine.sleep_on_update not in ("auto", "always", "never"):
             problems.append("engine.sleep_on_update: one of auto, always, never")
+        from .trackers import TrackerError, tracker_names
+
+        try:  # before vLLM starts: an unknown or uninstalled tracker names its extra
+            self.logger = tracker_names(self.logger)
+        except TrackerError as exc:
+            problems.append(str(exc))
+        if self.tracking.wandb_mode not in (None, "offline", "online", "disabled"):
+            problems.append(f"tracking.wandb_mode: {self.tracking.wandb_mode!r} is not offline, online or disabled")
         if problems:
             raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
         return self

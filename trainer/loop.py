@@ -475,7 +475,8 @@ class TrainingRun:
         cfg = self.cfg
         self.prepare()
         self.progress = ProgressLine(cfg.steps, self.console)
-        self.metrics = MetricsLog(self.traces, cfg.run_id)
+        self.metrics = MetricsLog(self.traces, cfg.run_id, self._open_trackers(),
+                                  warn=lambda msg: self.progress.print(msg, markup=False))
         self.stream = TaskStream(self.train_tasks, cfg.seed, int(self.state.get("stream_pos", 0)))
         self.in_flight: dict[str, dict] = {}
         self._used: dict[int, set] = {}
@@ -519,6 +520,19 @@ class TrainingRun:
             return self.finish()
         finally:
             self.shutdown()
+
+    def _open_trackers(self) -> dict[str, Any]:
+        """The trackers named in ``logger`` (TensorBoard, W&B, MLflow), writing under RUN/trackers."""
+        from .trackers import open_trackers
+
+        cfg = self.cfg
+        if not cfg.logger:
+            return {}
+        trackers = open_trackers(cfg.logger, cfg.tracking_path, cfg.run_id, project=cfg.tracking.project,
+                                 wandb_mode=cfg.tracking.wandb_mode, mlflow_uri=cfg.tracking.mlflow_uri,
+                                 config=cfg.to_dict())
+        self.progress.print(f"metrics also go to {', '.join(trackers)} under {cfg.tracking_path}")
+        return trackers
 
     def _save_state(self, elapsed: float | None = None) -> None:
         if elapsed is not None:
@@ -641,6 +655,8 @@ def print_summary(console, summary: dict[str, Any], traces: Path, run_id: str) -
     if summary.get("plot"):
         console.print(f"reward curve:     {summary['plot']}", soft_wrap=True)
     console.print(f"final checkpoint: {summary['checkpoint']} (model version {summary['model_version']})", soft_wrap=True)
+    console.print(f"read the rollouts: lightning-train report {summary['run_dir']}  (one HTML page)",
+                  soft_wrap=True, highlight=False, markup=False)
     console.print("inspect the run:  lightning-sql " + f"{traces} " +
                   f"\"SELECT step, name, round(value, 3) AS value FROM metrics WHERE run_id = '{run_id}' "
                   f"AND name IN ('train/reward_mean', 'eval/reward_mean', 'eval/success') ORDER BY step, name\"",

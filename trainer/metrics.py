@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -21,32 +22,45 @@ import pyarrow.compute as pc
 
 from lightning_harness.schemas import PartWriter, read_table
 
+from .trackers import numeric
+
 
 class MetricsLog:
     """Append-only metrics of one run under ``TRACES/metrics/``."""
 
-    def __init__(self, traces_root: str | os.PathLike, run_id: str) -> None:
+    def __init__(self, traces_root: str | os.PathLike, run_id: str, trackers: Mapping[str, Any] | None = None,
+                 warn=None) -> None:
         self.root = Path(traces_root)
         self.run_id = run_id
         self._writer = PartWriter(self.root, "metrics", background=False, flush_seconds=0)
+        self.trackers = dict(trackers or {})  # name -> trainer.trackers tracker (log/close)
+        self._warn = warn or (lambda msg: print(msg, file=sys.stderr))
 
     def log(self, step: int, values: Mapping[str, Any]) -> None:
-        """Write ``values`` (name -> number) for ``step`` now; non-numbers are skipped."""
+        """Write ``values`` (name -> number) for ``step`` now; non-numbers are skipped. The trackers
+        get the same names and values."""
         at = _dt.datetime.now(_dt.timezone.utc)
-        rows = []
-        for name, value in values.items():
-            if isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, (int, float)):
-                continue
-            rows.append({"run_id": self.run_id, "step": int(step), "name": name,
-                         "value": float(value), "at": at})
+        numbers = numeric(values)
+        rows = [{"run_id": self.run_id, "step": int(step), "name": name, "value": value, "at": at}
+                for name, value in numbers.items()]
         if rows:
             self._writer.extend(rows)
             self._writer.flush()
+            self._each_tracker("log", int(step), numbers)
+
+    def _each_tracker(self, method: str, *args: Any) -> None:
+        """A tracker that fails is switched off with one warning; the Parquet table is the record."""
+        for name, tracker in list(self.trackers.items()):
+            try:
+                getattr(tracker, method)(*args)
+            except Exception as exc:  # a tracker's own error must not stop training
+                self.trackers.pop(name)
+                self._warn(f"warning: metric tracker {name!r} failed and is switched off: {exc!r}")
 
     def close(self) -> None:
         self._writer.close()
+        self._each_tracker("close")
+        self.trackers.clear()
 
     def history(self) -> dict[str, dict[int, float]]:
         return read_metrics(self.root, self.run_id)
