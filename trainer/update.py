@@ -278,7 +278,8 @@ def response_logprobs(model: torch.nn.Module, batch: Batch, temperature: float =
     logits; both give the same numbers (tested)."""
     if chunk_tokens <= 0 or not _plain_lm_head(model):
         return full_logits_logprobs(model, batch, temperature)
-    hidden = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    body = model.base_model  # the decoder stack, final norm included; no KV cache in training
+    hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).last_hidden_state
     rows, cols = batch.valid.nonzero(as_tuple=True)  # response positions only, padding skipped
     h = hidden[rows, batch.positions[rows, cols]]  # [N, H]: the states that predict the response tokens
     targets = batch.targets[rows, cols]
@@ -314,7 +315,7 @@ def _plain_lm_head(model: torch.nn.Module) -> bool:
 
 def full_logits_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
     """The plain path (and the reference of the chunked one): full logits, gather, log-softmax."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, L, V]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits  # [B, L, V]
     V = logits.shape[-1]
     picked = logits.gather(1, batch.positions.unsqueeze(-1).expand(-1, -1, V)).float()  # [B, R, V]
     if temperature != 1.0:
