@@ -309,7 +309,8 @@ def _plain_lm_head(model: torch.nn.Module) -> bool:
     Mistral...): no logit soft-capping or scaling the chunked path would have to repeat."""
     config = getattr(model, "config", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    scaled = any(getattr(config, k, None) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale"))
+    scaled = any(getattr(config, k, None) not in (None, 1, 1.0)
+                 for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
     return isinstance(head, torch.nn.Linear) and getattr(model, "base_model", model) is not model and not scaled
 
 
