@@ -120,16 +120,14 @@ def run_path(U, model, rows, chunk: int, device: str, body_checkpointing: bool) 
     with PeakMemory(device) as mem:
         up.accumulate_gradients(rows)
     up.optimizer.zero_grad(set_to_none=True)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0, c0 = time.perf_counter(), time.process_time()
-    metrics = up.update(rows)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    return {"peak": mem.peak, "absolute": mem.absolute, "update_s": seconds, "cpu_s": cpu_seconds,
-            "loss": metrics["update/loss"],
-            "grad_norm": metrics["update/grad_norm"]}
+    with PeakMemory(device) as whole:  # the update, AdamW's moments included
+        t0, c0 = time.perf_counter(), time.process_time()
+        metrics = up.update(rows)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    return {"peak": mem.peak, "absolute": mem.absolute, "update_max": whole.absolute, "update_s": seconds,
+            "cpu_s": cpu_seconds, "loss": metrics["update/loss"], "grad_norm": metrics["update/grad_norm"]}
 
 
 def model_flops(model, rows) -> float:
@@ -178,37 +176,49 @@ def quick(args) -> None:
 # -- GPU: one process, one model, OOM reported instead of raised ----------------------------------
 def gpu(args, device: str = "cuda", shape: dict = QWEN2_1_5B) -> None:
     """``--gpu``; ``--gpu-dry-run`` runs the same code on CPU at the quick shape (checks the script)."""
-    U = load_update_module()
-    t_build = time.perf_counter()
+    U, t_start = load_update_module(), time.perf_counter()
     model = build_model(shape, device)
     n_params = sum(p.numel() for p in model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else "none (dry run on CPU)"
-    print(f"GPU {name}, torch {torch.__version__}, Qwen2 shape {shape} "
-          f"({n_params / 1e9:.2f}B parameters, built in {time.perf_counter() - t_build:.0f}s), fp32 weights"
-          f"{' + bf16 autocast' if device == 'cuda' else ''}, body checkpointing, chunk {args.chunk}; MFU vs {H200_BF16_DENSE_FLOPS / 1e12:.0f} TFLOP/s", flush=True)
-    print(f"{'tokens':>7} {'path':<18}{'logprob-step peak':>18}{'max allocated':>14}{'update s':>9}"
-          f"{'tokens/s':>10}{'MFU':>7}{'loss':>12}", flush=True)
+    print(f"GPU {name}, torch {torch.__version__}, Qwen2 shape {shape} ({n_params / 1e9:.2f}B parameters, "
+          f"built in {time.perf_counter() - t_start:.0f}s), fp32 weights{' + bf16 autocast' if device == 'cuda' else ''}, "
+          f"body checkpointing, chunk {args.chunk}; MFU vs {H200_BF16_DENSE_FLOPS / 1e12:.0f} TFLOP/s (H200 bf16 dense)\n"
+          f"{'tokens':>7} {'path':<18}{'logprob-step peak':>18}{'max alloc':>10}{'update max alloc':>17}"
+          f"{'update s':>9}{'tokens/s':>10}{'MFU':>7}{'loss':>12}", flush=True)
     for tokens in args.gpu_tokens:
         rows = make_samples(U, 1, tokens, shape["vocab"])
         peaks = {}
         for path, chunk in (("new (chunked)", args.chunk), ("old (full logits)", 0)):
-            try:
-                r = run_path(U, model, rows, chunk, device, True)
-            except torch.OutOfMemoryError:
-                r = None
-            model.zero_grad(set_to_none=True)
-            gc.collect()
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            if time.perf_counter() - t_start > args.budget_s:
+                print(f"{tokens:>7} {path:<18}{'skipped (time budget)':>24}", flush=True)
+                continue
+            r = run_or_oom(U, model, rows, chunk, device)
             if r is None:
                 print(f"{tokens:>7} {path:<18}{'OOM':>18}", flush=True)
                 continue
             peaks[path] = r["peak"]
             mfu = model_flops(model, rows) / r["update_s"] / H200_BF16_DENSE_FLOPS
-            print(f"{tokens:>7} {path:<18}{r['peak'] / 2**30:>14.1f} GiB{r['absolute'] / 2**30:>10.1f} GiB"
-                  f"{r['update_s']:>9.2f}{tokens / r['update_s']:>10.0f}{mfu:>7.1%}{r['loss']:>12.5g}", flush=True)
+            print(f"{tokens:>7} {path:<18}{r['peak'] / 2**30:>14.1f} GiB{r['absolute'] / 2**30:>6.1f} GiB"
+                  f"{r['update_max'] / 2**30:>13.1f} GiB{r['update_s']:>9.2f}{tokens / r['update_s']:>10.0f}"
+                  f"{mfu:>7.1%}{r['loss']:>12.5g}", flush=True)
         if len(peaks) == 2:
             print(f"{tokens:>7} peak memory old/new: {peaks['old (full logits)'] / peaks['new (chunked)']:.1f}x", flush=True)
+    print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
+
+
+def run_or_oom(U, model, rows, chunk: int, device: str) -> dict | None:
+    """run_path, or None when the device ran out of memory (then everything it held is freed)."""
+    try:
+        result = run_path(U, model, rows, chunk, device, True)
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if "out of memory" not in str(exc).lower():
+            raise
+        result = None
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 def main() -> None:
@@ -223,6 +233,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=None,
                     help="logprob_chunk_tokens of the new path (default: 128 on CPU, the config default on GPU)")
     ap.add_argument("--gpu-tokens", type=int, nargs="+", default=[8192, 32768], help="GPU: sample lengths")
+    ap.add_argument("--budget-s", type=float, default=330.0,
+                    help="GPU: start no further run after this many seconds (default 330)")
     args = ap.parse_args()
     if args.chunk is None:
         args.chunk = load_update_module().UpdateConfig().logprob_chunk_tokens if args.gpu else 128
