@@ -6,6 +6,7 @@ happens.
     samples (Parquet, schemas.SAMPLES)                    one row = prompt + response of a rollout
       -> batches        prompt+response ids, response mask, behaviour logprobs, advantage, loss weight
       -> logprobs       new logprobs of the response tokens under the current policy
+                        (LM head in chunks over the response positions: no [B, R, V] tensor)
       -> loss           decoupled PPO:  r = pi / pi_prox (clipped), w = min(pi_prox / mu, tis_cap)
                         token_loss = max(-A r, -A clip(r)) * w  (+ kl_coef * k3(pi, pi_ref))
       -> aggregate      weights.aggregate_loss: per-rollout weights (each rollout counts once) or
