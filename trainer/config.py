@@ -21,6 +21,7 @@ import yaml
 from .weights import MODES as LOSS_MODES
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+AUTOCAST_MODES = ("auto", "bfloat16", "off")
 
 
 class ConfigError(ValueError):
@@ -52,7 +53,10 @@ class UpdateConfig:
     device: str = "auto"  # 'auto' = cuda if available else cpu
     dtype: str = "float32"  # training dtype ('float32' on CPU; 'bfloat16' on GPU if you like)
     seed: int = 0
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute the model body's activations in the backward
+    autocast: str = "auto"  # bf16 autocast: 'auto' = on cuda only, 'bfloat16' = always, 'off'
+    logprob_chunk_tokens: int = 1024  # response positions per LM-head chunk in the log-prob step
+    #   (peak ~ a few chunk x vocab fp32 tensors); 0 = full logits (a [B, L, V] and a [B, R, V] tensor)
     skip_zero_advantage: bool = True  # drop samples whose advantage is exactly 0 (no signal)
 
     @classmethod
@@ -63,6 +67,8 @@ class UpdateConfig:
             raise ValueError(f"loss_mode {cfg.loss_mode!r}: choose from {LOSS_MODES}")
         if cfg.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule {cfg.lr_schedule!r}: choose from {LR_SCHEDULES}")
+        if cfg.autocast not in AUTOCAST_MODES:
+            raise ValueError(f"autocast {cfg.autocast!r}: choose from {AUTOCAST_MODES}")
         return cfg
 
 
@@ -253,6 +259,8 @@ class RunConfig:
             self.update.loss_mode = self.samples.weight_mode
         if self.update.lr_schedule not in LR_SCHEDULES:
             problems.append(f"update.lr_schedule: {self.update.lr_schedule!r} is not one of {LR_SCHEDULES}")
+        if self.update.autocast not in AUTOCAST_MODES:
+            problems.append(f"update.autocast: {self.update.autocast!r} is not one of {AUTOCAST_MODES}")
         if self.engine.sleep_on_update not in ("auto", "always", "never"):
             problems.append("engine.sleep_on_update: one of auto, always, never")
         from .trackers import TrackerError, tracker_names

@@ -6,6 +6,7 @@ happens.
     samples (Parquet, schemas.SAMPLES)                    one row = prompt + response of a rollout
       -> batches        prompt+response ids, response mask, behaviour logprobs, advantage, loss weight
       -> logprobs       new logprobs of the response tokens under the current policy
+                        (LM head in chunks over the response positions: no [B, R, V] tensor)
       -> loss           decoupled PPO:  r = pi / pi_prox (clipped), w = min(pi_prox / mu, tis_cap)
                         token_loss = max(-A r, -A clip(r)) * w  (+ kl_coef * k3(pi, pi_ref))
       -> aggregate      weights.aggregate_loss: per-rollout weights (each rollout counts once) or
@@ -38,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .config import UpdateConfig
 from .weights import aggregate_loss, n_units as count_units
@@ -230,6 +232,7 @@ class Batch:
     behaviour_logprobs: torch.Tensor  # [B, R] mu, captured by the proxy (NaN where none was captured)
     advantages: torch.Tensor  # [B] rollout-level advantage
     token_weight: torch.Tensor  # [B, R] per-token loss weight (the sample's loss_weight, on masked tokens)
+    valid: torch.Tensor  # [B, R] bool: j < the sample's response length (False on padding)
 
 
 def collate(samples: list[Sample], device: torch.device, pad_id: int = 0) -> Batch:
@@ -244,6 +247,7 @@ def collate(samples: list[Sample], device: torch.device, pad_id: int = 0) -> Bat
     old = torch.zeros((B, R), dtype=torch.float32)
     weight = torch.zeros((B, R), dtype=torch.float32)
     adv = torch.zeros((B,), dtype=torch.float32)
+    valid = torch.zeros((B, R), dtype=torch.bool)
     for b, s in enumerate(samples):
         n_p, n_r = len(s.prompt), len(s.response)
         input_ids[b, : n_p + n_r] = torch.tensor(s.prompt + s.response)
@@ -254,21 +258,72 @@ def collate(samples: list[Sample], device: torch.device, pad_id: int = 0) -> Bat
             mask[b, :n_r] = torch.tensor(s.mask, dtype=torch.float32)
             old[b, :n_r] = torch.tensor(s.logprobs)
             weight[b, :n_r] = s.loss_weight * mask[b, :n_r]
+            valid[b, :n_r] = True
         adv[b] = s.advantage
-    return Batch(*(t.to(device) for t in (input_ids, attention, positions, targets, mask, old, adv, weight)))
+    return Batch(*(t.to(device) for t in (input_ids, attention, positions, targets, mask, old, adv, weight, valid)))
 
 
 # ---------------------------------------------------------------------------------------------
 # 4. Logprobs and the loss
 # ---------------------------------------------------------------------------------------------
-def response_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(response token j | prefix) for every response position: [B, R]."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, L, V]
+# Why not ``model(...).logits``: that is a [B, L, V] tensor, and log-softmax over the response
+# positions another [B, R, V] fp32 one; at a 150k vocabulary and 8-32k tokens, tens of GB. Instead the
+# model body runs to hidden states, only the response positions go through the LM head, a chunk of
+# ``chunk_tokens`` rows at a time, and each chunk's logits are reduced at once to
+# (target logit - logsumexp) in fp32. Under autograd each chunk is checkpointed: the backward
+# recomputes its logits instead of keeping them, so at most one chunk's [chunk, V] lives at a time.
+def response_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0,
+                      chunk_tokens: int = 1024) -> torch.Tensor:
+    """log pi(response token j | prefix) for every response position: [B, R] fp32, 0 past a sample's
+    response. ``chunk_tokens <= 0`` (or a head the chunked path cannot reproduce) takes the full
+    logits; both give the same numbers (tested)."""
+    if chunk_tokens <= 0 or not _plain_lm_head(model):
+        return full_logits_logprobs(model, batch, temperature)
+    body = model.base_model  # the decoder stack, final norm included; no KV cache in training
+    hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).last_hidden_state
+    rows, cols = batch.valid.nonzero(as_tuple=True)  # response positions only, padding skipped
+    h = hidden[rows, batch.positions[rows, cols]]  # [N, H]: the states that predict the response tokens
+    targets = batch.targets[rows, cols]
+    head = model.get_output_embeddings()
+    pieces = []
+    for s in range(0, h.shape[0], chunk_tokens):
+        args = (h[s : s + chunk_tokens], targets[s : s + chunk_tokens], head.weight, head.bias, temperature)
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(*args))
+    lp = torch.cat(pieces) if pieces else h.new_zeros(0, dtype=torch.float32)
+    return lp.new_zeros(batch.valid.shape).index_put((rows, cols), lp)
+
+
+def _chunk_logprobs(h: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """log_softmax(h W^T + b)[target] for one chunk of rows, reduced in fp32: [n]."""
+    logits = F.linear(h, weight, bias).float()  # [n, V]
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _plain_lm_head(model: torch.nn.Module) -> bool:
+    """True when logits are exactly ``lm_head(base_model(...).last_hidden_state)`` (Llama, Qwen2,
+    Mistral...): no logit soft-capping or scaling the chunked path would have to repeat."""
+    config = getattr(model, "config", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    scaled = any(getattr(config, k, None) not in (None, 1, 1.0)
+                 for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    return isinstance(head, torch.nn.Linear) and getattr(model, "base_model", model) is not model and not scaled
+
+
+def full_logits_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """The plain path (and the reference of the chunked one): full logits, gather, log-softmax."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits  # [B, L, V]
     V = logits.shape[-1]
     picked = logits.gather(1, batch.positions.unsqueeze(-1).expand(-1, -1, V)).float()  # [B, R, V]
     if temperature != 1.0:
         picked = picked / temperature
-    return torch.log_softmax(picked, dim=-1).gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    lp = torch.log_softmax(picked, dim=-1).gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    return torch.where(batch.valid, lp, 0.0)  # 0 past a sample's response, as the chunked path
 
 
 def ppo_token_loss(
@@ -336,15 +391,20 @@ class PolicyUpdater:
     ``update`` then ``save`` once per training step."""
 
     def __init__(self, model_dir: str | os.PathLike, cfg: UpdateConfig | None = None,
-                 *, reference_dir: str | os.PathLike | None = None, load_optimizer: bool = True) -> None:
+                 *, reference_dir: str | os.PathLike | None = None, load_optimizer: bool = True,
+                 model: torch.nn.Module | None = None) -> None:
+        """``model``: an already built policy on the configured device (benchmarks build one from a
+        config with random weights); ``model_dir`` then only names where checkpoints come from."""
         self.cfg = cfg or UpdateConfig()
         self.model_dir = Path(model_dir)
         self.device = resolve_device(self.cfg.device)
         torch.manual_seed(self.cfg.seed)
         self.gen = torch.Generator().manual_seed(self.cfg.seed)
-        self.model = load_model(self.model_dir, self.device, self.cfg.dtype)
-        if self.cfg.gradient_checkpointing:
+        self.model = model if model is not None else load_model(self.model_dir, self.device, self.cfg.dtype)
+        if self.cfg.gradient_checkpointing:  # the body's activations are recomputed in the backward
             self.model.gradient_checkpointing_enable()
+        # bf16 autocast: the GPU default (fp32 master weights, bf16 matmuls); off on CPU unless asked.
+        self.autocast = self.cfg.autocast == "bfloat16" or (self.cfg.autocast == "auto" and self.device.type == "cuda")
         self.model.train()
         info = read_version(self.model_dir)
         self.version = int(info.get("model_version", 0))
@@ -435,7 +495,7 @@ class PolicyUpdater:
         for start in range(0, len(group), mbs):
             chunk = group[start : start + mbs]
             batch = collate(chunk, self.device, self.pad_id)
-            new_lp = response_logprobs(self.model, batch, cfg.temperature)
+            new_lp = self.logprobs(self.model, batch)
             prox_lp = new_lp.detach() if prox is None else self._stack(prox, chunk, new_lp)
             ref_lp = None if ref is None else self._stack(ref, chunk, new_lp)
             token_loss, diag = ppo_token_loss(new_lp, prox_lp, batch.behaviour_logprobs, batch.advantages, cfg, ref_lp)
@@ -452,6 +512,11 @@ class PolicyUpdater:
             if "kl" in diag:
                 stats["kl"] += float((diag["kl"] * msk).sum())
         return stats
+
+    def logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """response_logprobs with this update's temperature, chunking and autocast: [B, R] fp32."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return response_logprobs(model, batch, self.cfg.temperature, self.cfg.logprob_chunk_tokens)
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -470,7 +535,7 @@ class PolicyUpdater:
         mbs = max(1, self.cfg.micro_batch_size)
         for start in range(0, len(rows), mbs):
             chunk = rows[start : start + mbs]
-            lp = response_logprobs(model, collate(chunk, self.device, self.pad_id), self.cfg.temperature)
+            lp = self.logprobs(model, collate(chunk, self.device, self.pad_id))
             for b, s in enumerate(chunk):
                 out[id(s)] = lp[b, : len(s.response)]
         return out
