@@ -15,7 +15,8 @@ calls through the chat template from the recorded Messages request):
 - assistant ``tool_use`` -> ``tool_calls`` (arguments = ``json.dumps(input)``);
 - user ``tool_result`` -> ``tool`` messages (before the user's remaining text);
 - ``tools`` -> functions (``input_schema`` -> ``parameters``); ``tool_choice`` auto/any/tool/none ->
-  auto/required/named/none; ``stop_sequences`` -> ``stop``; ``thinking`` blocks are dropped.
+  auto/required/named/none; ``stop_sequences`` -> ``stop``; ``thinking`` blocks are dropped;
+- other fields that are not Messages fields (vLLM extensions sent as extra body) pass through.
 A body that breaks the Messages rules gets :class:`MessagesError` (the proxy answers 400 in the
 Anthropic error shape), never a guess.
 
@@ -36,6 +37,12 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                529: "overloaded_error"}
 _PASSED = ("temperature", "top_p", "top_k")  # sampling parameters with the same meaning on both APIs
+# Messages fields translated above or with no chat equivalent (dropped); any other field (a vLLM
+# sampling extension such as ``seed`` or ``allowed_token_ids`` sent as extra body) passes through
+_MESSAGES_FIELDS = frozenset({
+    "model", "max_tokens", "messages", "system", "stop_sequences", "tools", "tool_choice", "stream", *_PASSED,
+    "metadata", "thinking", "service_tier", "container", "mcp_servers", "context_management", "betas",
+})
 
 
 class MessagesError(ValueError):
@@ -173,7 +180,8 @@ def to_chat(req: Any) -> dict:
         messages.append({"role": "system", "content": _text(req["system"], "system")})
     for i, msg in enumerate(req["messages"]):
         messages.extend(_message(msg, i))
-    chat: dict[str, Any] = {"model": req["model"], "messages": messages, "max_tokens": max_tokens}
+    chat: dict[str, Any] = {k: v for k, v in req.items() if k not in _MESSAGES_FIELDS}
+    chat.update(model=req["model"], messages=messages, max_tokens=max_tokens)
     for key in _PASSED:
         if req.get(key) is not None:
             chat[key] = req[key]
