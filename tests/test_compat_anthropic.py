@@ -137,3 +137,63 @@ def test_env_prints_what_anthropic_clients_read(anthropic_proxy):
     assert env["ANTHROPIC_BASE_URL"] == env["OPENAI_BASE_URL"][: -len("/v1")]
     assert env["ANTHROPIC_API_KEY"] == "sk-lightning-placeholder"
     assert anthropic_proxy.token not in env["ANTHROPIC_BASE_URL"]
+
+
+@pytest.fixture
+def node_anthropic_app(node_anthropic, tmp_path):
+    """Command running tests/support/compat/anthropic_node.mjs with the npm package beside it."""
+    import shutil
+
+    from fixtures_compat import COMPAT
+
+    app = tmp_path / "node-anthropic"
+    app.mkdir()
+    (app / "node_modules").symlink_to(node_anthropic / "node_modules", target_is_directory=True)
+    shutil.copy(COMPAT / "anthropic_node.mjs", app / "anthropic_node.mjs")
+    return lambda *args: ["node", str(app / "anthropic_node.mjs"), *args]
+
+
+@pytest.mark.parametrize("how", ["json", "stream", "tools"])
+def test_node_anthropic_sdk_reverse_mode(anthropic_proxy, node_anthropic_app, how):
+    from fixtures_compat import client_env, run_client
+
+    env = client_env(anthropic_proxy.env_for(f"node-{how}"))
+    out = run_client(node_anthropic_app("claude-hosted-large", how), env)
+    assert out["baseURL"] == env["ANTHROPIC_BASE_URL"] and out["model"] == "claude-hosted-large"
+    if how == "tools":
+        (use,) = out["content"]
+        assert use["type"] == "tool_use" and use["input"] == {"arg": "w0 w1 w2 w3 "} and out["stop_reason"] == "tool_use"
+    else:
+        assert out["content"] == [{"type": "text", "text": "w0 w1 w2 w3 "}] and out["stop_reason"] == "max_tokens"
+        assert out["usage"]["output_tokens"] == 4
+    if how == "stream":
+        assert out["events"][0] == "message_start" and out["events"][-1] == "message_stop"
+    else:
+        assert set(out["keys"]) == {"id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"}
+    (span,) = read_spans(anthropic_proxy)
+    assert span["endpoint"] == "messages" and span["mode"] == "reverse" and span["error_kind"] is None
+    assert span["response_token_ids"] == [100, 101, 102, 103] and span["stream"] is (how == "stream")
+
+
+def test_oversized_messages_body_gets_an_anthropic_413_and_a_span(make_proxy, anthropic_from_env):
+    import anthropic
+
+    p = make_proxy(extra_args=["--max-body-size", str(1 << 20)], route_hosts=["api.anthropic.com"])
+    client = anthropic_from_env(p.env_for("a-big"))
+    with pytest.raises(anthropic.APIStatusError) as err:
+        client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "x" * (3 << 19)}])
+    assert err.value.status_code == 413
+    assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "request_too_large"
+    assert "max_body_size" in err.value.body["error"]["message"]
+    (span,) = read_spans(p)
+    assert span["endpoint"] == "messages" and span["error_kind"] == "too_large"
+
+
+def test_the_harness_key_in_a_prompt_is_masked(anthropic_proxy, anthropic_from_env, stub_server):
+    key = "sk-ant-api03-Q7fGh2KpX9vLm4Ns8TbW1cYdR3eT"
+    client = anthropic_from_env(anthropic_proxy.env_for("a-secret", api_key=None) | {"ANTHROPIC_API_KEY": key})
+    client.messages.create(model="claude-hosted-large", max_tokens=4,
+                           messages=[{"role": "user", "content": f"my env says ANTHROPIC_API_KEY={key}"}])
+    (span,) = read_spans(anthropic_proxy)
+    assert key not in span["request_json"] and span["secret_detected"] is True
+    assert span["response_token_ids"] is None  # left out of training by default (proxy/README, Redaction)
