@@ -64,7 +64,7 @@ def test_messages_conversation_captured_exactly_and_samples_have_no_drift(
         assert msg.model == "claude-hosted" and msg.stop_reason in ("end_turn", "max_tokens")
         text = "".join(b.text for b in msg.content if b.type == "text")
         texts.append(text)
-        messages.append({"role": "assistant", "content": [{"type": "text", "text": text}] if text else "."})
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": text}]})  # as it came, even empty
     vllm_proxy.control.reward("conv", 0, 1.0)
     spans = read_spans(vllm_proxy)
     assert [s["endpoint"] for s in spans] == ["messages"] * 3 and all(s["error_kind"] is None for s in spans)
@@ -83,15 +83,20 @@ def test_messages_conversation_captured_exactly_and_samples_have_no_drift(
     print("messages samples:", {k: stats[k] for k in ("samples", "calls_continuing_history", "breaks",
                                                          "drift_checked", "drift_prompt", "drift_response")})
     assert stats["drift_checked"] == 3 and (stats["drift_prompt"], stats["drift_response"]) == (0, 0)
-    if all(texts):
-        assert stats["calls_continuing_history"] == 2 and table.num_rows == 1
+    # the history sent back as Messages blocks continues the token history: one sample
+    assert stats["calls_continuing_history"] == 2 and sum(stats["breaks"].values()) == 0 and table.num_rows == 1
+    (sample,) = table.to_pylist()
+    model_ids = [t for t, m in zip(sample["response_token_ids"], sample["response_mask"]) if m]
+    assert model_ids == [t for s in spans for t in s["response_token_ids"]]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_tool_use_and_tool_result_history_through_vllm(vllm_proxy, vllm_engine, anthropic_from_env, stream):  # noqa: F811
+def test_tool_use_and_tool_result_history_through_vllm(vllm_proxy, vllm_engine, tiny_model_dir, anthropic_from_env,  # noqa: F811
+                                                       stream):
     """A harness's tool_use / tool_result turns reach vLLM as the chat messages they render like, and
     the answer is captured exactly. (Generating a tool call on vLLM needs it started with
-    ``--tool-call-parser``; the session engine is not, so tool-call answers are tested on the stub.)"""
+    ``--tool-call-parser``, and the tiny test model then writes digits where the arguments go
+    until ``max_tokens``; tool_use answers are tested against the stub upstream.)"""
     client = anthropic_from_env(vllm_proxy.env_for("tool"))
     history = [{"role": "user", "content": "2+3="},
                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "calc", "input": {"expr": "2+3"}}]},
@@ -113,3 +118,10 @@ def test_tool_use_and_tool_result_history_through_vllm(vllm_proxy, vllm_engine, 
                 "name": "calc", "arguments": json.dumps({"expr": "2+3"})}}]},
             {"role": "tool", "tool_call_id": "toolu_1", "content": "5"}, {"role": "user", "content": "so?"}]
     assert span["prompt_token_ids"] == _direct_prompt_ids(vllm_engine, chat)
+    # the samples builder renders the recorded Messages request (tool turns included) exactly so
+    from lightning_harness.trainer.samples import build_samples
+
+    vllm_proxy.control.reward("tool", 0, 1.0)
+    vllm_proxy.control.flush()
+    _, stats = build_samples(vllm_proxy.traces_dir, tokenizer=str(tiny_model_dir), group_by="'all'")
+    assert (stats["drift_checked"], stats["drift_prompt"], stats["drift_response"]) == (1, 0, 0)
