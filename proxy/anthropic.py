@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 MESSAGES = "messages"  # the span's endpoint for Anthropic Messages calls
 
@@ -397,14 +398,15 @@ class EventStream:
         return b"".join(out) if out else []
 
     def _events(self) -> Iterator[bytes]:
+        buf, start = self.buf, 0
         while True:
-            raw = bytes(self.buf)
-            ends = [(i, n) for i, n in ((raw.find(b"\n\n"), 2), (raw.find(b"\r\n\r\n"), 4)) if i >= 0]
-            if not ends:
-                return
-            end, n = min(ends)
-            del self.buf[:end + n]
-            yield from self._block(raw[:end])
+            i, j = buf.find(b"\n\n", start), buf.find(b"\r\n\r\n", start)
+            if i < 0 and j < 0:
+                break
+            end, n = (j, 4) if j >= 0 and (i < 0 or j < i) else (i, 2)
+            yield from self._block(bytes(buf[start:end]))
+            start = end + n
+        del buf[:start]
 
     def _block(self, block: bytes) -> list[bytes]:
         data = b"\n".join(line[5:].lstrip(b" ") for line in block.splitlines() if line.startswith(b"data:"))

@@ -6,6 +6,7 @@ environment ``ProxyProcess.env_for()`` prints (Contract 2), plus PATH/HOME so th
 ``openai`` npm package once into ``~/.cache/lightning-harness/node/<key>`` (keyed on the package
 and Node major version, so CI on a fresh clone installs it and later runs reuse it) and returns a
 directory with ``node_modules`` to run Node clients from. It skips only if ``node``/``npm`` are missing.
+``node_anthropic`` does the same for the official ``@anthropic-ai/sdk`` npm package;
 ``openai_agents_python`` likewise builds a virtual environment with the OpenAI Agents SDK.
 """
 

@@ -6,9 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from lightning_harness.proxy.anthropic import (EventStream, EventTranslator, MessageAssembler, MessagesError, error_from,
-                                                to_chat, to_message)
+from lightning_harness.proxy.anthropic import (
+    EventStream,
+    EventTranslator,
+    MessageAssembler,
+    MessagesError,
+    error_from,
+    to_chat,
+    to_message,
+)
 
 
 def _req(**kw):

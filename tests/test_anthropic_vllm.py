@@ -10,7 +10,6 @@ import json
 import pytest
 
 from fixtures_proxy import assert_engine_logprobs, read_spans
-from test_compat_anthropic import anthropic_from_env  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 CALC = {"name": "calc", "description": "Evaluate an expression",
@@ -45,7 +44,7 @@ def _direct_prompt_ids(vllm_engine, messages: list[dict]) -> list[int]:
 
 @pytest.mark.parametrize("hosted", [False, True], ids=["reverse", "forward-hosted"])
 def test_messages_conversation_captured_exactly_and_samples_have_no_drift(
-        vllm_proxy, vllm_engine, tiny_model_dir, anthropic_from_env, hosted):  # noqa: F811
+        vllm_proxy, vllm_engine, tiny_model_dir, anthropic_from_env, hosted):
     from lightning_harness.trainer.samples import build_samples
 
     client = anthropic_from_env(vllm_proxy.env_for("conv"), hosted=hosted)
@@ -91,7 +90,7 @@ def test_messages_conversation_captured_exactly_and_samples_have_no_drift(
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_tool_use_and_tool_result_history_through_vllm(vllm_proxy, vllm_engine, tiny_model_dir, anthropic_from_env,  # noqa: F811
+def test_tool_use_and_tool_result_history_through_vllm(vllm_proxy, vllm_engine, tiny_model_dir, anthropic_from_env,
                                                        stream):
     """A harness's tool_use / tool_result turns reach vLLM as the chat messages they render like, and
     the answer is captured exactly. (Generating a tool call on vLLM needs it started with
