@@ -124,3 +124,25 @@ def test_tool_use_and_tool_result_history_through_vllm(vllm_proxy, vllm_engine, 
     vllm_proxy.control.flush()
     _, stats = build_samples(vllm_proxy.traces_dir, tokenizer=str(tiny_model_dir), group_by="'all'")
     assert (stats["drift_checked"], stats["drift_prompt"], stats["drift_response"]) == (1, 0, 0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_messages_not_routed_to_the_pool_are_recorded_natively(make_proxy, vllm_engine, tmp_path, anthropic_from_env,
+                                                               stream):
+    """Capture only: no pool, the reverse target speaks Messages itself (vLLM's own /v1/messages):
+    forwarded untouched, the span holds the Messages answer (assembled when streamed), stop reason
+    and usage, and no token ids (the target returns none)."""
+    p = make_proxy(traces_dir=tmp_path / "traces", upstreams=[], extra_args=["--reverse-target", vllm_engine.url])
+    client = anthropic_from_env(p.env_for("native"))
+    kw = dict(model=vllm_engine.served_name, max_tokens=5, messages=[{"role": "user", "content": "2+3="}])
+    if stream:
+        with client.messages.stream(**kw) as s:
+            msg = s.get_final_message()
+    else:
+        msg = client.messages.create(**kw)
+    (span,) = read_spans(p)
+    assert span["endpoint"] == "messages" and span["error_kind"] is None and span["stream"] is stream
+    assert span["response_token_ids"] is None and span["token_ids_injected"] is False
+    assert span["completion_tokens"] == msg.usage.output_tokens and span["finish_reason"] == msg.stop_reason
+    recorded = json.loads(span["response_json"])
+    assert recorded["content"] == [b.model_dump(exclude_none=True) for b in msg.content]
