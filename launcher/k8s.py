@@ -64,7 +64,7 @@ def label_value(text: str) -> str:
 
 # environment values that embed the proxy token or the user's API key: they go through the Secret
 SECRET_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "OPENAI_BASE_URL",
-              "OPENAI_API_KEY", "LIGHTNING_REWARD_URL")
+              "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "LIGHTNING_REWARD_URL")
 
 
 def secret_key(env_name: str) -> str:

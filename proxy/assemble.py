@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from .anthropic import MESSAGES, MessageAssembler, message_token_fields
+
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
 RESPONSES = "responses"
@@ -26,7 +28,8 @@ MAX_TOOL_CALLS = 1024  # per choice; a tool_calls index beyond it is ignored
 
 
 def endpoint_of(path: str) -> str | None:
-    """'chat.completions' / 'completions' / 'responses' for an OpenAI model-call path, else None."""
+    """'chat.completions' / 'completions' / 'responses' for an OpenAI model-call path, 'messages'
+    for an Anthropic one, else None."""
     path = path.split("?", 1)[0].rstrip("/")
     if path.endswith("/chat/completions"):
         return CHAT
@@ -34,11 +37,15 @@ def endpoint_of(path: str) -> str | None:
         return COMPLETIONS
     if path.endswith("/responses"):  # creating a response (not GET /responses/{id} or /cancel)
         return RESPONSES
+    if path.endswith("/v1/messages") or path == "/messages":  # Anthropic Messages (see anthropic.py)
+        return MESSAGES
     return None
 
 
 def assembler_for(endpoint: str | None):
     """The stream assembler for an endpoint's event stream."""
+    if endpoint == MESSAGES:
+        return MessageAssembler()
     return ResponsesAssembler() if endpoint == RESPONSES else StreamAssembler(endpoint)
 
 
@@ -220,6 +227,8 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
         return out
     if endpoint == RESPONSES:
         return _checked(_responses_token_fields(obj, out), obj)
+    if endpoint == MESSAGES:
+        return _checked(message_token_fields(obj, out), obj)
     choices = obj.get("choices") if isinstance(obj.get("choices"), list) else []
     out["n_choices"] = len(choices) if isinstance(obj.get("choices"), list) else None
     first = choices[0] if choices and isinstance(choices[0], dict) else {}

@@ -137,8 +137,10 @@ def _format_env(env: dict[str, str], fmt: str) -> str:
 @click.option("--token", envvar="LIGHTNING_PROXY_TOKEN", help="Proxy token. [env LIGHTNING_PROXY_TOKEN]")
 @click.option("--confdir", help="The proxy's confdir (where its CA bundle is).")
 @click.option("--api-key", envvar="OPENAI_API_KEY", help="Key the harness sends upstream. [env OPENAI_API_KEY, else a placeholder]")
+@click.option("--anthropic-api-key", envvar="ANTHROPIC_API_KEY", help="Key Anthropic clients send. [env ANTHROPIC_API_KEY, else a placeholder]")
 @click.option("--format", "fmt", type=click.Choice(["export", "json", "dotenv"]), default="export", show_default=True)
-def env(rollout_id, attempt, config_path, public_host, forward_port, reverse_port, token, confdir, api_key, fmt) -> None:
+def env(rollout_id, attempt, config_path, public_host, forward_port, reverse_port, token, confdir, api_key,
+        anthropic_api_key, fmt) -> None:
     """Print the environment that sends an unmodified harness through the proxy.
 
     \b
@@ -151,7 +153,8 @@ def env(rollout_id, attempt, config_path, public_host, forward_port, reverse_por
         click.echo(f"warning: {bundle} does not exist yet; start `lightning-proxy serve` first", err=True)
     try:  # the harness gets a credential for this attempt only, never the token itself
         out = harness_env(
-            rollout_id, attempt, cfg.token, f"http://{host}:{cfg.forward_port}", f"http://{host}:{cfg.reverse_port}", bundle, api_key
+            rollout_id, attempt, cfg.token, f"http://{host}:{cfg.forward_port}", f"http://{host}:{cfg.reverse_port}", bundle, api_key,
+            anthropic_api_key,
         )
     except InvalidId as exc:
         raise click.BadParameter(str(exc)) from None

@@ -119,6 +119,7 @@ def harness_env(
     reverse_url: str,
     ca_bundle: str | os.PathLike,
     api_key: str | None = None,
+    anthropic_api_key: str | None = None,
 ) -> dict[str, str]:
     """The environment that sends an unmodified harness through the proxy (Contract 2).
 
@@ -148,6 +149,9 @@ def harness_env(
         "CURL_CA_BUNDLE": bundle,
         "OPENAI_BASE_URL": f"{prefix}/v1",
         "OPENAI_API_KEY": api_key or PLACEHOLDER_API_KEY,
+        # Anthropic SDKs append /v1/messages to the base URL; the key is the user's, else the placeholder
+        "ANTHROPIC_BASE_URL": prefix,
+        "ANTHROPIC_API_KEY": anthropic_api_key or PLACEHOLDER_API_KEY,
         "LIGHTNING_ROLLOUT_ID": rollout_id,
         "LIGHTNING_ATTEMPT": str(attempt),
         "LIGHTNING_REWARD_URL": f"{prefix}/reward",

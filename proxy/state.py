@@ -40,13 +40,15 @@ class Call:
     mode: str = "forward"  # 'forward' or 'reverse'
     rollout_id: str | None = None
     attempt: int = 0
-    endpoint: str | None = None  # 'chat.completions' | 'completions' | 'responses'
+    endpoint: str | None = None  # 'chat.completions' | 'completions' | 'responses' | 'messages': what upstream speaks
+    api: str | None = None  # what the harness speaks when the proxy translates ('messages' sent upstream as chat)
     scheme: str | None = None  # as the harness addressed it
     host: str | None = None
     path: str | None = None  # credentials removed
     # request
     request_text: str | None = None
     request_obj: dict | None = None
+    api_request: dict | None = None  # the harness's request before translation (see ``api``)
     request_error: str | None = None
     model: str | None = None
     stream: bool = False

@@ -6,6 +6,7 @@ environment ``ProxyProcess.env_for()`` prints (Contract 2), plus PATH/HOME so th
 ``openai`` npm package once into ``~/.cache/lightning-harness/node/<key>`` (keyed on the package
 and Node major version, so CI on a fresh clone installs it and later runs reuse it) and returns a
 directory with ``node_modules`` to run Node clients from. It skips only if ``node``/``npm`` are missing.
+``node_anthropic`` does the same for the official ``@anthropic-ai/sdk`` npm package;
 ``openai_agents_python`` likewise builds a virtual environment with the OpenAI Agents SDK.
 """
 
@@ -23,6 +24,7 @@ import pytest
 
 COMPAT = Path(__file__).parent / "support" / "compat"
 OPENAI_NODE_VERSION = "6.39.1"  # the official `openai` npm package, pinned: the cache key follows it
+ANTHROPIC_NODE_VERSION = "1.14.0"  # the official `@anthropic-ai/sdk` npm package, pinned likewise
 OPENAI_AGENTS_VERSION = "0.24.0"  # the OpenAI Agents SDK (PyPI `openai-agents`), pinned likewise
 PASS_THROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SYSTEMROOT")
 
@@ -121,6 +123,15 @@ def node_openai() -> Path:
         pytest.skip("node/npm not installed: the Node openai client cannot be tested here")
     key = f"openai-{OPENAI_NODE_VERSION}-node{_node_major()}"
     return install_node_package(f"openai@{OPENAI_NODE_VERSION}", key)
+
+
+@pytest.fixture(scope="session")
+def node_anthropic() -> Path:
+    """A directory whose ``node_modules`` holds the official Anthropic npm package."""
+    if not shutil.which("node") or not shutil.which("npm"):
+        pytest.skip("node/npm not installed: the Node Anthropic client cannot be tested here")
+    key = f"anthropic-{ANTHROPIC_NODE_VERSION}-node{_node_major()}"
+    return install_node_package(f"@anthropic-ai/sdk@{ANTHROPIC_NODE_VERSION}", key)
 
 
 @pytest.fixture(scope="session")

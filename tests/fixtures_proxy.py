@@ -191,3 +191,21 @@ def openai_from_env(monkeypatch):
         return openai.OpenAI(max_retries=0, timeout=120)
 
     return make
+
+
+@pytest.fixture
+def anthropic_from_env(monkeypatch):
+    """``anthropic_from_env(env, hosted=False)``: the official client built with no arguments from a
+    printed harness environment; ``hosted``: as a harness that keeps the default api.anthropic.com
+    (no ANTHROPIC_BASE_URL) and reaches it through HTTPS_PROXY with the proxy's CA bundle."""
+
+    def make(env: dict, hosted: bool = False):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        if hosted:
+            monkeypatch.delenv("ANTHROPIC_BASE_URL")
+        import anthropic
+
+        return anthropic.Anthropic(max_retries=0, timeout=120)
+
+    return make

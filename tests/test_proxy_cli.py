@@ -134,3 +134,12 @@ def test_unmodified_harness_with_printed_environment(proxy, tmp_path, base):
     assert span["mode"] == ("forward" if base else "reverse")
     (reward,) = read_rewards(proxy)
     assert (reward["rollout_id"], reward["reward"], reward["source"]) == ("e2e", 0.5, "proxy")
+
+
+def test_env_prints_what_anthropic_clients_read(tmp_path):
+    args = ("env", "r", "--format", "json", "--confdir", str(tmp_path), "--token", "tok")
+    out = json.loads(_cli(*args, env={"ANTHROPIC_API_KEY": ""}).stdout)
+    assert out["ANTHROPIC_BASE_URL"] == out["OPENAI_BASE_URL"][: -len("/v1")] and "tok" not in out["ANTHROPIC_BASE_URL"]
+    assert out["ANTHROPIC_API_KEY"] == "sk-lightning-placeholder"  # a placeholder only where none is set
+    out = json.loads(_cli(*args, env={"ANTHROPIC_API_KEY": "sk-ant-user"}).stdout)
+    assert out["ANTHROPIC_API_KEY"] == "sk-ant-user"

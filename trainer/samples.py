@@ -70,6 +70,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..proxy.anthropic import MESSAGES, to_chat
 from ..schemas import SAMPLES
 from . import advantages as adv_mod
 from . import weights as w_mod
@@ -220,17 +221,22 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def retokenize(tokenizer: Any, request_json: str | None, response_json: str | None) -> tuple[list[int], list[int], list[float] | None]:
+def retokenize(tokenizer: Any, request_json: str | None, response_json: str | None,
+               endpoint: str | None = None) -> tuple[list[int], list[int], list[float] | None]:
     """Rebuild (prompt ids, response ids, logprobs or None) of one call from its JSON bodies.
 
     Chat: prompt = chat template over ``messages`` (+ ``tools``) with the generation prompt; the
     response = what the template adds when the assistant message is appended (so it ends with the
     template's end-of-turn tokens, as the next prompt will show them), or the content's tokens plus
     EOS when the template cannot be split that way. Completions: ``prompt`` (text or ids) and
-    ``choices[0].text``.
+    ``choices[0].text``. Anthropic Messages (``endpoint='messages'``): the recorded Messages request
+    is turned into the chat request the proxy sent upstream (the same translation), whose answer
+    the span holds as a chat completion.
     """
     req = json.loads(request_json or "{}")
     resp = json.loads(response_json or "{}")
+    if endpoint == MESSAGES:
+        req = to_chat(req)
     if "input" in req and "messages" not in req and "prompt" not in req:  # Responses API call
         req, resp = responses_as_chat(req, resp)
     choice = (resp.get("choices") or [{}])[0]
@@ -537,10 +543,10 @@ def _fill_token_ids(con, calls: pa.Table, tokenizer: Any, stats: dict, drift_che
         ids = pa.table({"span_id": calls["span_id"].take(pa.array(rows))})
         con.register("_lh_ids", ids)
         try:
-            got = con.sql("SELECT span_id, request_json, response_json FROM spans JOIN _lh_ids USING (span_id)").fetchall()
+            got = con.sql("SELECT span_id, request_json, response_json, endpoint FROM spans JOIN _lh_ids USING (span_id)").fetchall()
         finally:
             con.unregister("_lh_ids")
-        bodies = {sid: (rq, rs) for sid, rq, rs in got}
+        bodies = {sid: (rq, rs, ep) for sid, rq, rs, ep in got}
     span_ids = calls["span_id"]
     drift_p = drift_r = checked = 0
     for i in drift_rows:
@@ -568,7 +574,7 @@ def _fill_token_ids(con, calls: pa.Table, tokenizer: Any, stats: dict, drift_che
             i = int(i)
             sid = span_ids[i].as_py()
             try:
-                p, r, lp = retokenize(tokenizer, *bodies.get(sid, (None, None)))
+                p, r, lp = retokenize(tokenizer, *bodies.get(sid, (None, None, None)))
             except Exception as exc:  # a body we cannot render: drop the call, say why
                 failed.append((sid, f"{type(exc).__name__}: {exc}"))
                 continue

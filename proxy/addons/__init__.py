@@ -7,6 +7,8 @@ made with the request's credentials, before routing may replace them); capture p
 request as the harness sent it and the response with its token ids; encoding sits between them
 (it wraps capture's SSE relay with a decompressor and decodes bodies before rewrite edits them).
 Limits (body size, decompression bombs, shutdown) answers before routing dials upstream.
+The two Messages addons bracket rewrite: the Anthropic request becomes a chat request before
+rewrite injects into it, and the stripped chat answer becomes a Messages answer after.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .control import Control
 from .encoding import Encoding
 from .gate import Gate
 from .limits import Limits
+from .messages import MessagesRequest, MessagesResponse
 from .rewrite import Rewrite
 from .routing import Routing
 from .secrets import Secrets
@@ -26,8 +29,8 @@ from .secrets import Secrets
 def build_addons(state: ProxyState) -> list:
     return [
         Gate(state), Attribution(state), Secrets(), Control(state), Limits(state), Routing(state), Capture(state),
-        Encoding(state), Rewrite(state),
+        Encoding(state), MessagesRequest(), Rewrite(state), MessagesResponse(),
     ]
 
 
-__all__ = ["Attribution", "Capture", "Control", "Encoding", "Gate", "Limits", "Rewrite", "Routing", "Secrets", "build_addons"]
+__all__ = ["Attribution", "Capture", "Control", "Encoding", "Gate", "Limits", "MessagesRequest", "MessagesResponse", "Rewrite", "Routing", "Secrets", "build_addons"]

@@ -347,7 +347,7 @@ class Capture:
             "latency_ms": (now - call.received) * 1000.0,
             "ttft_ms": None if call.first_byte is None else (call.first_byte - call.received) * 1000.0,
             "mode": call.mode,
-            "endpoint": call.endpoint,
+            "endpoint": call.api or call.endpoint,
             "method": flow.request.method,
             "scheme": call.scheme,
             "host": call.host,

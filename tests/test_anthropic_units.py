@@ -1,0 +1,126 @@
+"""Messages <-> chat completions, without a proxy: request translation rules, the event stream
+built from chat chunks (split anywhere), native stream assembly and error shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from lightning_harness.proxy.anthropic import (
+    EventStream,
+    EventTranslator,
+    MessageAssembler,
+    MessagesError,
+    error_from,
+    to_chat,
+    to_message,
+)
+
+
+def _req(**kw):
+    return {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def test_request_translation():
+    chat = to_chat(_req(
+        system=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], stop_sequences=["\n"], top_k=5,
+        metadata={"user_id": "u"}, thinking={"type": "enabled", "budget_tokens": 10}, seed=3, stream=True,
+        tools=[{"name": "t", "input_schema": {"type": "object"}}], tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
+                  {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                                    {"type": "text", "text": "ok"},
+                                                    {"type": "tool_use", "id": "c1", "name": "t", "input": {"é": 1}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                                "content": [{"type": "text", "text": "r"}]}]}]))
+    assert chat["messages"] == [
+        {"role": "system", "content": "a\nb"}, {"role": "user", "content": "x\ny"},
+        {"role": "assistant", "content": "ok", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "t", "arguments": '{"é": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r"}]
+    assert chat["tools"] == [{"type": "function", "function": {"name": "t", "parameters": {"type": "object"}}}]
+    assert (chat["tool_choice"], chat["parallel_tool_calls"], chat["stop"], chat["top_k"]) == ("required", False, ["\n"], 5)
+    assert chat["seed"] == 3 and "metadata" not in chat and "thinking" not in chat  # extensions pass, Messages-only fields not
+    assert chat["stream"] is True and chat["stream_options"]["include_usage"] is True
+
+
+@pytest.mark.parametrize("bad, rule", [
+    ([], "JSON object"), ({"max_tokens": 1, "messages": []}, "model"), (_req(max_tokens=0), "max_tokens"),
+    (_req(max_tokens=True), "max_tokens"), (_req(messages="hi"), "messages"),
+    (_req(messages=[{"role": "system", "content": "x"}]), "role"),
+    (_req(messages=[{"role": "user", "content": [{"type": "document"}]}]), "document"),
+    (_req(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b", "input": {}}]}]), "tool_use"),
+    (_req(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "custom tools"),
+    (_req(tool_choice={"type": "sometimes"}), "tool_choice"), (_req(system=5), "system"),
+    (_req(stop_sequences=[1]), "stop_sequences"),
+])
+def test_malformed_requests_name_the_rule(bad, rule):
+    with pytest.raises(MessagesError, match=rule):
+        to_chat(bad)
+
+
+def test_answer_translation():
+    chat = {"id": "chatcmpl-1", "model": "asked", "usage": {"prompt_tokens": 5, "completion_tokens": 2},
+            "choices": [{"finish_reason": "stop", "stop_reason": "END", "message": {
+                "role": "assistant", "content": "hi", "tool_calls": [
+                    {"id": "c", "function": {"name": "t", "arguments": '{"a": 1}'}},
+                    {"id": "d", "function": {"name": "t", "arguments": '{"a": '}}]}}]}
+    msg = to_message(chat, "asked", ["END"])
+    assert msg["id"] == "msg_chatcmpl-1" and (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "END")
+    assert msg["content"] == [{"type": "text", "text": "hi"}, {"type": "tool_use", "id": "c", "name": "t", "input": {"a": 1}},
+                              {"type": "tool_use", "id": "d", "name": "t", "input": {}}]
+    assert msg["usage"] == {"input_tokens": 5, "output_tokens": 2}
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _parse(raw: bytes) -> list[tuple[str, dict]]:
+    out = []
+    for block in raw.decode().strip().split("\n\n"):
+        name, data = block.split("\n")
+        out.append((name[len("event: "):], json.loads(data[len("data: "):])))
+    return out
+
+
+def test_event_stream_from_chunks_split_anywhere():
+    chunks = [{"id": "x", "model": "m", "usage": {"prompt_tokens": 7, "completion_tokens": 0},
+               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+              {"choices": [{"index": 0, "delta": {"content": "he"}}]}, {"choices": [{"index": 0, "delta": {"content": "y"}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c", "function": {"name": "t", "arguments": '{"a"'}}]}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}]},
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}]
+    raw = b"".join(_sse(c) for c in chunks) + b"data: [DONE]\n\n"
+    stream = EventStream(lambda b: b, EventTranslator("asked"))
+    out = b"".join(bytes(x) if not isinstance(x, list) else b"".join(x) for x in
+                   [stream(raw[i:i + 7]) for i in range(0, len(raw), 7)] + [stream(b"")])
+    events = _parse(out)
+    assert [e for e, _ in events] == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
+                                      "content_block_stop", "content_block_start", "content_block_delta",
+                                      "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert events[0][1]["message"]["model"] == "asked" and events[0][1]["message"]["usage"]["input_tokens"] == 7
+    assert events[5][1]["content_block"] == {"type": "tool_use", "id": "c", "name": "t", "input": {}}
+    assert "".join(d["delta"]["partial_json"] for e, d in events if d.get("delta", {}).get("type") == "input_json_delta") == '{"a": 1}'
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use" and events[-2][1]["usage"]["output_tokens"] == 4
+    # the native assembler folds the events it produced back into the message
+    asm = MessageAssembler()
+    for _, data in events:
+        asm.add(data)
+    msg = asm.result()
+    assert asm.finished and msg["content"][0] == {"type": "text", "text": "hey"}
+    assert msg["content"][1]["input"] == {"a": 1} and msg["stop_reason"] == "tool_use"
+
+
+def test_stream_cut_short_ends_with_an_error_event():
+    stream = EventStream(lambda b: b, EventTranslator("m"))
+    out = stream(_sse({"choices": [{"index": 0, "delta": {"content": "a"}}]})) + stream(b"")
+    assert [e for e, _ in _parse(out)][-1] == "error"
+
+
+def test_error_shapes():
+    assert error_from(400, {"error": {"message": "bad", "type": "BadRequestError"}}, None) == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}
+    assert error_from(503, {"object": "error", "message": "busy"}, None)["error"] == {"type": "overloaded_error", "message": "busy"}
+    assert error_from(502, None, "gateway down")["error"] == {"type": "api_error", "message": "gateway down"}
+    native = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow"}}
+    assert error_from(429, native, None) is native
