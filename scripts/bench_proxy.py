@@ -7,11 +7,17 @@ stripping on), prints both and their ratios, the proxy process's CPU time per re
 /proc), and its RSS before and after a long run (20,000 requests by default). ``--proxies N``
 also measures aggregate throughput with N proxy processes (workers spread across them).
 
+Against plain mitmproxy (``mitmdump`` in reverse mode, streaming on for event streams, same stub,
+same run) it measures JSON at ``--plain-json-concurrency`` (default 1) and streamed SSE answers
+(``--sse-tokens`` chunks, default 50) at ``--sse-concurrency`` (default 16): CPU per request,
+p50, time to first byte, and the proxy/plain ratios the targets are stated in.
+
 The load generator is a small asyncio HTTP/1.1 keep-alive client (one connection per worker,
 opened before the clock starts) so that it costs far less CPU than the proxy it measures.
 
     .venv/bin/python scripts/bench_proxy.py            # full run (~3 min on 2 cores)
     .venv/bin/python scripts/bench_proxy.py --quick    # ~30 s smoke run
+    .venv/bin/python scripts/bench_proxy.py --only-plain   # just the proxy vs plain mitmproxy table
 """
 
 from __future__ import annotations
@@ -77,8 +83,10 @@ class Target:
         return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-async def _read_response(r: asyncio.StreamReader) -> int:
+async def _read_response(r: asyncio.StreamReader, t0: float = 0.0, firsts: list | None = None) -> int:
     head = await r.readuntil(b"\r\n\r\n")
+    if firsts is not None:
+        firsts.append(time.perf_counter() - t0)
     status = int(head.split(b" ", 2)[1])
     low = head.lower()
     if b"transfer-encoding: chunked" in low:
@@ -99,6 +107,7 @@ async def run_load(target: Target, concurrency: int, *, seconds: float | None = 
     payload = target.request_bytes(body)
     conns = [await asyncio.open_connection(target.host, target.port) for _ in range(concurrency)]
     lat: list[float] = []
+    firsts: list[float] = []  # time to the response head
     errors = 0
     issued = 0
     t_end = None
@@ -117,7 +126,7 @@ async def run_load(target: Target, concurrency: int, *, seconds: float | None = 
             issued += 1
             t0 = time.perf_counter()
             w.write(payload)
-            status = await _read_response(r)
+            status = await _read_response(r, t0, firsts)
             lat.append(time.perf_counter() - t0)
             if status != 200:
                 errors += 1
@@ -129,8 +138,10 @@ async def run_load(target: Target, concurrency: int, *, seconds: float | None = 
     for _, w in conns:
         w.close()
     lat.sort()
+    firsts.sort()
     n = len(lat)
     return {
+        "ttfb_p50_ms": 1000 * firsts[len(firsts) // 2] if firsts else float("nan"),
         "requests": n,
         "errors": errors,
         "seconds": elapsed,
@@ -142,6 +153,91 @@ async def run_load(target: Target, concurrency: int, *, seconds: float | None = 
 
 def load(target, concurrency, **kw) -> dict:
     return asyncio.run(run_load(target, concurrency, **kw))
+
+
+# -- plain mitmproxy, the baseline -------------------------------------------------------------------
+STREAM_SSE_ADDON = """
+class StreamEventStreams:
+    def responseheaders(self, flow):
+        if "text/event-stream" in flow.response.headers.get("Content-Type", ""):
+            flow.response.stream = True
+
+addons = [StreamEventStreams()]
+"""
+
+
+class PlainMitmproxy:
+    """``mitmdump`` (the proxy's environment) in reverse mode to the stub: no addons of ours, event
+    streams relayed as they come (``flow.response.stream = True``), nothing recorded."""
+
+    def __init__(self, upstream: str, work: Path) -> None:
+        import subprocess
+
+        from conftest import free_port
+        from lightning_harness.proxy.locate import proxy_python
+
+        self.port = free_port()
+        script = work / "stream_sse.py"
+        script.write_text(STREAM_SSE_ADDON)
+        mitmdump = str(Path(proxy_python()).parent / "mitmdump")
+        self.log = open(work / "mitmdump.log", "ab")
+        self.proc = subprocess.Popen(
+            [mitmdump, "-q", "--mode", f"reverse:{upstream}", "--listen-host", "127.0.0.1", "--listen-port",
+             str(self.port), "--set", f"confdir={work / 'conf'}", "-s", str(script)],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self.proc.pid
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self._wait()
+
+    def _wait(self, timeout: float = 60) -> None:
+        import socket
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mitmdump exited with {self.proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("mitmdump did not start listening")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.log.close()
+
+
+def measure(target: Target, pid: int, concurrency: int, seconds: float, body: bytes) -> dict:
+    """One load point with the CPU the process ``pid`` spent on it."""
+    cpu0 = cpu_seconds(pid)
+    x = load(target, concurrency, seconds=seconds, body=body)
+    x["cpu_ms_per_req"] = 1000 * (cpu_seconds(pid) - cpu0) / max(1, x["requests"])
+    return x
+
+
+def plain_comparison(a, proxy_target: Target, proxy_pid: int, plain: PlainMitmproxy, bodies: dict) -> list[dict]:
+    """The proxy vs plain mitmproxy, alternating (plain, proxy) ``--rounds`` times per case so
+    that load from other processes on the machine hits both alike; the median round counts."""
+    plain_target = Target(plain.url)
+    for kind, body in bodies.items():  # warm up both paths
+        load(plain_target, 4, total=100, body=body)
+        load(proxy_target, 4, total=100, body=body)
+    cases = [("json", a.plain_json_concurrency), ("sse", a.sse_concurrency)]
+    out = []
+    for kind, c in cases:
+        rounds = {"plain": [], "proxy": []}
+        for _ in range(a.rounds):
+            rounds["plain"].append(measure(plain_target, plain.pid, c, a.seconds, bodies[kind]))
+            rounds["proxy"].append(measure(proxy_target, proxy_pid, c, a.seconds, bodies[kind]))
+        point = {"case": kind, "concurrency": c}
+        for who, xs in rounds.items():
+            point[who] = {key: sorted(x[key] for x in xs)[len(xs) // 2]
+                          for key in ("rps", "p50_ms", "p99_ms", "ttfb_p50_ms", "cpu_ms_per_req")}
+            point[who]["errors"] = sum(x["errors"] for x in xs)
+        out.append(point)
+    return out
 
 
 # -- the benchmark ----------------------------------------------------------------------------------
@@ -156,6 +252,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--no-inject", action="store_true", help="turn token-id injection/stripping off")
     ap.add_argument("--json", dest="json_out", help="also write the figures as JSON here")
+    ap.add_argument("--sse-tokens", type=int, default=50, help="chunks per streamed answer (vs plain mitmproxy)")
+    ap.add_argument("--sse-concurrency", type=int, default=16)
+    ap.add_argument("--plain-json-concurrency", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per case vs plain mitmproxy (median)")
+    ap.add_argument("--no-plain", action="store_true", help="skip the comparison with plain mitmproxy")
+    ap.add_argument("--only-plain", action="store_true", help="only the comparison with plain mitmproxy")
     a = ap.parse_args()
     if a.quick:
         a.seconds, a.memory_requests = 1.5, 2_000
@@ -166,7 +268,11 @@ def main() -> int:
     body = json.dumps({"model": "gpt-4o", "max_tokens": a.max_tokens,
                        "messages": [{"role": "system", "content": "You are terse."},
                                     {"role": "user", "content": "Say something short, please."}]}).encode()
+    sse_body = json.dumps({"model": "gpt-4o", "max_tokens": a.sse_tokens, "stream": True,
+                           "messages": [{"role": "system", "content": "You are terse."},
+                                        {"role": "user", "content": "Say something short, please."}]}).encode()
     stub = StubServer(work)
+    plain: PlainMitmproxy | None = None
     proxies: list[ProxyProcess] = []
     results: dict = {"points": [], "config": vars(a)}
     try:
@@ -186,6 +292,14 @@ def main() -> int:
 
         direct = Target(stub.url + "/v1")
         via = proxy_target(p, "bench")
+        if not a.no_plain:
+            plain = PlainMitmproxy(stub.url, work)
+            console.print("[dim]proxy vs plain mitmproxy ...[/dim]")
+            results["plain"] = plain_comparison(a, via, p.pid, plain, {"json": body, "sse": sse_body})
+            plain.stop()
+            plain = None
+        if a.only_plain:
+            a.concurrency, a.memory_requests, a.proxies = [], 0, 0
         load(direct, 4, total=200, body=body)  # warm up both paths
         load(via, 4, total=200, body=body)
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as prog:
@@ -205,21 +319,22 @@ def main() -> int:
                 results["points"].append({"concurrency": c, "direct": d, "proxy": x})
 
             # memory over a long run
-            mem_task = prog.add_task(f"memory run ({a.memory_requests:,} requests, c=16)", total=a.memory_requests)
-            p.control.flush()
-            rss0 = rss_mib(p.pid)
-            captured0 = p.control.state()["spans_captured"]
-            cpu0 = cpu_seconds(p.pid)
-            m = load(via, 16, total=a.memory_requests, body=body, progress=lambda: prog.advance(mem_task))
-            cpu = cpu_seconds(p.pid) - cpu0
-            p.control.flush()
-            st = p.control.state()
-            results["memory"] = {
-                "requests": m["requests"], "errors": m["errors"], "rps": m["rps"],
-                "rss_before_mib": rss0, "rss_after_mib": rss_mib(p.pid),
-                "cpu_ms_per_req": 1000 * cpu / max(1, m["requests"]),
-                "spans_captured": st["spans_captured"] - captured0, "spans_written": st["spans_written"],
-            }
+            if a.memory_requests:
+                mem_task = prog.add_task(f"memory run ({a.memory_requests:,} requests, c=16)", total=a.memory_requests)
+                p.control.flush()
+                rss0 = rss_mib(p.pid)
+                captured0 = p.control.state()["spans_captured"]
+                cpu0 = cpu_seconds(p.pid)
+                m = load(via, 16, total=a.memory_requests, body=body, progress=lambda: prog.advance(mem_task))
+                cpu = cpu_seconds(p.pid) - cpu0
+                p.control.flush()
+                st = p.control.state()
+                results["memory"] = {
+                    "requests": m["requests"], "errors": m["errors"], "rps": m["rps"],
+                    "rss_before_mib": rss0, "rss_after_mib": rss_mib(p.pid),
+                    "cpu_ms_per_req": 1000 * cpu / max(1, m["requests"]),
+                    "spans_captured": st["spans_captured"] - captured0, "spans_written": st["spans_written"],
+                }
 
             # scaling with more proxy processes
             if a.proxies and a.proxies > 1:
@@ -245,6 +360,8 @@ def main() -> int:
                     "p99_ms": max(o["p99_ms"] for o in outs),
                 }
     finally:
+        if plain is not None:
+            plain.stop()
         for px in proxies:
             px.stop()
         stub.stop()
@@ -256,8 +373,39 @@ def main() -> int:
     return 0
 
 
+def report_plain(out: Console, res: dict) -> None:
+    t = Table(title="lightning-proxy vs plain mitmproxy (mitmdump, event streams streamed), same stub, median of "
+                    f"{res['config']['rounds']} alternating rounds")
+    for col in ("case", "conc", "plain req/s", "proxy req/s", "plain CPU ms/req", "proxy CPU ms/req", "CPU ratio",
+                "plain p50", "proxy p50", "p50 ratio", "plain TTFB", "proxy TTFB", "TTFB ratio", "errors"):
+        t.add_column(col, justify="right")
+    for pt in res["plain"]:
+        b, x = pt["plain"], pt["proxy"]
+        case = f"SSE x{res['config']['sse_tokens']}" if pt["case"] == "sse" else "JSON"
+        t.add_row(case, str(pt["concurrency"]), f"{b['rps']:.0f}", f"{x['rps']:.0f}",
+                  f"{b['cpu_ms_per_req']:.2f}", f"{x['cpu_ms_per_req']:.2f}", f"{x['cpu_ms_per_req'] / b['cpu_ms_per_req']:.2f}",
+                  f"{b['p50_ms']:.2f}", f"{x['p50_ms']:.2f}", f"{x['p50_ms'] / b['p50_ms']:.2f}",
+                  f"{b['ttfb_p50_ms']:.2f}", f"{x['ttfb_p50_ms']:.2f}", f"{x['ttfb_p50_ms'] / b['ttfb_p50_ms']:.2f}",
+                  f"{b['errors']}/{x['errors']}")
+    out.print(t)
+    verdicts = []
+    for pt in res["plain"]:
+        b, x = pt["plain"], pt["proxy"]
+        if pt["case"] == "sse":
+            r = x["cpu_ms_per_req"] / b["cpu_ms_per_req"]
+            verdicts.append(f"SSE CPU/req <= 1.2x plain: {r:.2f}x -> {'OK' if r <= 1.2 else 'MISSED'}")
+        else:
+            r = x["p50_ms"] / b["p50_ms"]
+            verdicts.append(f"JSON c={pt['concurrency']} p50 <= plain: {r:.2f}x -> {'OK' if r <= 1.0 else 'MISSED'}")
+    out.print("targets vs plain mitmproxy: " + "; ".join(verdicts))
+
+
 def report(res: dict, ncpu: int | None) -> None:
     out = Console(width=200)
+    if res.get("plain"):
+        report_plain(out, res)
+    if not res["points"]:
+        return
     t = Table(title=f"lightning-proxy vs direct (capture + rewriting on, {res['config']['mode']} mode, {ncpu} CPUs)")
     for col in ("conc", "direct req/s", "proxy req/s", "ratio", "direct p50", "proxy p50", "direct p99", "proxy p99",
                 "p50 +ms", "proxy CPU ms/req", "proxy CPU util", "1-core capacity", "loadgen ms/req"):
