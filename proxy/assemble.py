@@ -108,15 +108,22 @@ def _concat(dst: dict, key: str, value: Any) -> None:
         dst[key] = value
 
 
-def _materialize(value: Any) -> Any:
-    """A copy with every :class:`_Pieces` joined into its string."""
-    if isinstance(value, _Pieces):
-        return "".join(value)
-    if isinstance(value, dict):
-        return {k: _materialize(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_materialize(v) for v in value]
-    return value
+def _joined(d: dict) -> dict:
+    """A shallow copy of ``d`` with its :class:`_Pieces` joined into their strings."""
+    return {k: "".join(v) if isinstance(v, _Pieces) else v for k, v in d.items()}
+
+
+def _materialize(acc: dict) -> dict:
+    """A choice as the span keeps it. Pieces are only ever made for ``text``, the message's string
+    fields and tool calls' name/arguments, so only those are joined: walking the whole choice
+    (every logprob entry of a long answer) cost more than the rest of assembling it."""
+    out = _joined(acc)
+    msg = out.get("message")
+    if isinstance(msg, dict):
+        msg = out["message"] = _joined(msg)
+        if isinstance(msg.get("tool_calls"), list):
+            msg["tool_calls"] = [{**call, "function": _joined(call["function"])} for call in msg["tool_calls"]]
+    return out
 
 
 class StreamAssembler:
@@ -128,37 +135,44 @@ class StreamAssembler:
         self.choices: dict[int, dict[str, Any]] = {}
         self.usage: dict | None = None
         self.prompt_token_ids: list | None = None
+        self.head_missing = ["id", "created", "model", "system_fingerprint"]
         self.chunks = 0
 
     def add(self, chunk: dict) -> None:
         self.chunks += 1
-        for key in ("id", "created", "model", "system_fingerprint"):
-            if key in chunk and key not in self.head:
+        if self.head_missing:  # the first value of each wins; once all are seen nothing is looked up
+            for key in [k for k in self.head_missing if k in chunk]:
                 self.head[key] = chunk[key]
-        if chunk.get("usage"):
+                self.head_missing.remove(key)
+        get = chunk.get
+        if get("usage"):
             self.usage = chunk["usage"]
-        if chunk.get("prompt_token_ids") is not None and self.prompt_token_ids is None:
+        if self.prompt_token_ids is None and get("prompt_token_ids") is not None:
             self.prompt_token_ids = chunk["prompt_token_ids"]
-        for ch in chunk.get("choices") or ():
-            idx = ch.get("index", 0)
-            acc = self.choices.get(idx)
-            if acc is None:
-                acc = self.choices[idx] = {"index": idx}
-            if ch.get("finish_reason") is not None:
-                acc["finish_reason"] = ch["finish_reason"]
-            if ch.get("stop_reason") is not None:
-                acc["stop_reason"] = ch["stop_reason"]
-            if isinstance(ch.get("token_ids"), list):
-                _extend(acc, "token_ids", ch["token_ids"])
-            if ch.get("prompt_token_ids") is not None and "prompt_token_ids" not in acc:
-                acc["prompt_token_ids"] = ch["prompt_token_ids"]
-            lp = ch.get("logprobs")
-            if lp:
-                self._add_logprobs(acc, lp)
-            if self.endpoint == CHAT:
-                self._add_delta(acc, ch.get("delta") or {})
-            else:
-                _concat(acc, "text", ch.get("text"))
+        for ch in get("choices") or ():
+            self._add_choice(ch)
+
+    def _add_choice(self, ch: dict) -> None:
+        get = ch.get
+        idx = get("index", 0)
+        acc = self.choices.get(idx)
+        if acc is None:
+            acc = self.choices[idx] = {"index": idx}
+        for key in ("finish_reason", "stop_reason"):
+            if get(key) is not None:
+                acc[key] = ch[key]
+        ids = get("token_ids")
+        if isinstance(ids, list):
+            _extend(acc, "token_ids", ids)
+        if get("prompt_token_ids") is not None and "prompt_token_ids" not in acc:
+            acc["prompt_token_ids"] = ch["prompt_token_ids"]
+        lp = get("logprobs")
+        if lp:
+            self._add_logprobs(acc, lp)
+        if self.endpoint == CHAT:
+            self._add_delta(acc, get("delta") or {})
+        else:
+            _concat(acc, "text", get("text"))
 
     @property
     def finished(self) -> bool:
@@ -315,6 +329,8 @@ def _int32(v: Any) -> int:
 def _ints(value: Any) -> list[int] | None:
     if not isinstance(value, list):
         return None
+    if all(type(v) is int for v in value) and (not value or INT32[0] <= min(value) and max(value) <= INT32[1]):
+        return list(value)  # the usual case, checked without a Python call per id
     try:
         return [_int32(v) for v in value]
     except ValueError:

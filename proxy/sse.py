@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from typing import Callable
 
+from . import fastjson
+
 EventSink = Callable[[dict], None]
 EventFilter = Callable[[dict], None]
 
@@ -50,11 +52,20 @@ class SSERelay:
         self.bytes += len(chunk)
         if self.oversize:
             return chunk
-        self.buf += chunk
-        out = self._drain(rewrite=bool(self.filters))
-        if self.max_event is not None and len(self.buf) > self.max_event:
+        rewrite = bool(self.filters)
+        buf = self.buf
+        if buf:
+            buf += chunk
+            out, used = self._drain(buf, self.scan, rewrite)
+            del buf[:used]
+        else:  # the usual case: nothing pending, so the chunk itself is scanned, never copied
+            out, used = self._drain(chunk, 0, rewrite)
+            if used < len(chunk):
+                buf += chunk[used:]
+        self.scan = max(len(buf) - 3, 0)  # a separator may straddle this chunk and the next
+        if self.max_event is not None and len(buf) > self.max_event:
             return self._overflow(chunk, out)
-        if not self.filters:
+        if not rewrite:
             return chunk
         return out if out else []
 
@@ -67,35 +78,33 @@ class SSERelay:
         self.buf.clear()
         return chunk if not self.filters else (out + pending) or []
 
-    def _drain(self, rewrite: bool) -> bytes:
-        """Parse every complete event in the buffer; with ``rewrite``, return them rewritten."""
+    def _drain(self, data: bytes | bytearray, pos: int, rewrite: bool) -> tuple[bytes, int]:
+        """Parse every complete event in ``data`` (their ends looked for from ``pos``); return them,
+        rewritten if ``rewrite``, and how many bytes of ``data`` they took."""
         out = []
-        buf = self.buf
         start = 0  # where the current event begins
-        pos = self.scan
         i = j = None  # next "\n\n" / "\r\n\r\n" at or after pos (-1: none left), found once each
         while True:
             if i is None or 0 <= i < pos:
-                i = buf.find(b"\n\n", pos)
+                i = data.find(b"\n\n", pos)
             if j is None or 0 <= j < pos:
-                j = buf.find(b"\r\n\r\n", pos)
+                j = data.find(b"\r\n\r\n", pos)
             if i < 0 and j < 0:
                 break
             if j >= 0 and (i < 0 or j < i):
-                end, pos, sep = j, j + 4, b"\r\n\r\n"
+                end, pos = j, j + 4
             else:
-                end, pos, sep = i, i + 2, b"\n\n"
-            block = bytes(buf[start:end])
+                end, pos = i, i + 2
+            block = bytes(data[start:end])
             new = self._parse_block(block, rewrite)
             if rewrite:
-                out.append((new if new is not None else block) + sep)
+                out.append(block + data[end:pos] if new is None else new + data[end:pos])
             start = pos
-        if start:
-            del buf[:start]
-        self.scan = max(len(buf) - 3, 0)  # a separator may straddle this chunk and the next
-        return b"".join(out)
+        return b"".join(out), start
 
     def _payload(self, block: bytes) -> tuple[bytes | None, list[bytes]]:
+        if block.startswith(b"data:") and b"\n" not in block and b"\r" not in block:
+            return block[5:].lstrip(b" "), []  # the usual shape: one data line, nothing else
         data, other = [], []
         for line in block.splitlines():
             if line.startswith(b"data:"):
@@ -113,12 +122,7 @@ class SSERelay:
             self.done = True
             return None
         try:
-            text = payload.decode("utf-8")
-        except UnicodeDecodeError:
-            text = payload.decode("utf-8", errors="replace")
-            self.salvaged = True
-        try:
-            obj = json.loads(text)
+            obj = self._json(payload)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
             if self.on_error:
                 self.on_error(f"malformed SSE event ({exc}): {payload[:200]!r}")
@@ -136,4 +140,13 @@ class SSERelay:
         for f in self.filters:
             f(obj)
         head = b"\n".join(other) + b"\n" if other else b""
-        return head + b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+        return head + b"data: " + fastjson.dumps_bytes(obj)
+
+    def _json(self, payload: bytes):
+        """The event's JSON value; bytes that are not UTF-8 are read with replacement characters."""
+        try:
+            text = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            text = payload.decode("utf-8", errors="replace")
+            self.salvaged = True
+        return fastjson.loads(text)

@@ -209,3 +209,36 @@ def test_responses_missing_trailing_logprob_is_nan_not_shifted():
     assert len(f["response_logprobs"]) == len(f["response_token_ids"])
     assert f["response_logprobs"][:-1] == [lp["logprob"] for lp in part["logprobs"]]
     assert f["response_logprobs"][-1] != f["response_logprobs"][-1]  # NaN
+
+
+@pytest.mark.parametrize("with_orjson", [True, False])
+def test_fastjson_reads_and_writes_what_the_standard_library_does(monkeypatch, with_orjson):
+    from lightning_harness.proxy import fastjson
+
+    if not with_orjson:
+        monkeypatch.setattr(fastjson, "orjson", None)  # an environment built before orjson was added
+    chunk = {"id": "chatcmpl-1796085322479941736", "model": "m", "choices": [{"index": 0, "delta": {"content": "é ✓ \u2028 \"q\""},
+             "logprobs": {"content": [{"token": "é", "logprob": -0.05, "bytes": [195, 169], "top_logprobs": []}]},
+             "finish_reason": None, "token_ids": [104]}]}
+    text = json.dumps(chunk)
+    assert fastjson.loads(text) == fastjson.loads(text.encode()) == chunk
+    assert json.loads(fastjson.dumps_bytes(chunk)) == json.loads(fastjson.dumps_text(chunk)) == chunk
+    assert "é" in fastjson.dumps_text(chunk)  # non-ASCII as is, like ensure_ascii=False
+    for odd in ('{"a": NaN, "b": -Infinity}', '{"a": "\\ud800"}', '[' * 3000 + ']' * 3000):
+        try:
+            want = json.loads(odd)
+        except RecursionError:
+            with pytest.raises(RecursionError):
+                fastjson.loads(odd)
+            continue
+        got = fastjson.loads(odd)
+        assert json.dumps(got) == json.dumps(want)  # NaN compares unequal to itself
+    assert json.loads(fastjson.dumps_text({"s": "\ud800", "n": 2**70}).encode("utf-8", "surrogatepass")) == {"s": "\ud800", "n": 2**70}
+    def error(parse, text):
+        try:
+            parse(text)
+        except json.JSONDecodeError as exc:
+            return exc.msg, exc.pos
+
+    for bad in ("{nope", '{"a": 1', ""):  # truncation detection reads the message and position
+        assert error(fastjson.loads, bad) == error(json.loads, bad) is not None

@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 
 from mitmproxy import http
 
+from .. import fastjson
 from ..assemble import assembler_for, token_fields
 from ..codec import TooLarge, client_accepts, decode_body, utf8_text
 from ..sse import SSERelay
@@ -132,7 +133,7 @@ class Capture:
     @staticmethod
     def _parse_request(call: Call, text: str) -> None:
         try:
-            obj = json.loads(text)
+            obj = json.loads(text)  # not fastjson: the body may be rewritten, its numbers must stay exact
             if not isinstance(obj, dict):
                 raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
         except (ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
@@ -212,7 +213,7 @@ class Capture:
         relay, asm = call.sse
         call.response_obj = asm.result()
         call.salvaged |= relay.salvaged
-        return json.dumps(call.response_obj, ensure_ascii=False)
+        return fastjson.dumps_text(call.response_obj)
 
     def _stream_result(self, call: Call, status: int) -> tuple[str, str | None, str | None]:
         relay, asm = call.sse
@@ -243,7 +244,7 @@ class Capture:
         text, bad = utf8_text(raw)
         call.salvaged |= bad
         try:
-            obj = json.loads(text or "")
+            obj = fastjson.loads(text or "")
         except (ValueError, RecursionError) as exc:
             if resp.status_code >= 400:
                 return text, None, None

@@ -16,6 +16,7 @@ import json
 
 from mitmproxy import http
 
+from .. import fastjson
 from ..assemble import CHAT, LOGPROBS_INCLUDE, RESPONSES
 from ..filters import make_model_restorer, make_responses_stripper, make_stripper
 from ..state import META, MODEL, Call, ProxyState
@@ -61,6 +62,7 @@ class Rewrite:
                 obj["logprobs"] = 0  # completions: 0 = only the sampled token's logprob
                 call.injected_logprobs = changed = True
         if changed:
+            # the standard library: the harness's own numbers (NaN, huge integers) go upstream exactly
             flow.request.content = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
         if call.injected_token_ids or call.injected_logprobs:
             make = make_responses_stripper if call.endpoint == RESPONSES else make_stripper
@@ -77,4 +79,4 @@ class Rewrite:
             return
         for f in call.event_filters:
             f(obj)
-        flow.response.content = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+        flow.response.content = fastjson.dumps_bytes(obj)
