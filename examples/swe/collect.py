@@ -106,7 +106,7 @@ def main() -> int:
             exchanges = recorder.take()
             for j, ex in enumerate(exchanges):
                 out.write(json.dumps({"task_id": task["id"], "episode": i, "call_index": j,
-                                      "n_calls": len(exchanges), **ex, "exit_status": info["exit_status"],
+                                      "n_calls": len(exchanges), "noise": args.noise, **ex, "exit_status": info["exit_status"],
                                       "reward": r}) + "\n")
             out.flush()
             rewards.append(r)

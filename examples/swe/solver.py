@@ -23,7 +23,9 @@ import difflib
 import json
 import random
 import re
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -146,6 +148,21 @@ def edit_command(module: str, current: str, target: str) -> str:
             f"{body}p.write_text(s)\nEOF")
 
 
+def fails_visible_tests(task: dict, source: str, timeout: float = 5.0) -> bool:
+    """True when source (one of our own mutants, not model-written) fails the visible tests without
+    hanging: a wrong edit must look wrong to the agent (`not not x` mutants are correct code)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / module_name(task)).write_text(source)
+        tests = Path(tmp) / test_name(task)
+        tests.write_text(task["files"][test_name(task)])
+        try:
+            proc = subprocess.run([sys.executable, "-I", "-B", "-c", generate._RUNNER, tmp, str(tests)],
+                                  cwd=tmp, env={}, capture_output=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return False
+    return proc.returncode != 0
+
+
 def wrong_edits(task: dict, current: str) -> list[str]:
     """Plausible wrong versions of the module: one more mutation inside the buggy function."""
     short = task["function"].split(".")[-1]
@@ -263,8 +280,9 @@ class Policy:
         wrong_p = self.noise.wrong_first if not edits else self.noise.retry_wrong
         if self.rng.random() < wrong_p:
             options = wrong_edits(task, current)
-            if options:
-                after = self.rng.choice(options)
+            self.rng.shuffle(options)
+            after = next((o for o in options[:6] if fails_visible_tests(task, o)), None)
+            if after is not None:
                 return Action("wrong", edit_command(mod, current, after), f"The bug is in {task['function']}; fixing it.", after)
         if current == task["solution"]:
             return Action("submit", SUBMIT, "Submitting.")
