@@ -58,6 +58,7 @@ def quiet_client_env() -> None:
         os.environ.pop(k, None)
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
     os.environ.setdefault("OPENAI_API_KEY", "sk-collect-placeholder")
+    os.environ.setdefault("MSWEA_GLOBAL_CONFIG_DIR", tempfile.mkdtemp(prefix="mswea-config-"))  # not the user's .env
     os.environ.setdefault("MSWEA_CONFIGURED", "true")
     os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")

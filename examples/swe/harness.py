@@ -107,6 +107,9 @@ def main() -> None:
     workdir = Path(args.workdir) if args.workdir else out / "repo"
     if workdir.exists() and any(workdir.iterdir()):
         sys.exit(f"harness.py: {workdir} is not empty; every episode needs a fresh private copy")
+    # mini-swe-agent loads `<config dir>/.env` into the environment at import: use an empty one of this
+    # attempt, not whatever the user's ~/.config/mini-swe-agent holds
+    os.environ.setdefault("MSWEA_GLOBAL_CONFIG_DIR", str((out / "mini-swe-agent-config").resolve()))
     os.environ.setdefault("MSWEA_CONFIGURED", "true")
     os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price list
