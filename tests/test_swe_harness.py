@@ -241,3 +241,29 @@ def test_model_written_commands_cannot_reach_the_proxy_read_credentials_or_chang
     # `kill -9 -1` reached only its own sandbox's processes: the agent went on to submit, every call recorded
     assert trajectory["info"]["exit_status"] == "Submitted"
     assert spans_per_rollout(traces) == {row["rollout_id"]: len(HOSTILE) + 1}
+
+
+@needs_swe_env
+def test_collect_writes_each_call_with_the_request_mini_swe_agent_sent(tmp_path):
+    out = tmp_path / "traj.jsonl"
+    res = subprocess.run([str(SWE_PY), str(SWE / "collect.py"), "--episodes", "3", "--noise", "0", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    episodes = {}
+    for d in lines:
+        episodes.setdefault(d["episode"], []).append(d)
+    assert sorted(episodes) == [0, 1, 2]
+    for calls in episodes.values():
+        assert [d["call_index"] for d in calls] == list(range(len(calls))) == list(range(calls[0]["n_calls"]))
+        assert calls[0]["reward"] == 1.0 and calls[-1]["reply"]["tool_calls"][0]["function"]["arguments"] == \
+            json.dumps({"command": solver.SUBMIT})
+        for j, d in enumerate(calls):
+            req = d["request"]
+            assert [t["function"]["name"] for t in req["tools"]] == ["bash"] and "tool_choice" not in req
+            assert req["messages"][0]["role"] == "system" and len(req["messages"]) == 2 + 2 * j
+            if j:  # the previous reply comes back verbatim, followed by its tool result
+                prev = calls[j - 1]["reply"]["tool_calls"][0]
+                assert req["messages"][-2]["tool_calls"][0]["function"] == prev["function"]
+                assert req["messages"][-1] == {"content": req["messages"][-1]["content"],
+                                               "tool_call_id": prev["id"], "role": "tool"}
