@@ -88,8 +88,11 @@ install_verl() {
 }
 install_swe() {
   "$V/bin/pip" install "${PIP_FLAGS[@]}" setuptools wheel
+  step "1/2 mini-swe-agent 2.4.6 (litellm), pytest"
   "$V/bin/pip" install "${PIP_FLAGS[@]}" -e "$ROOT[swe]"
-  "$V/bin/python" -c "import minisweagent, litellm" >/dev/null
+  step "2/2 checking that mini-swe-agent imports"
+  MSWEA_SILENT_STARTUP=1 MSWEA_GLOBAL_CONFIG_DIR="$V/mini-swe-agent-config" LITELLM_LOCAL_MODEL_COST_MAP=True \
+    "$V/bin/python" -c "import minisweagent, litellm" >/dev/null
 }
 ensure_bwrap() {  # the swe sandbox needs bubblewrap; CI is a fresh machine where we are root
   command -v bwrap >/dev/null && return 0
