@@ -34,7 +34,6 @@ import click
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import build_tiny_model as btm
 import tiny_model as tm
 
 SWE_DIR = tm.ROOT / "examples" / "swe"
@@ -320,6 +319,7 @@ def make_tokenizer(episodes: list[dict], vocab: int, max_len: int):
 @click.option("--hidden", default=256, show_default=True)
 @click.option("--max-len", default=2048, show_default=True)
 @click.option("--steps", default=600, show_default=True, help="SFT steps")
+@click.option("--minutes", default=0.0, show_default=True, help="stop SFT after this wall time (0: no limit)")
 @click.option("--lr", default=2e-3, show_default=True)
 @click.option("--batch", default=8, show_default=True)
 @click.option("--eval-tasks", default=84, show_default=True, help="held-out tasks evaluated (first N)")
@@ -332,7 +332,7 @@ def make_tokenizer(episodes: list[dict], vocab: int, max_len: int):
 @click.option("--device", default="cpu", show_default=True, help="where SFT runs (cuda if you have one)")
 @click.option("--eval/--no-eval", "run_eval", default=True, help="measure held-out success after the build")
 @click.option("--eval-only", is_flag=True, help="skip the build: evaluate the model in --out")
-def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps, lr, batch, eval_tasks, eval_samples,
+def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_samples,
          step_limit, threads, workers, episodes_file, device, run_eval, eval_only):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
@@ -364,13 +364,13 @@ def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps
     console.print(f"vocab {len(tok)}, params {sum(p.numel() for p in model.parameters()):,}, {len(samples)} samples, "
                   f"tokens median {lengths[len(lengths) // 2]} max {lengths[-1]}")
     t1 = time.monotonic()
-    btm.sft(model.to(device), tok, samples, steps, lr, batch, seed)
+    done = sft(model.to(device), tok, samples, steps, lr, batch, seed, minutes)
     sft_s = time.monotonic() - t1
     model = tm.untie(model.cpu())  # trained tied, shipped untied (see tm.untie)
     tm.save_checkpoint(model, tok, out)
     info = {"seed": seed, "source": str(trajectories.name) if trajectories else "imitation", "p_wrong": p_wrong,
             "episodes": len(samples), "vocab": len(tok), "layers": layers, "hidden": hidden, "heads": heads,
-            "max_len": max_len, "steps": steps, "device": device, "lr": lr, "batch": batch, "sft_seconds": round(sft_s),
+            "max_len": max_len, "steps": done, "planned_steps": steps, "minutes_budget": minutes, "device": device, "lr": lr, "batch": batch, "sft_seconds": round(sft_s),
             "params": sum(p.numel() for p in model.parameters()), "untied_after_sft": True}
     (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
     console.print(f"SFT {sft_s:.0f}s, wrote {out}")
@@ -379,6 +379,31 @@ def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps
     info["held_out_in_process"] = evaluate(model, tok, evals, eval_samples, step_limit, seed, max_len)
     (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
     console.print(info["held_out_in_process"])
+
+
+def sft(model, tok, samples, steps: int, lr: float, batch: int, seed: int, minutes: float) -> int:
+    """Supervised warm start on the assistant turns (short warm-up, linear decay), stopped early
+    when a wall-time budget runs out on a busy machine; returns the steps done."""
+    import torch
+
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
+    model.train()
+    t0 = time.monotonic()
+    for step in range(steps):
+        logp, n = tm.completion_logprobs(model, None, tok.pad_token_id, samples=rng.sample(samples, batch))
+        loss = -(logp.sum() / n.sum())
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 20 == 0:
+            console.print(f"SFT step {step}/{steps} loss {loss.item():.4f} {time.monotonic() - t0:.0f}s")
+        if minutes and time.monotonic() - t0 > 60 * minutes:
+            return step + 1
+    return steps
 
 
 def evaluate(model, tok, evals, samples: int, step_limit: int, seed: int, max_len: int) -> dict:
