@@ -21,6 +21,7 @@ the model's own errors this keeps held-out success low while the right fix stays
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import random
 import re
@@ -323,6 +324,7 @@ def make_tokenizer(episodes: list[dict], vocab: int, max_len: int):
 @click.option("--lr", default=2e-3, show_default=True)
 @click.option("--batch", default=8, show_default=True)
 @click.option("--eval-tasks", default=84, show_default=True, help="held-out tasks evaluated (first N)")
+@click.option("--eval-shard", default="0/1", show_default=True, help="i/n: evaluate every n-th task from i (parallel runs)")
 @click.option("--eval-samples", default=1, show_default=True, help="sampled episodes per held-out task")
 @click.option("--step-limit", default=8, show_default=True, help="model calls per episode")
 @click.option("--threads", default=2, show_default=True)
@@ -332,14 +334,15 @@ def make_tokenizer(episodes: list[dict], vocab: int, max_len: int):
 @click.option("--device", default="cpu", show_default=True, help="where SFT runs (cuda if you have one)")
 @click.option("--eval/--no-eval", "run_eval", default=True, help="measure held-out success after the build")
 @click.option("--eval-only", is_flag=True, help="skip the build: evaluate the model in --out")
-def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_samples,
+def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_shard, eval_samples,
          step_limit, threads, workers, episodes_file, device, run_eval, eval_only):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    evals = read_tasks("eval")[:eval_tasks]
+    shard, shards = (int(x) for x in eval_shard.split("/"))
+    evals = read_tasks("eval")[:eval_tasks][shard::shards]
     if eval_only:
         model, tok = Qwen2ForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
         print(json.dumps(evaluate(model, tok, evals, eval_samples, step_limit, seed, max_len)))
@@ -368,7 +371,9 @@ def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps
     sft_s = time.monotonic() - t1
     model = tm.untie(model.cpu())  # trained tied, shipped untied (see tm.untie)
     tm.save_checkpoint(model, tok, out)
-    info = {"seed": seed, "source": str(trajectories.name) if trajectories else "imitation", "p_wrong": p_wrong,
+    source = ({"trajectories": trajectories.name, "sha256": hashlib.sha256(trajectories.read_bytes()).hexdigest()}
+              if trajectories else "imitation")
+    info = {"seed": seed, "source": source, "p_wrong": p_wrong,
             "episodes": len(samples), "vocab": len(tok), "layers": layers, "hidden": hidden, "heads": heads,
             "max_len": max_len, "steps": done, "planned_steps": steps, "minutes_budget": minutes, "device": device, "lr": lr, "batch": batch, "sft_seconds": round(sft_s),
             "params": sum(p.numel() for p in model.parameters()), "untied_after_sft": True}
@@ -378,7 +383,7 @@ def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps
         return
     info["held_out_in_process"] = evaluate(model, tok, evals, eval_samples, step_limit, seed, max_len)
     (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
-    console.print(info["held_out_in_process"])
+    console.print({k: v for k, v in info["held_out_in_process"].items() if k != "runs"})
 
 
 def sft(model, tok, samples, steps: int, lr: float, batch: int, seed: int, minutes: float) -> int:
@@ -412,7 +417,8 @@ def evaluate(model, tok, evals, samples: int, step_limit: int, seed: int, max_le
     gen = torch.Generator().manual_seed(seed)
     model.eval()
     runs = agent_rollouts(model, tok, evals * samples, step_limit, 1.0, gen, max_len=max_len)
-    return {"temperature": 1.0, "step_limit": step_limit, **summarise(runs)}
+    return {"temperature": 1.0, "step_limit": step_limit, **summarise(runs),
+            "runs": [{k: r[k] for k in ("task_id", "reward", "calls", "submitted")} for r in runs]}
 
 
 if __name__ == "__main__":
