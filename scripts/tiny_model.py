@@ -144,8 +144,11 @@ def render(messages: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------- tokenizer
-def build_tokenizer(corpus: list[str], vocab_size: int = 384):
-    """Byte-level BPE with single-digit tokens (like Qwen), trained on the task transcripts."""
+def build_tokenizer(corpus: list[str], vocab_size: int = 384, specials: list[str] = SPECIALS,
+                    chat_template: str = CHAT_TEMPLATE, max_length: int = 512):
+    """Byte-level BPE with single-digit tokens (like Qwen), trained on the task transcripts.
+    ``specials`` beyond the chat markers (e.g. tool-call tags) become single tokens, so a tool call's
+    boundaries tokenise the same whether rendered by the template or generated."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -154,23 +157,24 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 384):
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        bos_token=None, unk_token=None, chat_template=CHAT_TEMPLATE, model_max_length=512,
+        bos_token=None, unk_token=None, chat_template=chat_template, model_max_length=max_length,
         clean_up_tokenization_spaces=False)
 
 
 # ---------------------------------------------------------------- model
-def model_config(tokenizer, layers: int = 2, hidden: int = 128, heads: int = 2):
+def model_config(tokenizer, layers: int = 2, hidden: int = 128, heads: int = 2, max_positions: int = 512,
+                 intermediate: int | None = None):
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        head_dim=hidden // heads, max_position_embeddings=512, rope_theta=10000.0,
+        head_dim=hidden // heads, max_position_embeddings=max_positions, rope_theta=10000.0,
         tie_word_embeddings=True, dtype="float32",
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
@@ -276,6 +280,8 @@ def completion_logprobs(model, pairs, pad_id: int, samples=None):
     import torch
 
     ids, attn, target = pad_batch(samples if samples is not None else pairs_to_samples(pairs), pad_id)
+    device = next(model.parameters()).device
+    ids, attn, target = ids.to(device), attn.to(device), target.to(device)
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
     logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     mask = target[:, 1:].float()
@@ -367,3 +373,26 @@ def rollouts(model, tokenizer, tasks: list[dict], harness, temperature: float = 
             still.append(i)
         active = still
     return states
+
+
+def chat_sample(tokenizer, messages: list[dict], tools: list[dict] | None = None):
+    """:func:`conversation_sample` for chats with tools and tool calls: each assistant turn's target
+    is what the chat template adds for it up to and including the end-of-turn token, i.e. the ids
+    vLLM returns for it (the template re-renders a past turn exactly, so turn prompts extend each
+    other)."""
+    kw = {"tools": tools} if tools else {}
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    target: list[bool] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt_text = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False, **kw)
+        full_text = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False, **kw)
+        prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        done = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
+        done = done[:done.index(eos) + 1]
+        assert prompt[:len(ids)] == ids, "turn prompts must extend each other"
+        target += [False] * (len(prompt) - len(ids)) + [True] * len(done)
+        ids = prompt + done
+    return ids, target
