@@ -245,8 +245,9 @@ def _write_compacted(folder: Path, table: str, batch: list[Path], rep: CompactRe
     data = data.replace_schema_metadata(meta)
     in_bytes = sum(p.stat().st_size for p in batch)
     rows_per_group = max(256, int(data.num_rows * ROW_GROUP_BYTES / max(in_bytes, 1)))
-    # the first input's name keeps the folder in time order; the suffix makes it unique
-    name = f"{batch[0].stem}-c{int(time.time() * 1000)}-{os.getpid()}.parquet"
+    # the first input's name (without an earlier compaction's suffix) keeps the folder in time
+    # order; the suffix makes it unique
+    name = f"{batch[0].stem.split('-c', 1)[0]}-c{int(time.time() * 1000)}-{os.getpid()}.parquet"
     tmp = folder / f"{_TMP_PREFIX}{name}.tmp"
     try:
         with open(tmp, "wb") as fh:

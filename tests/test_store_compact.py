@@ -74,6 +74,7 @@ def test_compaction_keeps_every_row_exactly_once(tmp_path):
     write_traces(root, spans=[late])
     compact_store(root, grace_s=0)
     assert files(root, "spans") == 1 and span_ids(root) == sorted(ids + [late["span_id"]])
+    assert [p.name.count("-c") for p in (root / "spans").glob("**/*.parquet")] == [1]  # names do not grow
 
 
 def test_replaced_parts_stay_for_the_grace_period_but_are_never_read_twice(tmp_path):

@@ -368,8 +368,10 @@ class TrainingRun:
 
         Why outside the hold: the groups are finished (every rollout ended, its reward judged), so
         their spans and rollout rows are final once the proxy and the runner have flushed; nothing
-        here needs the engine paused. The store is compacted first (bounded file count, and the
-        build reads only the selected rollouts' rows: ``build_samples(rollouts=...)``).
+        here needs the engine paused. (A harness killed mid-call leaves that call to end as a
+        ``client_disconnect`` error span, which is never trained on, so a span still on its way
+        cannot change these samples.) The store is compacted first (bounded file count), and the
+        build reads only the selected rollouts' rows (``build_samples(rollouts=...)``).
         """
         import pyarrow as pa
 
