@@ -1,4 +1,4 @@
-"""`lightning-train`: build samples, run the training loop, do one update step, or compact a store.
+"""`lightning-train`: build samples, run the training loop, do one update step, write a report, or compact a store.
 
 Why a lazy group: `run` and `step` need torch (seconds to import); `build`, `--help` and
 `run --print-config` do not, so each subcommand's module is imported only when it is invoked.
