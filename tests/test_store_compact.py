@@ -207,6 +207,11 @@ def test_the_cli_compacts_a_store(tmp_path):
     assert "spans: 12 -> 1 files (36 rows" in out.output
     assert all(files(root, t) == 1 for t in ("spans", "rollouts", "rewards"))
     assert span_ids(root) == ids
+    # with a grace period the command waits it out, then removes the replaced parts itself
+    other = small_store(tmp_path / "u")
+    waited = CliRunner().invoke(main, ["compact", str(other), "--grace-s", "0.5", "--table", "spans"])
+    assert waited.exit_code == 0 and "12 replaced part(s) removed" in waited.output, waited.output
+    assert files(other, "spans") == 1 and files(other, "rollouts") == 12
     helped = CliRunner().invoke(main, ["compact", "--help"])
     assert "Example:" in helped.output and "lightning-train compact" in helped.output
     bad = CliRunner().invoke(main, ["compact", str(root), "--grace-s", "-1"])
