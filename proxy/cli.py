@@ -63,6 +63,7 @@ def main() -> None:
 @click.option("--flush-seconds", type=float, help="Longest time a span waits in memory (what a SIGKILL can lose). [default: 1]")
 @click.option("--flush-rows", type=int, help="Write a part after this many rows. [default: 5000]")
 @click.option("--flush-bytes", type=int, help="Write a part after this many buffered bytes. [default: 16 MiB]")
+@click.option("--compact-seconds", type=float, help="Seconds between compactions of spans/ and rewards/ (many small parts -> a few large ones); 0: never. [default: 60]")
 @click.option("--capture-failure", type=click.Choice(["reject", "serve"]), default=None, help="While spans cannot be written (disk full): 'reject' new model calls with 503 + Retry-After (nothing unrecorded), or 'serve' them and count what is not recorded. [default: reject]")
 @click.option("--max-buffer-bytes", type=int, help="Most bytes of unwritten rows held per table while writes fail; past it new spans are refused/dropped. [default: 256 MiB]")
 def serve(config_path, model_map, **flags) -> None:

@@ -105,6 +105,9 @@ class ProxyConfig:
     flush_rows: int = 5000
     flush_bytes: int = 16 << 20
     fsync: bool = True
+    # seconds between compactions of the proxy's tables (small parts -> few large ones,
+    # schemas/compact.py); 0 = never (another process compacts, e.g. lightning-train)
+    compact_seconds: float = 60.0
     # what happens to model calls while spans cannot be written (disk full, permissions), see
     # CAPTURE_FAILURE_POLICIES; and how many bytes of unwritten rows a writer may hold meanwhile
     capture_failure: str = "reject"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..schemas import BufferFull, PartWriter
+from ..schemas.compact import PeriodicCompactor
 from .config import ProxyConfig, Upstream
 from .credentials import Revocations
 from .redact import Redactor
@@ -94,6 +95,9 @@ class ProxyState:
         # a full rewards buffer raises BufferFull: the control API answers 503 and the harness retries
         self.rewards = PartWriter(config.traces, "rewards", flush_seconds=config.flush_seconds, fsync=config.fsync,
                                   max_buffer_bytes=config.max_buffer_bytes)
+        # bounded file count: closed parts are compacted beside the writers (never blocks a write)
+        self.compactor = PeriodicCompactor(config.traces, ("spans", "rewards"), config.compact_seconds,
+                                           fsync=config.fsync).start()
         self.spans_dropped = 0  # spans refused by a full buffer (counted and logged, see _spans_refused)
         self.capture_rejected = 0  # model calls answered 503 because capture was unhealthy (reject policy)
         self._drop_logged_at = float("-inf")
@@ -238,6 +242,7 @@ class ProxyState:
 
     def close(self) -> None:
         """Flush and stop both writers; rows that still cannot be written are reported, not hidden."""
+        self.compactor.close()
         for writer in (self.spans, self.rewards):
             try:
                 writer.close()

@@ -18,6 +18,7 @@ from .tables import (
 )
 from .checked import finished_parts
 from .parts import BufferFull, PartWriter, read_table, table_glob
+from .compact import CompactReport, compact_store, compact_table
 
 __all__ = [
     "METRICS",
@@ -28,6 +29,9 @@ __all__ = [
     "SPANS",
     "TABLES",
     "BufferFull",
+    "CompactReport",
+    "compact_store",
+    "compact_table",
     "PartWriter",
     "describe",
     "finished_parts",

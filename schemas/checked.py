@@ -10,10 +10,16 @@ not change the data it reads; the file stays for inspection or repair).
 
 Checks are cached by (path, size, mtime), so listing a large directory again costs one ``stat`` per
 file; a file that is replaced is checked again.
+
+Compaction (``schemas.compact``): a compacted part names the parts it replaces in its footer
+(``lightning.compacted_from``, names in the same folder). Those inputs stay on disk for a grace
+period after the compacted part appears (a reader that listed them earlier can still read them),
+but :func:`finished_parts` leaves them out from that moment on: a reader never sees a row twice.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -23,7 +29,10 @@ import pyarrow.parquet as pq
 
 log = logging.getLogger("lightning.schemas")
 
-_cache: dict[str, tuple[int, int, str | None]] = {}  # path -> (size, mtime_ns, error or None)
+COMPACTED_FROM = b"lightning.compacted_from"  # footer key: JSON list of the part names a compacted part replaces
+
+# path -> (size, mtime_ns, error or None, names of the parts it replaces)
+_cache: dict[str, tuple[int, int, str | None, tuple[str, ...]]] = {}
 _cache_lock = threading.Lock()
 _MAX_CACHE = 1_000_000
 
@@ -36,35 +45,58 @@ def part_files(root: str | os.PathLike, table: str) -> list[Path]:
     return sorted(p for p in base.glob("**/*.parquet") if not p.name.startswith("."))
 
 
-def part_error(path: str | os.PathLike) -> str | None:
-    """Why ``path`` is not a readable Parquet file (None when its footer reads); cached, warns once."""
+def _footer(path: str | os.PathLike) -> tuple[str | None, tuple[str, ...]]:
+    """(why unreadable or None, names of the parts it replaces) of one part; cached, warns once."""
     key = str(path)
     try:
         st = os.stat(key)
     except OSError as exc:  # removed meanwhile: not a part any more
-        return f"{type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {exc}", ()
     with _cache_lock:
         hit = _cache.get(key)
     if hit is not None and hit[:2] == (st.st_size, st.st_mtime_ns):
-        return hit[2]
+        return hit[2], hit[3]
+    replaces: tuple[str, ...] = ()
     try:
-        pq.read_metadata(key)
+        meta = pq.read_metadata(key).metadata or {}
         error = None
+        if COMPACTED_FROM in meta:
+            replaces = tuple(str(n) for n in json.loads(meta[COMPACTED_FROM]))
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError...; any failure means unreadable
         error = f"{type(exc).__name__}: {exc}"
         log.warning("skipping corrupt Parquet part %s (%s)", key, error)
     with _cache_lock:
         if len(_cache) > _MAX_CACHE:
             _cache.clear()
-        _cache[key] = (st.st_size, st.st_mtime_ns, error)
-    return error
+        _cache[key] = (st.st_size, st.st_mtime_ns, error, replaces)
+    return error, replaces
+
+
+def part_error(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a readable Parquet file (None when its footer reads); cached, warns once."""
+    return _footer(path)[0]
+
+
+def replaced_parts(path: str | os.PathLike) -> tuple[str, ...]:
+    """Names (same folder) of the parts a compacted part replaces; () for a part as written."""
+    error, replaces = _footer(path)
+    return () if error else replaces
 
 
 def finished_parts(root: str | os.PathLike, table: str) -> tuple[list[Path], list[Path]]:
-    """``(readable, skipped)`` part files of ``table`` under ``root``."""
+    """``(readable, skipped)`` part files of ``table`` under ``root``; parts a readable compacted
+    part replaces are neither (they are on their way out and their rows are in the compacted part)."""
     good, bad = [], []
+    replaced: set[str] = set()
     for path in part_files(root, table):
-        (bad if part_error(path) else good).append(path)
+        error, replaces = _footer(path)
+        (bad if error else good).append(path)
+        if replaces and not error:
+            folder = str(path.parent)
+            replaced.update(os.path.join(folder, name) for name in replaces)
+    if replaced:
+        good = [p for p in good if str(p) not in replaced]
+        bad = [p for p in bad if str(p) not in replaced]
     return good, bad
 
 
@@ -77,6 +109,6 @@ def mark_bad(path: str | os.PathLike, error: str) -> None:
         return
     with _cache_lock:
         known = _cache.get(key)
-        _cache[key] = (st.st_size, st.st_mtime_ns, error)
+        _cache[key] = (st.st_size, st.st_mtime_ns, error, ())
     if known is None or known[2] is None:
         log.warning("skipping corrupt Parquet part %s (%s)", key, error)

@@ -70,11 +70,18 @@ def test_lightning_train_build_goes_past_a_truncated_part(damaged):
     assert sorted(r[0] for r in con.sql("SELECT rollout_id FROM samples").fetchall()) == ["a", "b"]
 
 
-def test_views_stay_live_when_every_part_is_good(tmp_path):
+def test_the_sql_shell_stays_live(tmp_path):
+    # views are a listing (compaction-safe), so the shell lists again before every statement
+    import io
+
+    from lightning_harness.trainer.sql import shell
+
     root = write_traces(tmp_path / "t", spans=[span("a", 0, [1], [2])])
     con = connect(root)
     write_traces(root, spans=[span("b", 0, [1], [2])])
-    assert con.sql("SELECT count(*) FROM calls").fetchall() == [(2,)]
+    out = io.StringIO()
+    shell(con, str(root), "csv", stdin=io.StringIO("SELECT count(*) AS n FROM calls;\n"), out=out)
+    assert out.getvalue().split() == ["n", "2"]
 
 
 def test_launcher_batch_stops_when_the_proxy_cannot_record(make_proxy, harness_cmd, small_disk, tmp_path):

@@ -1,4 +1,4 @@
-"""`lightning-train`: build samples, run the training loop, or do one update step.
+"""`lightning-train`: build samples, run the training loop, do one update step, write a report, or compact a store.
 
 Why a lazy group: `run` and `step` need torch (seconds to import); `build`, `--help` and
 `run --print-config` do not, so each subcommand's module is imported only when it is invoked.
@@ -16,6 +16,7 @@ COMMANDS = {
     "run": ("loop", "run_command", "the collocated loop: rollouts through the proxy, updates, weight swaps"),
     "step": ("update", "step_command", "one update from a samples table to a checkpoint"),
     "report": ("report", "report_command", "one self-contained HTML page to read a run: reward curve, steps, rollouts"),
+    "compact": ("compact", "compact_command", "merge a trace store's small Parquet parts into a few large ones"),
 }
 
 

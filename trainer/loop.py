@@ -4,9 +4,11 @@ One step (sync and async share the code; sync is async with nothing in flight du
 
     rollout phase   the launcher keeps up to ``groups_in_flight`` task groups running through the
                     proxy against vLLM until ``groups_per_step`` groups have finished
-    update phase    proxy pause (new model calls are held, not refused) -> drain in-flight calls ->
-                    vLLM pause (+ sleep on GPU) -> samples of the finished groups -> staleness filter
-                    -> policy update -> checkpoint -> vLLM reload_weights (+ wake) + resume ->
+    samples         (engine still serving) flush proxy + runner -> compact the store -> samples of
+                    the finished groups (only their rollouts' rows are read) -> staleness filter
+    update phase    the hold, only what needs the engine stopped: proxy pause (new model calls are
+                    held, not refused) -> drain in-flight calls -> vLLM pause (+ sleep on GPU) ->
+                    policy update -> checkpoint -> vLLM reload_weights (+ wake) + resume ->
                     proxy model_version v+1 -> proxy resume (held calls go on under the new weights)
     eval            every ``eval.every`` steps, held-out tasks at their own temperature/sample count
 
@@ -140,7 +142,7 @@ class TrainingRun:
 
     def _hook(self, point: str, step: int) -> None:
         """Extension point (tests, custom schedulers): ``self.hooks[point](run, step)``. Points:
-        'paused' (proxy paused and drained, vLLM paused; before samples and update)."""
+        'paused' (proxy paused and drained, vLLM paused; samples built, before the update)."""
         fn = self.hooks.get(point)
         if fn is not None:
             fn(self, step)
@@ -353,18 +355,72 @@ class TrainingRun:
 
     # -- update phase ----------------------------------------------------------------------------
     def update_phase(self, step: int, groups: list) -> dict[str, Any]:
-        """The collocated swap: pause, drain, pause vLLM, train, save, reload, bump version, resume."""
+        """Samples of the finished groups (engine serving), then the hold: pause, drain, pause vLLM,
+        train, save, reload, bump version, resume. Only what needs the engine stopped is held."""
+        rep: dict[str, Any] = {}
+        version = int(self.state["model_version"])
+        table = self.step_samples(step, groups, version, rep)
+        rep.update(self.swap(step, table, version))
+        return rep
+
+    def step_samples(self, step: int, groups: list, version: int, rep: dict[str, Any]):
+        """The samples this update trains on, built while the harnesses keep running.
+
+        Why outside the hold: the groups are finished (every rollout ended, its reward judged), so
+        their spans and rollout rows are final once the proxy and the runner have flushed; nothing
+        here needs the engine paused. (A harness killed mid-call leaves that call to end as a
+        ``client_disconnect`` error span, which is never trained on, so a span still on its way
+        cannot change these samples.) The store is compacted first (bounded file count), and the
+        build reads only the selected rollouts' rows (``build_samples(rollouts=...)``).
+        """
         import pyarrow as pa
-        import pyarrow.compute as pc
 
         from lightning_harness.proxy.health import require_capture
-        from lightning_harness.schemas import PartWriter
+        from lightning_harness.schemas import PartWriter, compact_store
 
         from .samples import build_samples
+
+        cfg = self.cfg
+        t0 = time.monotonic()
+        self.progress.update(phase="samples")
+        # spans on disk, and all of them: stop rather than train on a partial phase
+        self.capture_state = require_capture(self.proxy.control, self.capture_state)
+        self.runner.flush()
+        rep["time/flush_s"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        compacted = compact_store(self.traces)
+        rep["time/compact_s"] = time.monotonic() - t1
+        rep["store/files"] = sum(r.files_after for r in compacted.values())
+        t1 = time.monotonic()
+        gids = sorted(g.group_id for g in groups)
+        where = "split = 'train' AND group_id IN (" + ", ".join("'" + g.replace("'", "''") + "'" for g in gids) + ")"
+        s = cfg.samples
+        table, stats = build_samples(self.traces, mode=s.mode, advantage=s.advantage,
+                                     weight_mode=s.weight_mode, where=where,
+                                     include_secret_spans=s.include_secret_spans,
+                                     rollouts=[r.rollout_id for g in groups for r in g.rollouts],
+                                     **(s.extra or {}))
+        rep.update({f"samples/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        table, st = staleness_filter(table, version, cfg.rollout.max_staleness,
+                                     cfg.rollout.staleness_mode if cfg.rollout.mode == "async" else "tis")
+        rep.update(st)
+        if table.num_rows:
+            table = table.set_column(table.schema.get_field_index("step"), "step",
+                                     pa.array([step] * table.num_rows, pa.int64()))
+            PartWriter(self.traces, "samples", background=False).write_table(table)
+        rep["time/build_s"] = time.monotonic() - t1
+        rep["time/samples_s"] = time.monotonic() - t0  # flush + compaction + build, all outside the hold
+        return table
+
+    def swap(self, step: int, table, version: int) -> dict[str, Any]:
+        """The hold: proxy pause + drain, vLLM pause (+ sleep), update, save, reload, resume.
+
+        On a GPU the update needs the engine asleep (memory); on CPU it shares the cores with the
+        engine, and the policy must not change under calls in flight, so it stays inside too.
+        """
         from .update import scheduled_lr
 
         cfg, ctl, rep = self.cfg, self.proxy.control, {}
-        version = int(self.state["model_version"])
         t_pause = time.monotonic()
         self.progress.update(phase="pause+drain")
         ctl.pause()
@@ -378,29 +434,6 @@ class TrainingRun:
             self.engine.sleep(cfg.engine.sleep_level)
         self._hook("paused", step)
         try:
-            # samples of exactly the groups this update consumes
-            t0 = time.monotonic()
-            self.progress.update(phase="samples")
-            # spans on disk, and all of them: stop rather than train on a partial phase
-            self.capture_state = require_capture(ctl, self.capture_state)
-            flush = self.runner.flush
-            flush()
-            gids = sorted(g.group_id for g in groups)
-            where = "split = 'train' AND group_id IN (" + ", ".join("'" + g.replace("'", "''") + "'" for g in gids) + ")"
-            s = cfg.samples
-            table, stats = build_samples(self.traces, mode=s.mode, advantage=s.advantage,
-                                         weight_mode=s.weight_mode, where=where,
-                                         include_secret_spans=s.include_secret_spans, **(s.extra or {}))
-            rep.update({f"samples/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-            table, st = staleness_filter(table, version, cfg.rollout.max_staleness,
-                                         cfg.rollout.staleness_mode if cfg.rollout.mode == "async" else "tis")
-            rep.update(st)
-            if table.num_rows:
-                table = table.set_column(table.schema.get_field_index("step"), "step",
-                                         pa.array([step] * table.num_rows, pa.int64()))
-                PartWriter(self.traces, "samples", background=False).write_table(table)
-            rep["time/samples_s"] = time.monotonic() - t0
-            # the update
             self.progress.update(phase="update")
             lr = scheduled_lr(self.cfg.update, step, self.cfg.steps)
             self.updater.set_lr(lr)
@@ -555,6 +588,17 @@ class TrainingRun:
         write_json_atomic(self.run_dir / "summary.json", summary)
         return summary
 
+    def _compact_at_exit(self) -> None:
+        """Every writer has stopped: compact what the last step and the eval left, inputs removed at
+        once (no grace: the run's own readers are gone; a late reader retries on a missing part)."""
+        from lightning_harness.schemas import compact_store
+
+        try:
+            if self.traces.is_dir():
+                compact_store(self.traces, grace_s=0)
+        except Exception as exc:  # the traces stay correct uncompacted; keep shutting down
+            self.console.print(f"[yellow]compacting {self.traces} at exit failed: {exc!r}[/]")
+
     def shutdown(self) -> None:
         if self.progress is not None:
             self.progress.close()
@@ -568,6 +612,7 @@ class TrainingRun:
             self.metrics.close()
         if self.proxy is not None:
             self.proxy.stop()
+        self._compact_at_exit()
         if self.engine is not None:
             if self.cfg.engine.url:  # attached: leave it serving, not paused
                 try:
@@ -628,8 +673,9 @@ def step_line(step: int, total: int, r: dict[str, Any]) -> str:
     return (f"step {step}/{total} v{r.get('model_version')} | reward {g('train/reward_mean')} "
             f"| groups {g('train/groups', '{:.0f}')} carry-over {g('async/carry_over', '{:.0f}')} "
             f"stale max {g('async/staleness_max', '{:.0f}')} dropped {g('async/dropped_rollouts', '{:.0f}')} "
-            f"| drain {g('time/drain_s', '{:.2f}')}s pause {g('time/pause_s', '{:.2f}')}s "
-            f"held {g('proxy/held', '{:.0f}')} | update {g('update/time_s', '{:.2f}')}s "
+            f"| samples {g('time/samples_s', '{:.2f}')}s | drain {g('time/drain_s', '{:.2f}')}s "
+            f"pause {g('time/pause_s', '{:.2f}')}s held {g('proxy/held', '{:.0f}')} "
+            f"| update {g('update/time_s', '{:.2f}')}s save {g('time/save_s', '{:.2f}')}s "
             f"reload {g('time/reload_s', '{:.2f}')}s | rollouts {g('time/rollout_s', '{:.1f}')}s")
 
 

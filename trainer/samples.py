@@ -372,6 +372,7 @@ def build_samples(
     where: str | None = None,
     drift_check: int = 256,
     include_secret_spans: bool = False,
+    rollouts: Iterable[str] | None = None,
 ) -> tuple[pa.Table, dict]:
     """Build the ``samples`` table from a traces directory (or a connection from ``views.connect``).
 
@@ -379,7 +380,9 @@ def build_samples(
     ``group_id``; a rollout whose group is null is its own group and is reported as a singleton).
     ``steps``: a step or steps to take rollouts from (None: all); ``where``: an extra SQL predicate
     on the ``rollouts`` view (e.g. ``"split = 'train'"``). ``include_secret_spans``: train on spans
-    the proxy found a secret in (retokenised from the masked text). Other arguments: see the module doc,
+    the proxy found a secret in (retokenised from the masked text). ``rollouts``: only these rollout
+    ids can be selected; from a traces directory only their rows are read (``views.connect``), so
+    the cost follows the rollouts selected, not the store's size. Other arguments: see the module doc,
     ``advantages.py`` and ``weights.py``.
     """
     if mode not in MODES:
@@ -393,7 +396,11 @@ def build_samples(
     for name, v in (("max_prompt_len", max_prompt_len), ("max_response_len", max_response_len)):
         if v is not None and v <= 0:
             raise ValueError(f"{name} must be positive, got {v}")
-    con = source if isinstance(source, duckdb.DuckDBPyConnection) else connect(source)
+    only = None if rollouts is None else sorted({str(r) for r in rollouts})
+    con = source if isinstance(source, duckdb.DuckDBPyConnection) else connect(source, rollouts=only)
+    if only is not None:  # on a caller's connection too (there without the read savings)
+        ids = "rollout_id IN (" + (", ".join("'" + r.replace("'", "''") + "'" for r in only) or "NULL") + ")"
+        where = f"({where}) AND {ids}" if where else ids
     tokenizer = load_tokenizer(tokenizer)
     stats: dict[str, Any] = {"mode": mode, "advantage": advantage, "weight_mode": weight_mode, "failed_policy": failed_policy}
     timings: dict[str, float] = {}

@@ -210,6 +210,7 @@ def shell(con: duckdb.DuckDBPyConnection, traces_dir: str, fmt: str = "table", m
             if cmd == ".help":
                 out.write(SHELL_HELP.format(views=", ".join(VIEW_NAMES)) + "\n")
             elif cmd == ".tables":
+                define_views(con, traces_dir)
                 counts = [(v, con.sql(f"SELECT count(*) FROM {v}").fetchall()[0][0]) for v in VIEW_NAMES]
                 render(pa.table({"view": [c[0] for c in counts], "rows": [c[1] for c in counts]}), fmt, out=out)
             elif cmd == ".schema" and args:
@@ -234,6 +235,8 @@ def shell(con: duckdb.DuckDBPyConnection, traces_dir: str, fmt: str = "table", m
 
 def _shell_exec(con, sql: str, fmt: str, max_rows: int, out, traces_dir: str | None = None) -> None:
     try:
+        if traces_dir is not None:  # parts written or compacted since the last statement
+            define_views(con, traces_dir)
         result = _run_skipping(con, sql, traces_dir)
     except duckdb.Error as exc:
         out.write(f"error: {exc}\n")

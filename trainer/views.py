@@ -18,13 +18,18 @@
     ``succeeded`` when such a later verifier reward exists), or derived (``succeeded`` with a reward,
     ``no_reward`` without) when there is no launcher row.
 
-Views re-read the directory on every query (DuckDB binds globs per query), so a live traces
-directory can be watched from one connection; only a table that had no file at connect time stays
-empty until the next ``connect``.
-
+Views read the list of readable parts found at ``connect``/``define_views`` time (not a glob):
+compaction (``schemas.compact``) may put a compacted part beside the parts it replaces, and a glob
+bound later would read both. A long-lived connection calls ``define_views`` again to see new parts
+(``lightning-sql``'s shell does before every statement); replaced parts stay on disk for a grace
+period, and :func:`past_damaged_parts` redefines and retries once a listed part is gone.
 A corrupt part file (truncated, damaged footer) is skipped with one warning line naming it
-(``schemas.checked``: checks cached by path, size and mtime); while a table has one, its view
-reads the list of readable parts found at ``connect``/``define_views`` time instead of the glob.
+(``schemas.checked``: checks cached by path, size and mtime).
+
+``connect(TRACES, rollouts=IDS)`` restricts ``spans``, ``rewards`` and ``rollouts_raw`` (and so
+``calls`` and ``rollouts``) to those rollout ids: the filter reaches the Parquet scans, whose
+row-group statistics skip what holds none of them, so a query about a few rollouts costs what they
+weigh, not what the store weighs (sample building for one update uses it).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 import duckdb
 import pyarrow as pa
@@ -50,19 +55,23 @@ def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-def _create_raw_view(con: duckdb.DuckDBPyConnection, root: Path, table: str, view: str) -> None:
+ROLLOUT_KEYED = ("spans", "rewards", "rollouts")  # tables with a rollout_id column to prune on
+
+
+def _create_raw_view(con: duckdb.DuckDBPyConnection, root: Path, table: str, view: str,
+                     rollouts: list[str] | None = None) -> None:
     schema: pa.Schema = TABLES[table]
-    good, bad = finished_parts(root, table)  # corrupt parts: skipped with one warning each
+    good, _bad = finished_parts(root, table)  # corrupt or replaced parts: left out
     if good:
-        # All parts readable: the glob, re-read by every query (a live directory can be watched).
-        # Some corrupt: the list of readable parts as of now (define_views again to see new ones).
-        source = _sql_str(str(root / table / "**" / "*.parquet")) if not bad else (
-            "[" + ", ".join(_sql_str(str(f)) for f in good) + "]")
+        source = "[" + ", ".join(_sql_str(str(f)) for f in good) + "]"
+        only = ""
+        if rollouts is not None and table in ROLLOUT_KEYED:
+            only = " WHERE rollout_id IN (" + (", ".join(_sql_str(r) for r in rollouts) or "NULL") + ")"
         # union_by_name: parts written by an older schema version still read; hive columns (day=)
         # are not added so the view has exactly the schema's columns (plus any newer ones).
         con.execute(
             f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM read_parquet({source}, "
-            "union_by_name = true, hive_partitioning = false)"
+            f"union_by_name = true, hive_partitioning = false){only}"
         )
     else:
         empty = f"_empty_{table}"
@@ -158,17 +167,20 @@ def _rollouts_sql() -> str:
     return ROLLOUTS_SQL.replace("VERIFIER_SOURCES", ", ".join(_sql_str(s) for s in VERIFIER_SOURCES))
 
 
-def define_views(con: duckdb.DuckDBPyConnection, traces_dir: str | os.PathLike) -> duckdb.DuckDBPyConnection:
-    """(Re)define every view of ``traces_dir`` on an existing connection."""
+def define_views(con: duckdb.DuckDBPyConnection, traces_dir: str | os.PathLike,
+                 rollouts: Iterable[str] | None = None) -> duckdb.DuckDBPyConnection:
+    """(Re)define every view of ``traces_dir`` on an existing connection (``rollouts``: see module doc)."""
     root = Path(traces_dir)
+    only = None if rollouts is None else sorted({str(r) for r in rollouts})
     for table, view in RAW_VIEWS.items():
-        _create_raw_view(con, root, table, view)
+        _create_raw_view(con, root, table, view, only)
     con.execute(CALLS_SQL)
     con.execute(_rollouts_sql())
     return con
 
 
-def connect(traces_dir: str | os.PathLike, *, threads: int | None = None) -> duckdb.DuckDBPyConnection:
+def connect(traces_dir: str | os.PathLike, *, threads: int | None = None,
+            rollouts: Iterable[str] | None = None) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with the trace views of ``traces_dir`` defined.
 
     Raises ``FileNotFoundError`` for a missing directory (a typo should not look like empty traces).
@@ -180,7 +192,7 @@ def connect(traces_dir: str | os.PathLike, *, threads: int | None = None) -> duc
     con.execute("SET enable_progress_bar = false")  # library use: callers show their own progress
     if threads:
         con.execute(f"SET threads = {int(threads)}")
-    return define_views(con, root)
+    return define_views(con, root, rollouts)
 
 
 _PART_IN_ERROR = re.compile(r"""["']([^"']+\.parquet)["']""")
@@ -200,10 +212,12 @@ def past_damaged_parts(run: Callable[[], T], redefine: Callable[[], object], *, 
         except duckdb.Error as exc:
             m = _PART_IN_ERROR.search(str(exc))
             path = m.group(1) if m else None
-            if path is None or path in seen or len(seen) >= attempts or not os.path.isfile(path):
+            if path is None or path in seen or len(seen) >= attempts:
                 raise
             seen.add(path)
-            mark_bad(path, f"{type(exc).__name__}: {exc}")
+            if os.path.isfile(path):
+                mark_bad(path, f"{type(exc).__name__}: {exc}")
+            # else: removed since the views were defined (compaction replaced it): list again
             redefine()
 
 

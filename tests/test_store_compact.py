@@ -1,0 +1,271 @@
+"""Compaction of the trace store (schemas/compact.py): every row exactly once, through crashes,
+beside concurrent readers and writers; the CLI, the proxy and the loop compact; samples unchanged.
+
+Real Parquet parts (schemas.PartWriter), real DuckDB views, real subprocesses killed mid-way.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+from fixtures_traces import reward, rollout, span, write_traces
+from lightning_harness.schemas import PartWriter, compact_store, compact_table, finished_parts, read_table
+from lightning_harness.trainer.samples import build_samples
+from lightning_harness.trainer.views import connect, define_views, past_damaged_parts
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def small_store(root: Path, rollouts: int = 12, calls: int = 3, groups: int = 3) -> Path:
+    """One part per rollout per table (like a proxy flushing every second): many small parts."""
+    for r in range(rollouts):
+        rid = f"run-s{r % groups}-t{r}-0"
+        prompt = [1, 2, 3]
+        rows = []
+        for seq in range(calls):
+            resp = [10 + r, 20 + seq]
+            rows.append(span(rid, seq, list(prompt), resp, model_version=r % groups))
+            prompt = prompt + resp + [7]
+        write_traces(root, spans=rows, rollouts=[rollout(rid, group_id=f"g{r % groups}", step=r % groups, reward=float(r % 2))],
+                     rewards=[reward(rid, float(r % 2))])
+    return root
+
+
+def span_ids(root: Path) -> list[str]:
+    con = connect(root)
+    return sorted(r[0] for r in con.sql("SELECT span_id FROM spans").fetchall())
+
+
+def files(root: Path, table: str) -> int:
+    return len([p for p in (root / table).glob("**/*.parquet")])
+
+
+def test_compaction_keeps_every_row_exactly_once(tmp_path):
+    root = small_store(tmp_path / "t")
+    before = {t: read_table(root, t) for t in ("spans", "rollouts", "rewards")}
+    ids = span_ids(root)
+    assert files(root, "spans") == 12 and len(ids) == 36
+    reports = compact_store(root, grace_s=0)
+    assert reports["spans"].files_before == 12 and reports["spans"].files_after == 1
+    assert reports["spans"].rows_compacted == 36 and reports["spans"].parts_removed == 12
+    for t, table in before.items():
+        assert files(root, t) == 1
+        after = read_table(root, t)
+        assert after.num_rows == table.num_rows
+        key = "span_id" if t == "spans" else ("reward_id" if t == "rewards" else "rollout_id")
+        assert sorted(after[key].to_pylist()) == sorted(table[key].to_pylist())
+        assert after.sort_by(key).equals(table.sort_by(key).select(after.column_names))
+    assert span_ids(root) == ids
+    # more parts arrive; a second round merges them with the compacted part
+    late = span("late", 0, [1], [2])
+    write_traces(root, spans=[late])
+    compact_store(root, grace_s=0)
+    assert files(root, "spans") == 1 and span_ids(root) == sorted(ids + [late["span_id"]])
+    assert [p.name.count("-c") for p in (root / "spans").glob("**/*.parquet")] == [1]  # names do not grow
+
+
+def test_replaced_parts_stay_for_the_grace_period_but_are_never_read_twice(tmp_path):
+    root = small_store(tmp_path / "t")
+    ids = span_ids(root)
+    stale = connect(root)  # listed the small parts before the compaction
+    rep = compact_table(root, "spans", grace_s=60)
+    assert rep.parts_replaced == 12 and rep.parts_removed == 0
+    assert files(root, "spans") == 13  # inputs still on disk ...
+    assert len(finished_parts(root, "spans")[0]) == 1  # ... but left out by every new reader
+    assert span_ids(root) == ids
+    assert sorted(r[0] for r in stale.sql("SELECT span_id FROM spans").fetchall()) == ids  # old listing still reads
+    assert compact_table(root, "spans", grace_s=60).parts_removed == 0  # not yet
+    assert compact_table(root, "spans", grace_s=0).parts_removed == 12
+    assert files(root, "spans") == 1 and span_ids(root) == ids
+    # a connection whose listing lost its files redefines and retries
+    assert past_damaged_parts(lambda: stale.sql("SELECT count(*) FROM spans").fetchall(),
+                              lambda: define_views(stale, root)) == [(36,)]
+
+
+@pytest.mark.parametrize("stage", ["written", "committed", "removed"])
+def test_an_injected_failure_at_any_step_loses_and_duplicates_nothing(tmp_path, stage):
+    root = small_store(tmp_path / "t")
+    ids = span_ids(root)
+
+    def fail(at):
+        if at == stage:
+            raise RuntimeError(f"crash at {at}")
+
+    with pytest.raises(RuntimeError, match="crash"):
+        compact_table(root, "spans", grace_s=0, on_step=fail)
+    assert span_ids(root) == ids
+    assert not list((root / "spans").glob("**/.compact-*"))  # no temporary left visible or behind
+    compact_table(root, "spans", grace_s=0)  # the next run finishes the job
+    assert span_ids(root) == ids and files(root, "spans") == 1
+
+
+KILLER = """
+import os, signal, sys
+from lightning_harness.schemas import compact_table
+def die(at):
+    if at == sys.argv[2]:
+        os.kill(os.getpid(), signal.SIGKILL)
+compact_table(sys.argv[1], "spans", grace_s=0, on_step=die)
+"""
+
+
+@pytest.mark.parametrize("stage", ["written", "committed", "removed"])
+def test_a_compaction_killed_mid_way_loses_and_duplicates_nothing(tmp_path, stage):
+    root = small_store(tmp_path / "t")
+    ids = span_ids(root)
+    proc = subprocess.run([sys.executable, "-c", KILLER, str(root), stage], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    assert span_ids(root) == ids  # what a reader sees right after the crash
+    if stage == "written":
+        assert list((root / "spans").glob("**/.compact-*.tmp"))  # the killed run's temporary, hidden
+    rep = compact_table(root, "spans", grace_s=0)  # the lock died with the process
+    assert rep.skipped is None
+    assert span_ids(root) == ids and files(root, "spans") == 1
+    assert not list((root / "spans").glob("**/.compact-*"))
+
+
+def test_readers_see_consistent_counts_while_writers_and_compaction_run(tmp_path):
+    root = tmp_path / "t"
+    writer = PartWriter(root, "spans", background=False, fsync=False)
+    written, stop, errors = [0], threading.Event(), []
+
+    def write():
+        i = 0
+        while not stop.is_set():
+            writer.extend([span(f"r{i}", k, [1, 2], [3]) for k in range(5)])
+            writer.flush()
+            written[0] += 5
+            i += 1
+            time.sleep(0.005)
+
+    def compact():
+        while not stop.is_set():
+            compact_table(root, "spans", grace_s=0.5, target_bytes=1 << 20, fsync=False)
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=write), threading.Thread(target=compact)]
+    for t in threads:
+        t.start()
+    try:
+        last, checks, deadline = 0, 0, time.monotonic() + 8
+        while time.monotonic() < deadline:
+            floor = written[0]  # rows written before this read started: all must be seen
+            con = connect(root) if (root / "spans").exists() else None
+            if con is None:
+                continue
+            total, distinct = past_damaged_parts(
+                lambda: con.sql("SELECT count(*), count(DISTINCT span_id) FROM spans").fetchall()[0],
+                lambda: define_views(con, root))
+            assert total == distinct, "a row was read twice"
+            assert total >= max(last, floor - 0), "a row was missed"
+            last, checks = total, checks + 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert checks >= 5
+    assert len(span_ids(root)) == written[0]
+    compact_table(root, "spans", grace_s=0)
+    assert len(span_ids(root)) == written[0] and files(root, "spans") <= 2
+
+
+def test_samples_are_identical_before_and_after_compaction(tmp_path):
+    root = small_store(tmp_path / "t")
+    where = "group_id IN ('g1', 'g2')"
+    before, stats = build_samples(root, where=where)
+    assert before.num_rows == 8 and stats["rollouts_selected"] == 8
+    pruned, _ = build_samples(root, where=where, rollouts=[f"run-s{r % 3}-t{r}-0" for r in range(12) if r % 3])
+    compact_store(root, grace_s=0)
+    after, _ = build_samples(root, where=where)
+    assert files(root, "spans") == 1
+    assert after.equals(before) and pruned.equals(before)
+    # only the rollouts named are read, and only they can be selected
+    one, st = build_samples(root, where=where, rollouts=["run-s1-t1-0"])
+    assert one["rollout_id"].to_pylist() == ["run-s1-t1-0"] and st["spans_read"] == 3
+
+
+def test_the_cli_compacts_a_store(tmp_path):
+    from lightning_harness.trainer.cli import main
+
+    root = small_store(tmp_path / "t")
+    ids = span_ids(root)
+    out = CliRunner().invoke(main, ["compact", str(root), "--grace-s", "0"])
+    assert out.exit_code == 0, out.output
+    assert "spans: 12 -> 1 files (36 rows" in out.output
+    assert all(files(root, t) == 1 for t in ("spans", "rollouts", "rewards"))
+    assert span_ids(root) == ids
+    # with a grace period the command waits it out, then removes the replaced parts itself
+    other = small_store(tmp_path / "u")
+    waited = CliRunner().invoke(main, ["compact", str(other), "--grace-s", "0.5", "--table", "spans"])
+    assert waited.exit_code == 0 and "12 replaced part(s) removed" in waited.output, waited.output
+    assert files(other, "spans") == 1 and files(other, "rollouts") == 12
+    helped = CliRunner().invoke(main, ["compact", "--help"])
+    assert "Example:" in helped.output and "lightning-train compact" in helped.output
+    bad = CliRunner().invoke(main, ["compact", str(root), "--grace-s", "-1"])
+    assert bad.exit_code != 0 and "grace" in bad.output
+
+
+def test_the_proxy_compacts_its_tables(make_proxy, tmp_path):
+    proxy = make_proxy(flush_seconds=0.05, extra_args=["--compact-seconds", "1"])
+    url = proxy.env_for("r")["OPENAI_BASE_URL"] + "/chat/completions"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for _ in range(12):
+        assert httpx.post(url, json=body, timeout=60, trust_env=False).status_code == 200
+        time.sleep(0.15)  # one part per call
+    proxy.control.flush()
+    root = Path(proxy.traces_dir)
+    assert files(root, "spans") >= 12  # one part per call as written
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(finished_parts(root, "spans")[0]) > 3:
+        time.sleep(0.5)
+    # each round merges what is new; a compacted part joins the next round once its inputs are gone
+    parts = finished_parts(root, "spans")[0]
+    assert len(parts) <= 3 and any("-c" in p.name for p in parts)
+    assert len(span_ids(root)) == 12
+
+
+def test_the_loop_compacts_and_builds_samples_outside_the_hold(make_proxy, tmp_path):
+    from lightning_harness.trainer import config as C
+    from lightning_harness.trainer.loop import TrainingRun
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def __getattr__(self, name):
+            if name.startswith("_"):
+                raise AttributeError(name)
+            return lambda *a, **k: self.calls.append(name)
+
+    cfg_path = tmp_path / "cfg.yaml"
+    (tmp_path / "model").mkdir()
+    cfg_path.write_text('model: model\nharness: {command: ["x"]}\ntasks: {train: t.jsonl}\nupdate: {lr: 1.0e-5}\n'
+                        f'run_dir: {tmp_path / "run"}\n')
+    run = TrainingRun(C.load_config(cfg_path), console=Console(file=io.StringIO()))
+    small_store(run.traces)
+    run.proxy = make_proxy(traces_dir=run.traces)
+    run.engine, run.runner, run.progress = Recorder(), Recorder(), Recorder()
+    run.state = {"model_version": 2}
+    groups = [SimpleNamespace(group_id=f"g{g}", rollouts=[SimpleNamespace(rollout_id=f"run-s{g}-t{r}-0")
+                                                            for r in range(12) if r % 3 == g]) for g in (1, 2)]
+    rep: dict = {}
+    table = run.step_samples(3, groups, 2, rep)
+    assert table.num_rows == 8 and set(table["step"].to_pylist()) == {3}
+    assert "pause" not in run.engine.calls and "flush" in run.runner.calls  # before any hold
+    # compacted (the replaced parts stay on disk for the grace period, left out by every reader)
+    assert len(finished_parts(run.traces, "spans")[0]) == 1 and len(finished_parts(run.traces, "rollouts")[0]) == 1
+    assert rep["store/files"] <= 5 and rep["time/samples_s"] >= rep["time/build_s"]
+    assert read_table(run.traces, "samples").num_rows == 8
