@@ -20,6 +20,7 @@ the model's own errors this keeps held-out success low while the right fix stays
 
 from __future__ import annotations
 
+import copy
 import difflib
 import hashlib
 import json
@@ -334,8 +335,9 @@ def make_tokenizer(episodes: list[dict], vocab: int, max_len: int):
 @click.option("--device", default="cpu", show_default=True, help="where SFT runs (cuda if you have one)")
 @click.option("--eval/--no-eval", "run_eval", default=True, help="measure held-out success after the build")
 @click.option("--eval-only", is_flag=True, help="skip the build: evaluate the model in --out")
+@click.option("--snapshots", default="", help="comma-separated SFT steps at which to also save OUT-stepN (pick a warm start by its held-out success)")
 def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_shard, eval_samples,
-         step_limit, threads, workers, episodes_file, device, run_eval, eval_only):
+         step_limit, threads, workers, episodes_file, device, run_eval, eval_only, snapshots):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
@@ -367,7 +369,11 @@ def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps
     console.print(f"vocab {len(tok)}, params {sum(p.numel() for p in model.parameters()):,}, {len(samples)} samples, "
                   f"tokens median {lengths[len(lengths) // 2]} max {lengths[-1]}")
     t1 = time.monotonic()
-    done = sft(model.to(device), tok, samples, steps, lr, batch, seed, minutes)
+    def snapshot(step: int) -> None:  # an untied copy on CPU, as shipped
+        tm.save_checkpoint(tm.untie(copy.deepcopy(model).cpu()), tok, out.with_name(f"{out.name}-step{step}"))
+
+    marks = {int(x) for x in snapshots.split(",") if x.strip()}
+    done = sft(model.to(device), tok, samples, steps, lr, batch, seed, minutes, marks, snapshot)
     sft_s = time.monotonic() - t1
     model = tm.untie(model.cpu())  # trained tied, shipped untied (see tm.untie)
     tm.save_checkpoint(model, tok, out)
@@ -386,7 +392,8 @@ def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps
     console.print({k: v for k, v in info["held_out_in_process"].items() if k != "runs"})
 
 
-def sft(model, tok, samples, steps: int, lr: float, batch: int, seed: int, minutes: float) -> int:
+def sft(model, tok, samples, steps: int, lr: float, batch: int, seed: int, minutes: float,
+        marks: set = frozenset(), snapshot=None) -> int:
     """Supervised warm start on the assistant turns (short warm-up, linear decay), stopped early
     when a wall-time budget runs out on a busy machine; returns the steps done."""
     import torch
@@ -404,6 +411,8 @@ def sft(model, tok, samples, steps: int, lr: float, batch: int, seed: int, minut
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        if step + 1 in marks:
+            snapshot(step + 1)
         if step % 20 == 0:
             console.print(f"SFT step {step}/{steps} loss {loss.item():.4f} {time.monotonic() - t0:.0f}s")
         if minutes and time.monotonic() - t0 > 60 * minutes:
