@@ -158,13 +158,14 @@ class StreamAssembler:
         acc = self.choices.get(idx)
         if acc is None:
             acc = self.choices[idx] = {"index": idx}
-        for key in ("finish_reason", "stop_reason"):
-            if get(key) is not None:
-                acc[key] = ch[key]
+        if get("finish_reason") is not None:  # (two plain lookups: this runs once per event)
+            acc["finish_reason"] = ch["finish_reason"]
+        if get("stop_reason") is not None:
+            acc["stop_reason"] = ch["stop_reason"]
         ids = get("token_ids")
         if isinstance(ids, list):
             _extend(acc, "token_ids", ids)
-        if get("prompt_token_ids") is not None and "prompt_token_ids" not in acc:
+        if "prompt_token_ids" in ch and ch["prompt_token_ids"] is not None and "prompt_token_ids" not in acc:
             acc["prompt_token_ids"] = ch["prompt_token_ids"]
         lp = get("logprobs")
         if lp:
@@ -180,7 +181,9 @@ class StreamAssembler:
         return bool(self.choices) and all(c.get("finish_reason") is not None for c in self.choices.values())
 
     def _add_logprobs(self, acc: dict, lp: dict) -> None:
-        dst = acc.setdefault("logprobs", {})
+        dst = acc.get("logprobs")
+        if dst is None:
+            dst = acc["logprobs"] = {}
         for key, value in lp.items():
             if isinstance(value, list):
                 _extend(dst, key, value)
@@ -188,7 +191,9 @@ class StreamAssembler:
                 dst[key] = value
 
     def _add_delta(self, acc: dict, delta: dict) -> None:
-        msg = acc.setdefault("message", {"role": "assistant", "content": None})
+        msg = acc.get("message")
+        if msg is None:  # (not setdefault: that builds the default dict on every event)
+            msg = acc["message"] = {"role": "assistant", "content": None}
         for key, value in delta.items():
             if key == "role":
                 msg["role"] = value or msg["role"]

@@ -47,6 +47,31 @@ def test_relay_rewrites_whole_events_and_never_returns_empty_bytes_mid_stream():
     assert relay(b"") == []
 
 
+def test_relay_one_event_per_chunk_matches_the_general_scan():
+    """Whole one-line events, one per chunk (how engines send them), take a shortcut: it must give
+    what the general scan gives for the same bytes cut anywhere, rewritten or not, odd events too."""
+    events = [_ev({"id": "c", "choices": [{"index": 0, "delta": {"content": "hé"}, "token_ids": [7]}], "drop": 1}),
+              b"data:" + json.dumps({"no_space": True}).encode() + b"\n\n",
+              b'data: {"bad": "\xff\xfe"}\n\n',  # not UTF-8: read with replacement characters
+              b"data: {nope\n\n", b"data: [1, 2]\n\n", b": comment\n\n", b"\n\n",
+              b"event: x\ndata: {\"two\": \"lines\"}\n\n", b"data: [DONE]\n\n"]
+    stream = b"".join(events)
+    for filters in ([], [lambda o: o.pop("drop", None)]):
+        runs = []
+        for pieces in (events, [stream[i: i + 5] for i in range(0, len(stream), 5)]):
+            seen, errors = [], []
+            relay = SSERelay(lambda o: seen.append(json.loads(json.dumps(o))), list(filters), on_error=errors.append)
+            out = [relay(p) for p in pieces] + [relay(b"")]
+            runs.append((b"".join(b"".join(o) if isinstance(o, list) else o for o in out), seen, len(errors),
+                         relay.done, relay.salvaged, relay.events))
+        assert runs[0] == runs[1]
+        relayed, seen, n_errors, done, salvaged, n_events = runs[0]
+        assert done and salvaged and n_errors == 1 and n_events == 4
+        assert seen[0]["choices"][0]["delta"]["content"] == "hé" and seen[2] == {"bad": "\ufffd\ufffd"}
+        assert (b'"drop"' in relayed) is (not filters)
+        assert relayed.endswith(b"data: [DONE]\n\n") and b"data: {nope\n\n" in relayed
+
+
 def test_relay_reports_malformed_events_and_keeps_them():
     errors = []
     relay = SSERelay(lambda o: None, [lambda o: None], on_error=errors.append)

@@ -35,6 +35,7 @@ log = logging.getLogger("lightning.proxy")
 
 CONTROL_HOST = "lightning.proxy"
 LOCAL_NAMES = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+MAX_REMEMBERED = 4096  # credentials remembered as checked; more (attempts in flight at once) start over
 _CRED_SEGMENT = re.compile(r"(/lh/[^/?#]*/)[^/?#]*")
 
 
@@ -64,6 +65,7 @@ class Attribution:
         self.state = state
         self.token = state.config.token
         self.by_conn: dict[str, Identity] = {}
+        self.passed: set[tuple[str, int, str]] = set()  # credentials already checked (_credential_ok)
 
     # -- credential checks ------------------------------------------------------------------
     def identify(self, user: str | None, secret: str | None) -> Identity:
@@ -76,9 +78,24 @@ class Attribution:
         except InvalidId as exc:
             return Identity(None, 0, False, str(exc), malformed=True)
         given = urllib.parse.unquote(secret or "")
-        if self.token and not credential_ok(self.token, rid, att, given):
+        if self.token and not self._credential_ok(rid, att, given):
             return Identity(rid, att, False, f"invalid credential for {rid}~{att}")
         return self.still_valid(Identity(rid, att, True, secret=given if self.token else None))
+
+    def _credential_ok(self, rollout_id: str, attempt: int, given: str) -> bool:
+        """:func:`credential_ok`, remembering the credentials that passed (a harness presents the
+        same one on every call; the HMAC is then computed once per attempt, not per request).
+        Only exact matches are remembered, so a wrong credential is always checked again; an ended
+        attempt is refused by :meth:`still_valid`, which is never cached."""
+        key = (rollout_id, attempt, given)
+        if key in self.passed:
+            return True
+        if not credential_ok(self.token, rollout_id, attempt, given):
+            return False
+        if len(self.passed) >= MAX_REMEMBERED:
+            self.passed.clear()
+        self.passed.add(key)
+        return True
 
     def still_valid(self, ident: Identity) -> Identity:
         """``ident``, or a refusal once its attempt has ended (``/_lh/end``)."""

@@ -42,7 +42,7 @@ def _valid_text(row: dict, skip: str = "request_json") -> bool:
     surrogates Parquet cannot write); True if one had to be fixed."""
     fixed = False
     for key, value in row.items():
-        if isinstance(value, str) and key != skip:
+        if isinstance(value, str) and key != skip and not value.isascii():  # ASCII is valid UTF-8
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:

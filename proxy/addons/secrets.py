@@ -58,8 +58,8 @@ def from_cookie(value: str) -> set[str]:
     return out
 
 
-def credentials(headers: http.Headers, query) -> set[str]:
-    """All credential values of one request (headers and URL query)."""
+def credentials(headers: http.Headers, query=None) -> set[str]:
+    """All credential values of one request (headers and URL query; None: the URL has none)."""
     out: set[str] = set()
     for name, value in headers.items(multi=True):
         low = name.lower()
@@ -67,7 +67,7 @@ def credentials(headers: http.Headers, query) -> set[str]:
             out |= from_cookie(value)
         elif _CREDENTIAL_HEADER.search(low):
             out |= {value.strip()} | from_authorization(value)
-    for name, value in query.items(multi=True):
+    for name, value in query.items(multi=True) if query is not None else ():
         if value and _CREDENTIAL_QUERY.match(name):
             out.add(value)
     return {v for v in out if v}
@@ -80,4 +80,6 @@ class Secrets:
         call: Call | None = flow.metadata.get(META)
         if call is None or call.kind not in (MODEL, REWARD) or flow.response is not None:
             return
-        call.secrets |= credentials(flow.request.headers, flow.request.query)
+        req = flow.request
+        # the query is parsed only when there is one (most model calls have none)
+        call.secrets |= credentials(req.headers, req.query if "?" in req.path else None)
