@@ -93,3 +93,33 @@ def test_two_call_conversation_rerenders_to_the_generated_ids(client):
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     re_prompt, re_response, _ = retokenize(tokenizer, json.dumps(body1), first.model_dump_json())
     assert (re_prompt, re_response) == (prompt1, response1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_sdk_gets_a_tool_use_block_generated_by_vllm(swe_engine, make_proxy, anthropic_from_env, tmp_path, stream):
+    """The Messages API end to end with a model that really calls tools: the proxy sends the request
+    upstream as a chat completion, vLLM's hermes parser reads the model's `<tool_call>`, and the
+    official `anthropic` SDK gets a `tool_use` block back (JSON, or assembled from the event stream),
+    while the span keeps the exact generated ids."""
+    from lightning_harness.schemas import read_table
+
+    traces = tmp_path / "traces"
+    p = make_proxy(traces_dir=traces, upstreams=[swe_engine.url], served_model=SERVED_NAME)
+    client = anthropic_from_env(p.env_for("messages-tools"))
+    tool = {"name": "bash", "description": BASH_TOOL["function"]["description"],
+            "input_schema": BASH_TOOL["function"]["parameters"]}
+    body = {"model": "claude-any", "max_tokens": 256, "system": SYSTEM, "tools": [tool], "extra_body": {"temperature": 0.0},
+            "messages": [{"role": "user", "content": held_out_task()["prompt"]}]}
+    if stream:
+        with client.messages.stream(**body) as events:
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**body)
+    assert message.stop_reason == "tool_use", message
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "bash" and isinstance(uses[0].input["command"], str)
+    assert message.model == "claude-any"  # the harness's own model name comes back
+    p.control.flush()
+    (span,) = read_table(traces, "spans").to_pylist()
+    assert span["endpoint"] == "messages" and span["error_kind"] is None
+    assert span["response_token_ids"] and len(span["response_logprobs"]) == len(span["response_token_ids"])
