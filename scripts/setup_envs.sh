@@ -32,7 +32,10 @@ PYEOF
 # run (measured: ~5 min for the training environment on 2 cores) never looks hung.
 PIP_FLAGS=(--disable-pip-version-check --progress-bar off)
 exec 3>&2  # the terminal, while an install's own output goes to its log
-step() { echo "[setup] $BUILDING: $* ($(( SECONDS - STARTED ))s)" | tee /dev/fd/3; }
+step() {  # to the log and the terminal (not `tee /dev/fd/3`: that reopens, and truncates, a redirected stderr)
+  local line="[setup] $BUILDING: $* ($(( SECONDS - STARTED ))s)"
+  echo "$line"; echo "$line" >&3
+}
 heartbeat() {  # heartbeat LOG: every 20 s, elapsed time and what pip is doing
   while sleep 20; do
     echo "[setup] $BUILDING: still installing, $(( SECONDS - STARTED ))s; $(tail -n 1 "$1" 2>/dev/null | cut -c1-100) (log: $1)" >&3
