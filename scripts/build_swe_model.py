@@ -41,6 +41,7 @@ import tiny_model as tm
 SWE_DIR = tm.ROOT / "examples" / "swe"
 sys.path.insert(0, str(SWE_DIR))
 import generate as swe_tasks
+import reward as swe_reward  # the sandboxed hidden-test scorer: these folders hold model-written code
 
 console = Console(stderr=True)
 SPECIALS = tm.SPECIALS + ["<tool_call>", "</tool_call>"]
@@ -174,12 +175,12 @@ def imitation_episodes(task: dict, rng: random.Random, p_wrong: float) -> list[d
         obs["cat"] = observation(*run_sandboxed(cmds[0], folder))
         obs["wrong"] = observation(*run_sandboxed(cmds[1], folder))
         obs["test_wrong"] = observation(*run_sandboxed(TEST_CMD, folder))
-        wrong_reward = swe_tasks.score(task, folder)
+        wrong_reward = swe_reward.score(task, folder)[0]
         swe_tasks.write_task(task, folder)
         fix = fix_command(task)
         obs["fix"] = observation(*run_sandboxed(fix, folder))
         obs["test_fix"] = observation(*run_sandboxed(TEST_CMD, folder))
-        reward = swe_tasks.score(task, folder)
+        reward = swe_reward.score(task, folder)[0]
     read = [(cmds[0], obs["cat"])]
     fixed = [(fix, obs["fix"]), (TEST_CMD, obs["test_fix"]), (SUBMIT, "")]
     wrong = [(cmds[1], obs["wrong"]), (TEST_CMD, obs["test_wrong"])]
@@ -277,7 +278,7 @@ def agent_rollouts(model, tok, tasks: list[dict], step_limit: int, temperature: 
                 text = tok.decode([t for t in out if t != tok.eos_token_id], skip_special_tokens=False)
                 step_episode(s, parse_reply(text))
         for s in states:
-            s["reward"] = swe_tasks.score(s["task"], s["folder"])
+            s["reward"] = swe_reward.score(s["task"], s["folder"])[0]
     return [{"task_id": s["task"]["id"], "reward": s["reward"], "calls": s["calls"], "submitted": s.get("submitted", False),
              "messages": s["messages"]} for s in states]
 

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,14 +23,23 @@ FAMILY_WORDS = ("operator", "off-by-one", "off by one", "swap", "constant", "inv
                 "return", "family")
 
 
-def load_generator():
-    spec = importlib.util.spec_from_file_location("swe_generate", SWE / "generate.py")
+def load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-gen = load_generator()
+gen = load("swe_generate", SWE / "generate.py")
+sys.path.insert(0, str(SWE))  # reward.py imports its sibling sandbox.py
+import reward  # noqa: E402
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="the scorer's sandbox needs bubblewrap (scripts/setup_envs.sh swe installs it)")
+
+
+def score(task: dict, folder: Path, **kw) -> float:
+    """The one hidden-test scorer (examples/swe/reward.py, sandboxed): the reward step's."""
+    return reward.score(task, folder, **kw)[0]
 
 
 def committed(split: str) -> list[dict]:
@@ -88,6 +98,7 @@ def test_prompts_name_a_failing_test_and_the_file_but_not_the_family():
         assert not any(word in prompt.lower() for word in FAMILY_WORDS), prompt
 
 
+@needs_bwrap
 @pytest.mark.parametrize("task", sample(20), ids=lambda t: t["id"])
 def test_buggy_folder_scores_zero_and_original_scores_one(task, tmp_path):
     folder = gen.write_task(task, tmp_path / "task")
@@ -95,10 +106,10 @@ def test_buggy_folder_scores_zero_and_original_scores_one(task, tmp_path):
     visible = (folder / f"test_{task['project']}.py").read_text()
     failing = gen.run_suite(task["project"], module.read_text(), visible)
     assert failing == task["failing_visible_tests"]
-    assert gen.score(task, folder) == 0.0
+    assert score(task, folder) == 0.0
     module.write_text(task["solution"])
     assert gen.run_suite(task["project"], module.read_text(), visible) == []
-    assert gen.score(task, folder) == 1.0
+    assert score(task, folder) == 1.0
 
 
 @pytest.mark.parametrize("task", sample(3), ids=lambda t: t["id"])
@@ -111,10 +122,11 @@ def test_pytest_in_the_task_folder_sees_the_same_failures(task, tmp_path):
     assert reported == sorted(task["failing_visible_tests"])
 
 
+@needs_bwrap
 def test_score_ignores_edited_visible_tests_and_times_out(tmp_path):
     task = sample(1)[0]
     folder = gen.write_task(task, tmp_path / "task")
     (folder / f"test_{task['project']}.py").write_text("def test_nothing():\n    pass\n")
-    assert gen.score(task, folder) == 0.0
+    assert score(task, folder) == 0.0
     (folder / f"{task['project']}.py").write_text("while True:\n    pass\n")
-    assert gen.score(task, folder, timeout=2) == 0.0
+    assert score(task, folder, timeout=2) == 0.0

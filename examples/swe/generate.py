@@ -16,9 +16,7 @@ import importlib.util
 import json
 import random
 import signal
-import subprocess
 import sys
-import tempfile
 import types
 from collections import Counter
 from contextlib import contextmanager
@@ -314,7 +312,7 @@ def dump(tasks: list[dict]) -> str:
     return "".join(json.dumps(t, sort_keys=True) + "\n" for t in tasks)
 
 
-# ---------------------------------------------------------------- materialise and score
+# ---------------------------------------------------------------- materialise
 
 def write_task(task: dict, dest: str | Path) -> Path:
     """Write the task's visible files (buggy module and visible tests) into dest."""
@@ -323,42 +321,6 @@ def write_task(task: dict, dest: str | Path) -> Path:
     for rel, text in task["files"].items():
         (dest / rel).write_text(text)
     return dest
-
-
-_RUNNER = r'''
-import sys
-folder, hidden = sys.argv[1], sys.argv[2]
-sys.path.insert(0, folder)
-ns = {"__name__": "hidden_tests"}
-exec(compile(open(hidden).read(), hidden, "exec"), ns)
-tests = [(k, v) for k, v in list(ns.items()) if k.startswith("test_") and callable(v)]
-failed = 0
-for name, fn in tests:
-    try:
-        fn()
-    except Exception as exc:
-        failed += 1
-        print("FAILED", name, type(exc).__name__, exc)
-sys.exit(1 if failed or not tests else 0)
-'''
-
-
-def score(task: dict, folder: str | Path, timeout: float = 60.0) -> float:
-    """1.0 if the hidden tests pass against folder's module, else 0.0 (timeouts included).
-
-    The hidden tests come from the task record, never from the folder, so editing the visible tests
-    cannot change the reward; a fresh isolated interpreter (-I, empty environment) runs them.
-    """
-    folder = Path(folder).resolve()
-    with tempfile.TemporaryDirectory() as tmp:
-        hidden = Path(tmp) / f"test_{task['project']}_hidden.py"
-        hidden.write_text(task["hidden_tests"])
-        try:
-            proc = subprocess.run([sys.executable, "-I", "-B", "-c", _RUNNER, str(folder), str(hidden)],
-                                  cwd=tmp, env={}, capture_output=True, timeout=timeout, check=False)
-        except subprocess.TimeoutExpired:
-            return 0.0
-    return 1.0 if proc.returncode == 0 else 0.0
 
 
 # ---------------------------------------------------------------- command line

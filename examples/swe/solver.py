@@ -148,6 +148,26 @@ def edit_command(module: str, current: str, target: str) -> str:
             f"{body}p.write_text(s)\nEOF")
 
 
+# Runs a test file against a module in a fresh interpreter: for the solver's own mutants only (trusted
+# code; run_suite's in-process alarm cannot be used from the server's handler threads). The reward's
+# scorer, for model-written code, is reward.py's sandboxed runner.
+_VISIBLE_RUNNER = r'''
+import sys
+folder, tests_file = sys.argv[1], sys.argv[2]
+sys.path.insert(0, folder)
+ns = {"__name__": "visible_tests"}
+exec(compile(open(tests_file).read(), tests_file, "exec"), ns)
+tests = [(k, v) for k, v in list(ns.items()) if k.startswith("test_") and callable(v)]
+failed = 0
+for name, fn in tests:
+    try:
+        fn()
+    except Exception as exc:
+        failed += 1
+sys.exit(1 if failed or not tests else 0)
+'''
+
+
 def fails_visible_tests(task: dict, source: str, timeout: float = 5.0) -> bool:
     """True when source (one of our own mutants, not model-written) fails the visible tests without
     hanging: a wrong edit must look wrong to the agent (`not not x` mutants are correct code)."""
@@ -156,7 +176,7 @@ def fails_visible_tests(task: dict, source: str, timeout: float = 5.0) -> bool:
         tests = Path(tmp) / test_name(task)
         tests.write_text(task["files"][test_name(task)])
         try:
-            proc = subprocess.run([sys.executable, "-I", "-B", "-c", generate._RUNNER, tmp, str(tests)],
+            proc = subprocess.run([sys.executable, "-I", "-B", "-c", _VISIBLE_RUNNER, tmp, str(tests)],
                                   cwd=tmp, env={}, capture_output=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
             return False
