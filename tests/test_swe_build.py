@@ -1,0 +1,81 @@
+"""scripts/build_swe_model.py's data side, without a model server: the unaddressed edit form keeps
+every file state of the solver's episodes (so the observations mini-swe-agent recorded stay true), and
+the teacher-forced metric reads the line number and the rest of a fix turn from the right tokens."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "examples" / "swe"))
+import build_swe_model as build  # noqa: E402
+import solver  # noqa: E402
+
+TASKS = build.read_tasks("train")
+
+
+def run_bash(command: str, folder: Path) -> str:
+    """The solver's own command (trusted) on a scratch copy; returns the module it leaves."""
+    subprocess.run(["bash", "-c", command], cwd=folder, check=True)
+    return next(p for p in folder.iterdir() if not p.name.startswith("test_")).read_text()
+
+
+def solver_episode(task: dict, rng: random.Random) -> tuple[dict, list[str]]:
+    """A recorded-style episode: look, a wrong edit (when one exists), the fix, submit; and the
+    module's states after each edit."""
+    mod = build.module_name(task)
+    buggy = task["files"][mod]
+    wrong = solver.wrong_edits(task, buggy)
+    states = ([rng.choice(wrong)] if wrong else []) + [task["solution"]]
+    commands, before = [f"cat -n {mod}"], buggy
+    for after in states:
+        commands.append(solver.edit_command(mod, before, after))
+        before = after
+    messages = build.conversation(task, [(c, "exit code 0\n") for c in commands] + [(build.SUBMIT, "")])
+    return {"messages": messages, "tools": [build.BASH_TOOL]}, states
+
+
+def test_unaddressed_rewrite_keeps_every_file_state(tmp_path):
+    rng, dropped = random.Random(0), 0
+    for i, task in enumerate(TASKS[::9]):
+        episode, states = solver_episode(task, rng)
+        rewritten = build.unaddress_edits(episode, task)
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        (folder / build.module_name(task)).write_text(task["files"][build.module_name(task)])
+        commands = [json.loads(c["function"]["arguments"])["command"] for m in rewritten["messages"]
+                    for c in m.get("tool_calls") or []]
+        edits = [c for c in commands if c.startswith(("sed -i", "python - <<"))]
+        assert len(edits) == len(states)
+        assert [run_bash(c, folder) for c in edits] == states, edits
+        dropped += sum(c.startswith("sed -i 's/") for c in edits)
+    assert dropped > 0  # the form is used, not only allowed
+
+
+def test_apply_edit_refuses_what_it_cannot_follow():
+    assert build.apply_edit("x = 1\n", "rm -rf /") is None
+    assert build.apply_edit("x = 1\n", "sed -i 's/x/y/g' m.py") is None
+    assert build.apply_edit("x = 1\ny = 1\n", "sed -i '2s/1/2/' m.py") == "x = 1\ny = 2\n"
+
+
+@pytest.mark.parametrize("addressed", [True, False])
+def test_teacher_forced_segments_find_the_line_number_and_the_edit(addressed):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "examples" / "swe" / "model")
+    task = next(t for t in TASKS if solver.edit_command(build.module_name(t), t["files"][build.module_name(t)],
+                                                        t["solution"], False).startswith("sed -i 's/"))
+    ids, target = build.tm.chat_sample(tok, build.edit_conversation(task, addressed), [build.BASH_TOOL])
+    a, b = build.turn_runs(target)[-1]
+    segs = build._segments(tok, ids[a:b])
+    command = json.loads(build.edit_conversation(task, addressed)[-1]["tool_calls"][0]["function"]["arguments"])["command"]
+    line = "".join(tok.decode([ids[a + k]]) for k in segs["line"])
+    assert line == (command.split("'")[1].split("s/")[0] if addressed else "")
+    assert "".join(tok.decode([ids[a + k]]) for k in segs["edit"]).strip().endswith(build.module_name(task))
