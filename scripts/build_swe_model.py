@@ -271,6 +271,28 @@ def unaddress_edits(episode: dict, task: dict) -> dict:
     return {**episode, "messages": messages}
 
 
+# ---------------------------------------------------------------- renamed projects
+def made_up_name(rng: random.Random) -> str:
+    """A pronounceable project name no task uses (two or three syllables)."""
+    syllables = [rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(rng.choice([2, 3]))]
+    return "".join(syllables) + rng.choice(["", "s", "n", "x"])
+
+
+def rename_project(episode: dict, old: str, new: str) -> dict:
+    """The episode as it would read had the project been called ``new``: every standalone occurrence
+    of ``old`` (``old.py``, ``test_old.py``, ``from old import``) replaced, in text and commands alike.
+    With only 19 train projects a tiny model can name the file from the project it recognises; renamed
+    copies leave copying from the prompt and the listing as the only way."""
+    pattern = re.compile(rf"(?<![A-Za-z0-9]){re.escape(old)}(?![A-Za-z0-9])")
+    messages = copy.deepcopy(episode["messages"])
+    for m in messages:
+        if isinstance(m.get("content"), str):
+            m["content"] = pattern.sub(new, m["content"])
+        for call in m.get("tool_calls") or []:
+            call["function"]["arguments"] = pattern.sub(new, call["function"]["arguments"])
+    return {**episode, "messages": messages}
+
+
 # ---------------------------------------------------------------- weighted SFT samples
 def turn_runs(target: list[bool]) -> list[tuple[int, int]]:
     """The [start, end) token ranges of the assistant turns in a chat sample (its runs of targets)."""
@@ -510,6 +532,7 @@ def make_tokenizer(episodes: list[dict], vocab: int, max_len: int):
               help="unaddressed: rewrite the solver's sed edits without line numbers where the span allows (solver.py --edit-form)")
 @click.option("--init", type=click.Path(path_type=Path, exists=True), default=None,
               help="continue SFT from this built model (its tokenizer and weights) instead of a fresh one")
+@click.option("--renames", default=0, show_default=True, help="copies of each episode with the project renamed (made-up names)")
 @click.option("--max-tokens", default=0, show_default=True, help="drop SFT conversations longer than this (0: max-len)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--p-wrong", default=0.5, show_default=True, help="share of tasks that also get a noisy episode")
@@ -535,7 +558,7 @@ def make_tokenizer(episodes: list[dict], vocab: int, max_len: int):
 @click.option("--tf-only", is_flag=True, help="skip the build: teacher-forced fix-turn accuracy of the model in --out")
 @click.option("--tf-every", default=0, show_default=True, help="log teacher-forced accuracy every N SFT steps (0: at snapshots only)")
 @click.option("--snapshots", default="", help="comma-separated SFT steps at which to also save OUT-stepN (pick a warm start by its held-out success)")
-def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, max_tokens, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_shard, eval_samples,
+def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, max_tokens, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_shard, eval_samples,
          step_limit, threads, workers, episodes_file, device, run_eval, eval_only, tf_only, tf_every, snapshots):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
@@ -556,6 +579,10 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, max_tokens
         if edit_form == "unaddressed":
             by_id = {t["id"]: t for t in read_tasks("train")}
             episodes = [unaddress_edits(e, by_id[e["task_id"]]) for e in episodes]
+        if renames:
+            projects = {t["id"]: t["project"] for t in read_tasks("train")}
+            rng = random.Random(f"rename-{seed}")
+            episodes += [rename_project(e, projects[e["task_id"]], made_up_name(rng)) for _ in range(renames) for e in episodes]
     elif episodes_file and episodes_file.exists():
         episodes = [json.loads(line) for line in episodes_file.read_text().splitlines()]
     else:
@@ -598,7 +625,7 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, max_tokens
             "params": sum(p.numel() for p in model.parameters()), "untied_after_sft": True,
             "init": init and {"model": str(init), "steps": json.loads((init / "build_info.json").read_text()).get("steps")
                               if (init / "build_info.json").exists() else None},
-            "mask_wrong": mask_wrong, "edit_weight": edit_weight, "edit_form": edit_form, "max_tokens": max_tokens,
+            "mask_wrong": mask_wrong, "edit_weight": edit_weight, "edit_form": edit_form, "max_tokens": max_tokens, "renames": renames,
             "teacher_forced": tf_report(model, tok, seed, edit_form == "line"),
             "teacher_forced_curve": curve}
     (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")

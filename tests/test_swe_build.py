@@ -79,3 +79,13 @@ def test_teacher_forced_segments_find_the_line_number_and_the_edit(addressed):
     line = "".join(tok.decode([ids[a + k]]) for k in segs["line"])
     assert line == (command.split("'")[1].split("s/")[0] if addressed else "")
     assert "".join(tok.decode([ids[a + k]]) for k in segs["edit"]).strip().endswith(build.module_name(task))
+
+
+def test_renamed_project_episode_names_only_the_new_project():
+    task = next(t for t in TASKS if t["project"] == "strutil")
+    episode, _ = solver_episode(task, random.Random(1))
+    renamed = build.rename_project(episode, "strutil", "zokafu")
+    text = json.dumps(renamed["messages"])
+    assert "strutil" not in text and "zokafu.py" in text and "test_zokafu.py" in text
+    assert json.dumps(episode["messages"]).replace("strutil", "zokafu") == text
+    assert "strutil" in json.dumps(episode["messages"])  # the original is left as it was
