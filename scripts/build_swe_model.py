@@ -365,37 +365,45 @@ def edit_conversation(task: dict, addressed: bool = True) -> list[dict]:
     return conversation(task, steps)[:-1]
 
 
+_PARTS = re.compile(r"sed -i '(?P<line>\d*)(?:s/(?P<span>[^/]*)/(?P<repl>[^/]*)/|a\\\\(?P<added>.*?))' (?P<file>[\w.]+)")
+
+
 def _segments(tok, turn_ids: list[int]) -> dict[str, list[int]]:
-    """Token indices of the edit turn's parts: ``line`` (the sed address digits) and ``edit`` (the
-    rest of the command after it: span, replacement, file name)."""
+    """Token indices of the fix turn's parts: ``line`` (the sed address digits), ``span`` (what
+    ``s///`` replaces), ``repl`` (its replacement, or the appended line), ``file`` and ``edit`` (the
+    whole command after the address)."""
     pieces = [tok.decode([t], skip_special_tokens=False) for t in turn_ids]
     text = "".join(pieces)
     start = text.find('"command": "') + len('"command": "')
     end = text.find('"}}', start)
-    m = re.match(r"sed -i '(\d+)", text[start:])
-    line = (start + m.start(1), start + m.end(1)) if m else None
-    after = line[1] if line else start
-    segs: dict[str, list[int]] = {"line": [], "edit": []}
+    m = _PARTS.match(text, start)
+    ranges = {"edit": (start + (m.end("line") - m.start() if m else 0), end)}
+    for name in ("line", "span", "repl", "added", "file"):
+        if m and m.group(name):
+            ranges[name] = m.span(name)
+    if "added" in ranges:
+        ranges["repl"] = ranges.pop("added")
+    segs: dict[str, list[int]] = {name: [] for name in ("line", "span", "repl", "file", "edit")}
     pos = 0
     for k, piece in enumerate(pieces):
         lo, hi = pos, pos + len(piece)
         pos = hi
-        if line and lo < line[1] and hi > line[0]:
-            segs["line"].append(k)
-        if lo < end and hi > after and not (line and hi <= line[1]):
-            segs["edit"].append(k)
+        for name, (x, y) in ranges.items():
+            if lo < y and hi > x:
+                segs[name].append(k)
     return segs
 
 
 def teacher_forced(model, tok, tasks: list[dict], addressed: bool = True) -> dict:
     """Per task, the fix turn scored under teacher forcing: greedy-correct line number (sed address),
-    greedy-correct rest of the command, greedy-correct whole turn, and the mean probability of
+    span, replacement, file name (each over the tasks whose command has it), rest of the command
+    after the address, whole turn, and the mean probability of
     sampling the exact turn at temperature 1 (an upper bound on an episode's success through this path)."""
     import math
 
     import torch
 
-    stats = {"line": [], "edit": [], "turn": [], "p_turn": []}
+    stats = {"line": [], "span": [], "repl": [], "file": [], "edit": [], "turn": [], "p_turn": []}
     model.eval()
     with torch.no_grad():
         for task in tasks:
@@ -406,12 +414,13 @@ def teacher_forced(model, tok, tasks: list[dict], addressed: bool = True) -> dic
             right = (logits.argmax(-1) == gold).tolist()
             logp = torch.log_softmax(logits, -1).gather(-1, gold[:, None]).sum().item()
             segs = _segments(tok, ids[a:b])
-            if segs["line"]:
-                stats["line"].append(all(right[k] for k in segs["line"]))
+            for name in ("line", "span", "repl", "file"):
+                if segs[name]:
+                    stats[name].append(all(right[k] for k in segs[name]))
             stats["edit"].append(all(right[k] for k in segs["edit"]))
             stats["turn"].append(all(right))
             stats["p_turn"].append(math.exp(logp))
-    return {k: round(sum(v) / max(1, len(v)), 4) for k, v in stats.items()} | {"n": len(tasks), "n_sed_address": len(stats["line"])}
+    return {k: round(sum(v) / max(1, len(v)), 4) for k, v in stats.items()} | {"n": len(tasks), "n_sed_address": len(stats["line"]), "n_sed_span": len(stats["span"])}
 
 
 def tf_report(model, tok, seed: int, addressed: bool = True, n: int = 84) -> dict:

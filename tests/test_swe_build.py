@@ -79,6 +79,10 @@ def test_teacher_forced_segments_find_the_line_number_and_the_edit(addressed):
     line = "".join(tok.decode([ids[a + k]]) for k in segs["line"])
     assert line == (command.split("'")[1].split("s/")[0] if addressed else "")
     assert "".join(tok.decode([ids[a + k]]) for k in segs["edit"]).strip().endswith(build.module_name(task))
+    part = lambda name: "".join(tok.decode([ids[a + k]]) for k in segs[name])  # noqa: E731 (tokens may overhang)
+    span, repl = command.split("s/", 1)[1].split("/")[:2]
+    assert span in part("span") and repl in part("repl") and build.module_name(task) in part("file")
+    assert "sed" not in part("span") + part("repl") and build.module_name(task) not in part("span")
 
 
 def test_renamed_project_episode_names_only_the_new_project():
