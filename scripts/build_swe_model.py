@@ -530,6 +530,19 @@ def make_tokenizer(episodes: list[dict], vocab: int, max_len: int):
     return tm.build_tokenizer(corpus, vocab_size=vocab, specials=SPECIALS, chat_template=template, max_length=max_len)
 
 
+def served_tokenizer(tok, config):
+    """The tokenizer as vLLM, ``--eval-only`` and the trainer will load it from the saved model. With
+    transformers 5, ``AutoTokenizer`` maps a qwen2 config to ``Qwen2Tokenizer``, which replaces the
+    trained pre-tokenizer with Qwen's split pattern: ids differ from the ones the BPE was built with
+    (``tests/test_swe_build.py``). SFT must see the ids the served model will see."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        config.save_pretrained(tmp)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
 @click.command(help=__doc__)
 @click.option("--out", type=click.Path(path_type=Path), default=SWE_DIR / "model", show_default=True)
 @click.option("--trajectories", type=click.Path(path_type=Path, exists=True), multiple=True,
@@ -601,6 +614,8 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, m
     console.print(f"{len(episodes)} SFT episodes ({time.monotonic() - t0:.0f}s), solver success "
                   f"{sum(e['reward'] or 0 for e in episodes) / len(episodes):.3f}")
     tok = AutoTokenizer.from_pretrained(init) if init else make_tokenizer(episodes, vocab, max_len)
+    if not init:
+        tok = served_tokenizer(tok, tm.model_config(tok, layers=layers, hidden=hidden, heads=hidden // 64, max_positions=max_len))
     samples = [weighted_sample(tok, e, edit_weight, mask_wrong) for e in episodes]
     samples = [s for s in samples if len(s[0]) <= (max_tokens or max_len)]
     heads = hidden // 64

@@ -93,3 +93,23 @@ def test_renamed_project_episode_names_only_the_new_project():
     assert "strutil" not in text and "zokafu.py" in text and "test_zokafu.py" in text
     assert json.dumps(episode["messages"]).replace("strutil", "zokafu") == text
     assert "strutil" in json.dumps(episode["messages"])  # the original is left as it was
+
+
+def test_sft_tokenises_as_the_saved_model_is_served(tmp_path):
+    """The ids SFT trains on are the ids AutoTokenizer (vLLM, the trainer) gives for the saved model;
+    the freshly built BPE alone would not give them (transformers 5 loads a qwen2 model's tokenizer as
+    Qwen2Tokenizer, with Qwen's pre-tokenizer)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    episodes = [{"messages": build.edit_conversation(t), "tools": [build.BASH_TOOL]} for t in TASKS[::10]]  # with `cat -n`
+    built = build.make_tokenizer(episodes, vocab=2048, max_len=4096)
+    config = build.tm.model_config(built, layers=1, hidden=64, heads=1, max_positions=2048)
+    served = build.served_tokenizer(built, config)
+    torch.manual_seed(0)
+    build.tm.save_checkpoint(Qwen2ForCausalLM(config), served, tmp_path / "m")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "m")
+    text = "".join(built.apply_chat_template(e["messages"], tools=e["tools"], tokenize=False) for e in episodes)
+    ids = lambda tok: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert ids(served) == ids(loaded)
+    assert ids(built) != ids(loaded)  # what the fix is for: without it SFT saw other ids than serving
