@@ -567,6 +567,8 @@ def served_tokenizer(tok, config):
 @click.option("--lr", default=3e-3, show_default=True)
 @click.option("--batch", default=6, show_default=True)
 @click.option("--eval-tasks", default=84, show_default=True, help="held-out tasks evaluated (first N)")
+@click.option("--eval-split", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
+              help="train: the same episodes on train tasks (what was learnt vs what generalises)")
 @click.option("--eval-shard", default="0/1", show_default=True, help="i/n: evaluate every n-th task from i (parallel runs)")
 @click.option("--eval-samples", default=1, show_default=True, help="sampled episodes per held-out task")
 @click.option("--step-limit", default=8, show_default=True, help="model calls per episode")
@@ -580,7 +582,7 @@ def served_tokenizer(tok, config):
 @click.option("--tf-only", is_flag=True, help="skip the build: teacher-forced fix-turn accuracy of the model in --out")
 @click.option("--tf-every", default=0, show_default=True, help="log teacher-forced accuracy every N SFT steps (0: at snapshots only)")
 @click.option("--snapshots", default="", help="comma-separated SFT steps at which to also save OUT-stepN (pick a warm start by its held-out success)")
-def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, max_tokens, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_shard, eval_samples,
+def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, max_tokens, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_split, eval_shard, eval_samples,
          step_limit, threads, workers, episodes_file, device, run_eval, eval_only, tf_only, tf_every, snapshots):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
@@ -588,7 +590,7 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, m
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     shard, shards = (int(x) for x in eval_shard.split("/"))
-    evals = read_tasks("eval")[:eval_tasks][shard::shards]
+    evals = read_tasks(eval_split)[:eval_tasks][shard::shards]
     if eval_only or tf_only:
         model, tok = Qwen2ForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
         built = json.loads((out / "build_info.json").read_text()) if (out / "build_info.json").exists() else {}
