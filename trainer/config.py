@@ -305,13 +305,13 @@ def _known_keys(cls: type, loc: tuple) -> list[str]:
     return sorted(f.name for f in dataclasses.fields(node))
 
 
-def _suggest(key: str, known: Iterable[str]) -> str:
-    known = list(known)
-    # 'lr_rate' -> 'lr': a known key the typo extends by a word comes first
-    close = sorted((k for k in known if key.startswith(k + "_")), key=len, reverse=True)[:1]
-    close = close or difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-    if not close:
-        close = sorted((k for k in known if key.startswith(k) or k.startswith(key)), key=len, reverse=True)[:1]
+def _suggest(key: str, known: list[str]) -> str:
+    """The closest known key: a near spelling ('lr_shedule'), else the key a typo extends by a word
+    ('lr_rate' -> 'lr'), else a looser spelling, else a shared prefix."""
+    extended = sorted((k for k in known if key.startswith(k + "_")), key=len, reverse=True)
+    prefixed = sorted((k for k in known if key.startswith(k) or k.startswith(key)), key=len, reverse=True)
+    close = (difflib.get_close_matches(key, known, n=1, cutoff=0.8) or extended
+             or difflib.get_close_matches(key, known, n=1, cutoff=0.5) or prefixed)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
