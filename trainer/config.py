@@ -37,14 +37,14 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 AUTOCAST_MODES = ("auto", "bfloat16", "off")
 AtLeastOne = Annotated[int, Field(ge=1)]
 NotNegative = Annotated[int, Field(ge=0)]
-section = pydantic_dataclass(config=ConfigDict(extra="forbid"))  # every class below: unknown keys fail
+typed_section = pydantic_dataclass(config=ConfigDict(extra="forbid"))  # every class below: unknown keys fail
 
 
 class ConfigError(ValueError):
     """The configuration cannot be used; the message names the key and why."""
 
 
-@section
+@typed_section
 class Section:
     """What every section shares: built from YAML / ``--set`` data with errors that name the key."""
 
@@ -54,15 +54,15 @@ class Section:
         return {} if data is None else data  # 'eval:' with every line commented out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, where: str = "") -> Any:
+    def from_dict(cls, data: dict[str, Any] | None) -> Any:
         """From plain data (YAML / --set): unknown keys, wrong types and bad choices fail, all named."""
         try:
             return TypeAdapter(cls).validate_python(data or {})
         except ValidationError as exc:
-            raise ConfigError("\n  ".join(["invalid config:", *explain(exc, cls, where)])) from None
+            raise ConfigError("\n  ".join(["invalid config:", *explain(exc, cls)])) from None
 
 
-@section
+@typed_section
 class UpdateConfig(Section):
     """Every knob of one policy update (the loop's YAML ``update:`` section maps onto this)."""
 
@@ -94,7 +94,7 @@ class UpdateConfig(Section):
     skip_zero_advantage: bool = True  # drop samples whose advantage is exactly 0 (no signal)
 
 
-@section
+@typed_section
 class HarnessConfig(Section):
     """How to run one rollout: an ordinary agent command, given Contract 2's environment."""
 
@@ -103,7 +103,8 @@ class HarnessConfig(Section):
     cwd: str | None = None  # where harnesses run (default: the config file's folder)
     reward_cmd: Any = None  # optional verifier printing a reward; when set, the harness's own report never counts
     self_reward: bool = True  # without reward_cmd, may the harness's own report be its reward (launcher --self-reward)
-    run_as: Any = None  # run harnesses as this unprivileged user ('nobody', a uid, 'user:group') or a list, one per running attempt (launcher --run-as)
+    run_as: Any = None  # run harnesses as this unprivileged user ('nobody', a uid, 'user:group') or a list,
+    #   one per running attempt (launcher --run-as)
     timeout_s: float = 300.0  # per rollout attempt
     retries: int = 0
     env: dict = field(default_factory=dict)  # extra environment for every harness
@@ -111,14 +112,14 @@ class HarnessConfig(Section):
     model_name: str | None = None  # model name the harness asks for (mapped to the served model)
 
 
-@section
+@typed_section
 class TasksConfig(Section):
     train: str | None = None  # JSONL/JSON/Parquet task file
     eval: str | None = None  # held-out tasks; must not overlap train (checked)
     id_field: str | None = None
 
 
-@section
+@typed_section
 class RolloutConfig(Section):
     """The rollout phase. sync: a step's groups all finish before its update. async: up to
     ``groups_in_flight`` groups run at once; an update takes the finished groups (at least
@@ -134,7 +135,7 @@ class RolloutConfig(Section):
     max_tokens: int | None = None
 
 
-@section
+@typed_section
 class SamplesConfig(Section):
     """Passed to trainer.samples.build_samples."""
 
@@ -147,7 +148,7 @@ class SamplesConfig(Section):
     extra: dict = field(default_factory=dict)  # any other build_samples keyword
 
 
-@section
+@typed_section
 class EvalConfig(Section):
     every: int = 5  # held-out eval every K steps (0 = only before and after)
     before: bool = True
@@ -159,7 +160,7 @@ class EvalConfig(Section):
     command: Any = None  # defaults to harness.command
 
 
-@section
+@typed_section
 class EngineConfig(Section):
     """The inference engine (vLLM) the proxy routes to."""
 
@@ -170,38 +171,38 @@ class EngineConfig(Section):
     kv_cache_memory_bytes: int | None = 268435456
     extra_args: list = field(default_factory=list)
     startup_timeout_s: float = 900.0
-    sleep_on_update: Literal["auto", "always", "never"] = "auto"  # 'auto' = sleep/wake only on GPU (frees memory); 'always'; 'never'
+    sleep_on_update: Literal["auto", "always", "never"] = "auto"  # 'auto' = sleep/wake only on GPU (frees memory)
     sleep_level: int = 1
     untie_embeddings: bool = True  # serve/train an untied copy of a tied model (vLLM reload leaves a tied head stale)
 
 
-@section
+@typed_section
 class ProxyRunConfig(Section):
     drain_timeout_s: float = 300.0  # how long an update waits for in-flight calls
     flush_seconds: float = 0.5
     inject_token_ids: bool = True
 
 
-@section
+@typed_section
 class CheckpointConfig(Section):
     keep_last: int = 2  # older step checkpoints are deleted (the initial model is never touched)
     save_optimizer: bool = True
 
 
-@section
+@typed_section
 class TrackingConfig(Section):
     """Where the trackers named in ``logger`` write (trainer/trackers.py)."""
 
     project: str = "lightning-harness"  # W&B project and MLflow experiment; the run is named run_id
     dir: str | None = None  # tracker files (TensorBoard events, W&B offline runs, MLflow file store);
     #   default RUN/trackers
-    wandb_mode: Literal["offline", "online", "disabled"] | None = None  # 'offline' (default unless WANDB_MODE says otherwise; `wandb sync`
-    #   uploads later), 'online' or 'disabled'
+    wandb_mode: Literal["offline", "online", "disabled"] | None = None  # default 'offline' unless WANDB_MODE
+    #   says otherwise (`wandb sync` uploads later)
     mlflow_uri: str | None = None  # MLflow tracking URI; default MLFLOW_TRACKING_URI, else a file store
     #   under tracking.dir
 
 
-@section
+@typed_section
 class RunConfig(Section):
     """A whole `lightning-train run`. Paths are relative to the config file's folder unless absolute."""
 
@@ -282,15 +283,15 @@ class RunConfig(Section):
 
 
 # -- pydantic's errors, told with dotted keys -----------------------------------------------------
-def explain(exc: ValidationError, cls: type, where: str = "") -> list[str]:
+def explain(exc: ValidationError, cls: type) -> list[str]:
     """One line per problem: the dotted key, what was expected, and the value given."""
     lines = []
     for err in exc.errors():
-        key = where + ".".join(str(part) for part in err["loc"])
-        if err["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        key = ".".join(str(part) for part in err["loc"])
+        if err["type"] == "unexpected_keyword_argument":
             known = _known_keys(cls, err["loc"][:-1])
             lines.append(f"unknown key '{key}'{_suggest(str(err['loc'][-1]), known)}; known: {known}")
-        elif err["type"] in ("dataclass_type", "model_type"):
+        elif err["type"] == "dataclass_type":
             lines.append(f"{key}: expected a mapping of {_known_keys(cls, err['loc'])}, got {err['input']!r}")
         else:
             msg = err["msg"][:1].lower() + err["msg"][1:]
