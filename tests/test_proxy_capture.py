@@ -231,3 +231,25 @@ def test_no_intercept_hosts_are_tunnelled_untouched(make_proxy, stub_tls_server)
         r = c.post(stub_tls_server.url + "/v1/chat/completions", json={"model": "m", "messages": MSG, "max_tokens": 1})
     assert r.status_code == 200
     assert read_spans(p) == []
+
+
+@pytest.mark.parametrize("extra", [
+    '"seed": 123456789012345678901234567890, "temperature": 1e-7',  # beyond 64 bits: the standard library's path
+    '"top_p": NaN, "presence_penalty": -Infinity',  # orjson refuses these: the standard library's path
+    '"temperature": 1e-7, "top_p": 0.1, "seed": -9223372036854775808, "user": "é \\u2028"',  # orjson's path
+])
+def test_harness_numbers_reach_upstream_exactly(proxy, stub_server, extra):
+    """The proxy rewrites the request (token ids and logprobs injected); every value the harness
+    sent must reach upstream as the same JSON value, whichever parser read it."""
+    import urllib.request
+
+    body = '{"model": "policy", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], ' + extra + "}"
+    url = proxy.env_for("exact", 0)["OPENAI_BASE_URL"] + "/chat/completions"
+    req = urllib.request.Request(url, data=body.encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30) as r:
+        assert r.status == 200
+    sent = stub_server.requests()[-1]
+    assert sent["return_token_ids"] is True  # rewritten, so re-serialised
+    want = json.loads(body)
+    for key, value in want.items():
+        assert json.dumps(sent[key]) == json.dumps(value), key  # json.dumps: NaN equals itself here
