@@ -316,3 +316,45 @@ class ProcessTree:
             except OSError:
                 time.sleep(0.02)  # EBUSY: the last member is still exiting
         log.warning("could not remove cgroup %s (still busy)", self.cgroup)
+
+
+def start_tree(args, **popen) -> tuple[ProcessTree, subprocess.Popen]:
+    """Start ``args`` in a new tree as a session leader without stdin (``popen`` as for
+    :meth:`ProcessTree.popen`). Raises OSError or SubprocessError, leaving nothing behind, when it
+    cannot start; then pair it with :func:`finish_tree`."""
+    tree = ProcessTree()
+    try:
+        return tree, tree.popen(args, stdin=subprocess.DEVNULL, start_new_session=True, **popen)
+    except BaseException:
+        tree.close()
+        raise
+
+
+def finish_tree(tree: ProcessTree, proc: subprocess.Popen, *, timeout: float | None, kill_grace: float,
+                cancel: threading.Event | None = None) -> tuple[bool, bool, int]:
+    """Wait for the leader; on timeout or ``cancel`` end the tree with ``kill_grace``; then end whatever
+    the leader left running (daemons included) and remove the tree.
+
+    Returns ``(timed_out, cancelled, leftovers)``, leftovers being the processes still running when
+    the leader exited by itself (they are killed)."""
+    deadline = None if not timeout else time.monotonic() + timeout
+    timed_out = cancelled = False
+    try:
+        while True:
+            try:
+                proc.wait(0.1)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            tree.poll()
+            cancelled = cancel is not None and cancel.is_set()
+            timed_out = not cancelled and deadline is not None and time.monotonic() >= deadline
+            if cancelled or timed_out:
+                tree.kill(grace=kill_grace)
+                break
+    finally:
+        leftovers = len(tree.pids())
+        tree.kill(grace=0.0)
+        tree.close()
+        proc.wait()
+    return timed_out, cancelled, leftovers
