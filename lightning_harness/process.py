@@ -67,7 +67,7 @@ def wait_ready(ready: Callable[[], bool], timeout: float, *, what: str, proc: su
     """Poll ``ready()`` (a port, a health URL: exceptions count as not ready) until it is true.
 
     Raises :class:`StartupError` with the log's tail as soon as ``proc`` exits, or after ``timeout``
-    seconds. The poll interval grows from 0.1 s to 1 s: quick for a fast child, cheap for a slow one.
+    seconds. The poll interval grows from 0.1 s to 0.5 s: quick for a fast child, cheap for a slow one.
     """
     deadline = time.monotonic() + timeout
     delay = 0.1
@@ -81,7 +81,7 @@ def wait_ready(ready: Callable[[], bool], timeout: float, *, what: str, proc: su
         if time.monotonic() > deadline:
             raise StartupError(f"{what} not ready after {timeout:.0f}s; log {log_path}:\n{log_tail(log_path)}")
         time.sleep(delay)
-        delay = min(delay * 1.5, 1.0)
+        delay = min(delay * 1.5, 0.5)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
