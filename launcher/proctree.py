@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from lightning_harness.process import proc_stat
+
 log = logging.getLogger("lightning_harness.launcher")
 
 TREE_ENV = "LIGHTNING_TREE"  # marker in the harness environment; the scan fallback finds orphans by it
@@ -83,16 +85,6 @@ def _join(procs_file: str) -> Callable[[], None]:
             os.close(fd)
 
     return join
-
-
-def _stat(pid: int) -> tuple[int, str, int] | None:
-    """``(ppid, state, start time)`` of a live pid from /proc, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[1]), fields[0].decode(), int(fields[19])
 
 
 class ProcessTree:
@@ -146,7 +138,7 @@ class ProcessTree:
         """End trees a killed launcher left behind (``lightning-<pid>-<n>`` with that pid gone)."""
         for d in own.glob("lightning-*-*"):
             pid = d.name.split("-")[1]
-            if pid.isdigit() and _stat(int(pid)) is None:
+            if pid.isdigit() and proc_stat(int(pid)) is None:
                 tree = ProcessTree.__new__(ProcessTree)
                 tree._init_state("cgroup", d, d.name)
                 tree.kill(grace=0.0)
@@ -182,7 +174,7 @@ class ProcessTree:
             kwargs["preexec_fn"] = preexec
         proc = subprocess.Popen(args, env=env, **kwargs)
         self.leader = proc.pid
-        st = _stat(proc.pid)
+        st = proc_stat(proc.pid)
         if st:
             self._known[proc.pid] = st[2]
         return proc
@@ -212,7 +204,7 @@ class ProcessTree:
         table = {}
         for name in os.listdir("/proc"):
             if name.isdigit():
-                st = _stat(int(name))
+                st = proc_stat(int(name))
                 if st and st[1] != "Z":
                     table[int(name)] = st
         live = {p: t for p, t in self._known.items() if p in table and table[p][2] == t}
@@ -285,7 +277,7 @@ class ProcessTree:
                 self.signal(signal.SIGKILL)
             finally:
                 freeze.write_text("0")
-        except FileNotFoundError:  # another thread (kill_all) ended and removed the tree meanwhile
+        except FileNotFoundError:  # the tree was ended and removed meanwhile
             pass
 
     def _reap_adopted(self) -> None:

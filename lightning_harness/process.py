@@ -89,13 +89,14 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def _running(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (an exited child not yet reaped)."""
+def proc_stat(pid: int) -> tuple[int, str, int] | None:
+    """``(ppid, state, start time)`` of a pid from /proc, or None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+            fields = fh.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
-        return False
+        return None
+    return int(fields[1]), fields[0].decode(), int(fields[19])
 
 
 def stop_group(leader: subprocess.Popen | int, grace: float) -> int | None:
@@ -116,7 +117,7 @@ def stop_group(leader: subprocess.Popen | int, grace: float) -> int | None:
                 leader.wait(grace)
         else:
             deadline = time.monotonic() + grace
-            while _running(pid) and time.monotonic() < deadline:
+            while (stat := proc_stat(pid)) and stat[1] != "Z" and time.monotonic() < deadline:  # Z: exited
                 time.sleep(0.05)
     _signal_group(pid, signal.SIGKILL)
     return leader.wait() if isinstance(leader, subprocess.Popen) else None
