@@ -64,22 +64,26 @@ def start_in_session(argv: list[str], log_path: str | os.PathLike, env: Mapping[
 
 def wait_ready(ready: Callable[[], bool], timeout: float, *, what: str, proc: subprocess.Popen | None = None,
                log_path: str | os.PathLike | None = None) -> None:
-    """Poll ``ready()`` (a port, a health URL: exceptions count as not ready) until it is true.
+    """Poll ``ready()`` (a port, a health URL) until it is true; an exception counts as not ready yet
+    (a refused connection, a half-started server) and the last one is named if time runs out.
 
     Raises :class:`StartupError` with the log's tail as soon as ``proc`` exits, or after ``timeout``
     seconds. The poll interval grows from 0.1 s to 0.5 s: quick for a fast child, cheap for a slow one.
     """
     deadline = time.monotonic() + timeout
-    delay = 0.1
+    delay, last = 0.1, None
     while True:
         if proc is not None and proc.poll() is not None:
             raise StartupError(f"{what} exited with code {proc.returncode} during startup; "
                                f"log {log_path}:\n{log_tail(log_path)}")
-        with contextlib.suppress(Exception):
+        try:
             if ready():
                 return
+        except Exception as exc:
+            last = exc
         if time.monotonic() > deadline:
-            raise StartupError(f"{what} not ready after {timeout:.0f}s; log {log_path}:\n{log_tail(log_path)}")
+            check = f" (last check: {last!r})" if last else ""
+            raise StartupError(f"{what} not ready after {timeout:.0f}s{check}; log {log_path}:\n{log_tail(log_path)}")
         time.sleep(delay)
         delay = min(delay * 1.5, 0.5)
 

@@ -112,9 +112,15 @@ def test_a_child_that_dies_during_startup_fails_fast_with_its_log_tail(tmp_path)
 def test_a_child_never_ready_times_out_with_its_log_tail(tmp_path):
     proc = start_in_session([sys.executable, "-c", "print('still warming up', flush=True); import time; time.sleep(300)"],
                             tmp_path / "log", os.environ)
+    port = free_port()  # nothing listens there
+
+    def listening() -> bool:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+
     try:
-        with pytest.raises(StartupError, match=r"toy server not ready after 2s") as err:
-            wait_ready(lambda: False, 2, what="toy server", proc=proc, log_path=tmp_path / "log")
+        with pytest.raises(StartupError, match=r"toy server not ready after 2s \(last check: ConnectionRefused") as err:
+            wait_ready(listening, 2, what="toy server", proc=proc, log_path=tmp_path / "log")
         assert "still warming up" in str(err.value)
     finally:
         stop_group(proc, grace=5)
