@@ -18,11 +18,13 @@ Anything unparsable or non-finite is an error attached to the rollout, not a num
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import math
 import os
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ from typing import Any, Callable, Mapping
 import pyarrow.parquet as pq
 
 from .local import open_log, open_regular
-from .proctree import ProcessTree
+from .proctree import finish_tree, start_tree
 
 MAX_REWARD_FILE = 1 << 16  # a reward is a number and a little info; more is not a reward
 
@@ -116,27 +118,19 @@ def run_reward_cmd(
     """
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}
     full_env.update(env)
-    stderr = open_log(log_path) if log_path else subprocess.DEVNULL
-    tree = ProcessTree()  # the scorer's leftovers end with it, like a harness's
-    try:
-        proc = tree.popen(
-            command, shell=True, executable="/bin/sh", env=full_env, cwd=cwd, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=stderr, start_new_session=True,
-        )
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            tree.kill(grace=1.0)
-            proc.communicate()
-            raise RewardError(f"reward command timed out after {timeout:g}s") from None
-        finally:
-            tree.kill(grace=0.0)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise RewardError(f"reward command could not start: {exc}") from None
-    finally:
-        tree.close()
-        if log_path:
-            stderr.close()
+    with contextlib.ExitStack() as files:
+        stdout = files.enter_context(tempfile.TemporaryFile())  # a file, not a pipe: nothing to drain while waiting
+        stderr = files.enter_context(open_log(log_path)) if log_path else subprocess.DEVNULL
+        try:  # the scorer's leftovers end with it, like a harness's
+            tree, proc = start_tree(command, shell=True, executable="/bin/sh", env=full_env, cwd=cwd,
+                                    stdout=stdout, stderr=stderr)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise RewardError(f"reward command could not start: {exc}") from None
+        timed_out, _, _ = finish_tree(tree, proc, timeout=timeout, kill_grace=1.0)
+        stdout.seek(0)
+        out = stdout.read()
+    if timed_out:
+        raise RewardError(f"reward command timed out after {timeout:g}s")
     if proc.returncode != 0:
         raise RewardError(f"reward command exited with {proc.returncode}")
     lines = [ln for ln in out.decode("utf-8", errors="replace").splitlines() if ln.strip()]

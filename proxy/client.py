@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
-import socket
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from lightning_harness.process import StartupError, direct_env, free_port, start_in_session, stop_group, wait_ready
 
 from .credentials import attempt_credential, check_attempt, check_model_version, check_rollout_id, rollout_user
 from .locate import proxy_python
@@ -160,12 +159,6 @@ def harness_env(
 
 
 # -- the proxy as a subprocess -------------------------------------------------------------------
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def default_confdir() -> Path:
     """Where the proxy keeps its CA unless told otherwise (stable, so printed envs stay valid)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -283,87 +276,46 @@ class ProxyProcess:
         return cmd + self.extra_args
 
     def _child_env(self) -> dict[str, str]:
-        env = dict(os.environ if self.env is None else self.env)
+        env = direct_env(os.environ if self.env is None else self.env)  # it reaches upstreams directly
         env["LIGHTNING_PROXY_TOKEN"] = self.token  # secrets travel by environment, not argv
         env.pop("LIGHTNING_PROXY_CONTROL_TOKEN", None)
         if self.control_token:
             env["LIGHTNING_PROXY_CONTROL_TOKEN"] = self.control_token
         env["PYTHONUNBUFFERED"] = "1"
-        for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
-            env.pop(k, None)  # the proxy itself must reach upstreams directly
         return env
 
     def start(self) -> "ProxyProcess":
         """Start and wait until ready; retries with new ports if a port was taken meanwhile."""
         self.traces_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        last = ""
-        for _ in range(3):
-            self.forward_port = _free_port(self.listen_host if self.listen_host != "0.0.0.0" else "127.0.0.1")
-            self.reverse_port = _free_port(self.listen_host if self.listen_host != "0.0.0.0" else "127.0.0.1")
-            if self.forward_port == self.reverse_port:
-                continue
-            log = open(self.log_path, "ab")
+        host = self.listen_host if self.listen_host != "0.0.0.0" else "127.0.0.1"
+        for tries_left in (2, 1, 0):
+            self.forward_port = self.reverse_port = free_port(host)
+            while self.reverse_port == self.forward_port:
+                self.reverse_port = free_port(host)
+            self.proc = start_in_session(self.command(), self.log_path, self._child_env())
             try:
-                self.proc = subprocess.Popen(
-                    self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=self._child_env(), start_new_session=True,
-                )
-            finally:
-                log.close()
-            ok, last = self._wait_ready()
-            if ok:
+                wait_ready(self._ready, self.ready_timeout, what="lightning-proxy", proc=self.proc,
+                           log_path=self.log_path)
                 return self
-            self._kill_group(signal.SIGKILL)
-            if "in use" not in last.lower():
-                break
-        raise RuntimeError(f"lightning-proxy did not start; log {self.log_path}:\n{last}")
+            except StartupError as exc:
+                stop_group(self.proc, grace=0)
+                if not tries_left or "in use" not in str(exc).lower():
+                    raise
 
-    def _log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def _wait_ready(self) -> tuple[bool, str]:
-        deadline = time.monotonic() + self.ready_timeout
-        ctl = self.control
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False, self._log_tail()
-            try:
-                ctl.state(timeout=2)
-                if self.ca_bundle.exists():
-                    return True, ""
-            except (OSError, ProxyError, ValueError):
-                pass
-            time.sleep(0.1)
-        return False, "timed out waiting for the control API\n" + self._log_tail()
-
-    def _kill_group(self, sig: int) -> None:
-        if self.proc and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
+    def _ready(self) -> bool:
+        """The control API answers and the CA bundle a harness needs is written."""
+        self.control.state(timeout=2)
+        return self.ca_bundle.exists()
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (the proxy flushes everything and exits), wait, SIGKILL if it hangs."""
-        if not self.proc:
-            return None
-        self._kill_group(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._kill_group(signal.SIGKILL)
-            self.proc.wait(10)
-        return self.proc.returncode
+        return stop_group(self.proc, grace=timeout) if self.proc else None
 
     def kill(self) -> None:
         """SIGKILL the proxy (what a crash looks like); buffered rows of the last interval are lost."""
-        self._kill_group(signal.SIGKILL)
         if self.proc:
-            self.proc.wait(10)
+            stop_group(self.proc, grace=0)
 
     def __enter__(self) -> "ProxyProcess":
         return self.start()

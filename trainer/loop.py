@@ -32,6 +32,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from lightning_harness.process import stop_group
+
 from .config import ConfigError, RunConfig, load_config, save_config
 
 STATE_FILE = "state.json"
@@ -97,15 +99,7 @@ def kill_leftovers(run_dir: Path, console) -> None:
             continue
         if marker and marker in cmdline:
             console.print(f"[yellow]stopping leftover {entry.get('what')} (pid {pid}) of the previous run[/]")
-            try:
-                os.killpg(pid, signal.SIGTERM)
-                for _ in range(100):
-                    if not Path(f"/proc/{pid}").exists():
-                        break
-                    time.sleep(0.1)
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            stop_group(pid, grace=10.0)
     f.unlink(missing_ok=True)
 
 
