@@ -155,8 +155,9 @@ class ProxyConfig:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown proxy config keys {sorted(unknown)}; known: {sorted(known)}")
-        values = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in data.items()}
-        if isinstance(values.get("model_map"), (list, tuple)):  # repeated --model-map NAME=SERVED
+        values = {k: os.fspath(v) if isinstance(v, os.PathLike) else list(v) if isinstance(v, tuple) else v
+                  for k, v in data.items()}  # paths and repeated flags (tuples) as YAML would give them
+        if isinstance(values.get("model_map"), list):  # repeated --model-map NAME=SERVED
             values["model_map"] = parse_model_map(values["model_map"])
         if "upstreams" in values:
             values["upstreams"] = [parse_upstream(u) for u in values["upstreams"] or []]
@@ -169,9 +170,10 @@ class ProxyConfig:
         for key in ("route_hosts", "no_intercept"):
             if isinstance(values.get(key), str):
                 values[key] = [values[key]]
-        if values.get("capture_failure", "reject") not in CAPTURE_FAILURE_POLICIES:
-            raise ValueError(f"capture_failure must be one of {sorted(CAPTURE_FAILURE_POLICIES)}, "
-                             f"got {values['capture_failure']!r}")
+        for f in dataclasses.fields(cls):
+            choices = f.metadata["choices"]
+            if choices and f.name in values and values[f.name] not in choices:
+                raise ValueError(f"{f.name} must be one of {sorted(choices)}, got {values[f.name]!r}")
         return cls(**values)
 
     @classmethod
@@ -184,10 +186,7 @@ class ProxyConfig:
             if not isinstance(loaded, dict):
                 raise ValueError(f"{path}: expected a mapping of options, got {type(loaded).__name__}")
             data.update(loaded)
-        for key, value in overrides.items():
-            if value is None or value == () or value == []:
-                continue
-            data[key] = list(value) if isinstance(value, tuple) else value
+        data.update({key: value for key, value in overrides.items() if value not in (None, (), [])})
         return cls.from_mapping(data)
 
 
