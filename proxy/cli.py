@@ -14,7 +14,7 @@ import urllib.parse
 import click
 
 from .client import BUNDLE_NAME, ProxyControl, ProxyError, control_token_path, default_confdir, harness_env, read_control_token
-from .config import MiB, ProxyConfig, flag_names
+from .config import CONTROL_TOKEN_VAR, MiB, ProxyConfig, flag_names
 from .credentials import InvalidId, check_attempt, check_rollout_id
 
 
@@ -148,14 +148,13 @@ def _format_env(env: dict[str, str], fmt: str) -> str:
 @click.option("--api-key", envvar="OPENAI_API_KEY", help="Key the harness sends upstream. [env OPENAI_API_KEY, else a placeholder]")
 @click.option("--anthropic-api-key", envvar="ANTHROPIC_API_KEY", help="Key Anthropic clients send. [env ANTHROPIC_API_KEY, else a placeholder]")
 @click.option("--format", "fmt", type=click.Choice(["export", "json", "dotenv"]), default="export", show_default=True)
-def env(rollout_id, attempt, config_path, public_host, forward_port, reverse_port, token, confdir, api_key,
-        anthropic_api_key, fmt) -> None:
+def env(rollout_id, attempt, config_path, public_host, api_key, anthropic_api_key, fmt, **proxy_flags) -> None:
     """Print the environment that sends an unmodified harness through the proxy.
 
     \b
     eval "$(lightning-proxy env my-rollout --token SECRET)"; python my_agent.py
     """
-    cfg = _load(config_path, forward_port=forward_port, reverse_port=reverse_port, token=token, confdir=confdir)
+    cfg = _load(config_path, **proxy_flags)
     host = public_host or ("127.0.0.1" if cfg.listen_host in ("0.0.0.0", "::") else cfg.listen_host)
     bundle = cfg.resolved_confdir / BUNDLE_NAME
     if not bundle.exists():
@@ -172,7 +171,7 @@ def env(rollout_id, attempt, config_path, public_host, forward_port, reverse_por
 
 @main.group()
 @click.option("--url", envvar="LIGHTNING_PROXY_URL", default=None, help="Reverse listener URL. [env LIGHTNING_PROXY_URL, default http://127.0.0.1:8081]")
-@click.option("--token", envvar="LIGHTNING_PROXY_CONTROL_TOKEN", help="Control token. [env LIGHTNING_PROXY_CONTROL_TOKEN, else the file `serve` generated in --confdir]")
+@click.option("--token", envvar=CONTROL_TOKEN_VAR, help="Control token. [env LIGHTNING_PROXY_CONTROL_TOKEN, else the file `serve` generated in --confdir]")
 @click.option("--confdir", help="The proxy's confdir (holds control-token-<port>). [default: ~/.cache/lightning-harness/proxy-conf]")
 @click.pass_context
 def ctl(ctx, url, token, confdir) -> None:

@@ -1,7 +1,7 @@
 """Talk to a running proxy from any environment: control API, harness environment, subprocess.
 
-No mitmproxy import (the standard library and the proxy's option declarations): the launcher and trainer (training
-environment) import this; the proxy itself runs from its own environment
+No mitmproxy import (the standard library and the proxy's option declarations): the launcher
+and trainer (training environment) import this; the proxy itself runs from its own environment
 (:func:`lightning_harness.proxy.locate.proxy_python`).
 """
 
@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from .config import ProxyConfig, default_confdir, option_argv
+from .config import CONTROL_TOKEN_VAR, TOKEN_VAR, ProxyConfig, default_confdir, option_argv
 from .credentials import attempt_credential, check_attempt, check_model_version, check_rollout_id, rollout_user
 from .locate import proxy_python
 
@@ -246,9 +246,9 @@ class ProxyProcess:
 
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ if self.env is None else self.env)
-        env.pop("LIGHTNING_PROXY_TOKEN", None)
-        env.pop("LIGHTNING_PROXY_CONTROL_TOKEN", None)
-        env.update(option_argv(self.config)[1])  # secrets travel by environment, not argv
+        for var in (TOKEN_VAR, CONTROL_TOKEN_VAR):  # secrets travel by environment, not argv
+            env.pop(var, None)
+        env.update(option_argv(self.config)[1])
         env["PYTHONUNBUFFERED"] = "1"
         for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
             env.pop(k, None)  # the proxy itself must reach upstreams directly

@@ -78,6 +78,7 @@ def option(default: Any, help: str, *, flag: str | None = None, off: str | None 
 
 
 MiB = 1 << 20
+TOKEN_VAR, CONTROL_TOKEN_VAR = "LIGHTNING_PROXY_TOKEN", "LIGHTNING_PROXY_CONTROL_TOKEN"  # secrets travel by environment
 
 
 @dataclass
@@ -88,25 +89,20 @@ class ProxyConfig:
     listen_host: str = option("127.0.0.1", "Interface both listeners bind to (0.0.0.0 for pods).")
     forward_port: int = option(8080, "Forward-proxy port (HTTP_PROXY/HTTPS_PROXY).")
     reverse_port: int = option(8081, "Reverse-proxy port (OPENAI_BASE_URL) and control API.")
-    token: str | None = option(None, "Proxy token harnesses must present; without one anyone can write traces.",
-                               envvar="LIGHTNING_PROXY_TOKEN")
+    token: str | None = option(None, "Token harnesses must present (else anyone may write traces).", envvar=TOKEN_VAR)
     control_token: str | None = option(
         None, "Bearer token of the control API, never given to harnesses ('' leaves it open).",
-        envvar="LIGHTNING_PROXY_CONTROL_TOKEN", shown="generated, written to CONFDIR/control-token-<reverse port> (0600)")
-    confdir: str | None = option(None, "mitmproxy confdir holding the CA.", shown="~/.cache/lightning-harness/proxy-conf")
+        envvar=CONTROL_TOKEN_VAR, shown="generated, written to CONFDIR/control-token-<reverse port> (0600)")
+    confdir: str | None = option(None, "mitmproxy confdir (the CA).", shown="~/.cache/lightning-harness/proxy-conf")
     # routing
-    upstreams: list[Upstream] = option(
-        [], "Training upstream replica URL (repeat for a pool; each rollout sticks to one).", flag="--upstream")
-    route_hosts: list[str] = option(
-        [], "Host whose calls go to the pool (e.g. api.openai.com; '*' = every host). Repeatable.", flag="--route-host")
+    upstreams: list[Upstream] = option([], "Upstream URL (repeat: a pool; a rollout sticks to one).", flag="--upstream")
+    route_hosts: list[str] = option([], "Host whose calls go to the pool ('*' = all). Repeatable.", flag="--route-host")
     model_map: dict[str, str] = option({}, "NAME=SERVED: rename the model of routed calls. Repeatable.")
     served_model: str | None = option(None, "Model name every routed call is sent with (after --model-map).")
-    reverse_target: str | None = option(
-        None, "Reverse-mode target when no --upstream is given (e.g. https://api.openai.com).")
+    reverse_target: str | None = option(None, "Reverse-mode target without --upstream (e.g. https://api.openai.com).")
     no_intercept: list[str] = option(
         [], "Regex of host:port tunnelled without TLS interception (cert-pinned clients); never recorded. Repeatable.")
-    inject_token_ids: bool = option(
-        True, "Ask the pool for token ids and logprobs (and hide them from harnesses that did not ask).")
+    inject_token_ids: bool = option(True, "Ask the pool for token ids and logprobs (hidden from harnesses not asking).")
     model_version: int = option(0, "Policy version stamped on spans until changed over the control API.")
     idle_timeout: float = option(
         600.0, "Seconds without a byte either way before a connection is closed (a hung upstream becomes a "
@@ -118,8 +114,7 @@ class ProxyConfig:
     max_inflight_bytes: int = option(
         256 * MiB, "Bytes of large request bodies (64 KiB and up, each costs several times its size while in "
         "flight) processed at once; more calls wait their turn.")
-    shutdown_grace: float = option(
-        5.0, "Seconds SIGTERM waits for calls in flight; the rest become 'shutdown' error spans.")
+    shutdown_grace: float = option(5.0, "Seconds SIGTERM waits for calls in flight (the rest: 'shutdown' error spans).")
     ssl_insecure: bool = option(False, "Do not verify upstream TLS certificates (test upstreams only).")
     upstream_ca: str | None = option(None, "PEM file of extra CAs trusted for upstream TLS.", is_file=True)
     lean: bool = option(True, "Load only the mitmproxy built-ins a capture proxy needs (faster), or stock "
