@@ -20,6 +20,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -87,27 +88,25 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
-    def start(cls, model_dir: str | Path, served_name: str, port: int | None = None, *,
-              host: str = "127.0.0.1", device: str = "auto", max_model_len: int = 512,
-              dtype: str | None = None, kv_cache_bytes: int | None = None,
-              extra_args: list[str] | tuple[str, ...] = (), log_path: str | Path | None = None,
-              env: dict[str, str] | None = None, startup_timeout: float = 900.0,
-              python: str | None = None) -> "VLLMEngine":
+    def start(cls, model_dir: str | Path, served_name: str, *, log_path: str | Path | None = None,
+              env: dict[str, str] | None = None, startup_timeout: float = 900.0, port: int | None = None,
+              device: str = "auto", **server: Any) -> "VLLMEngine":
         """Start ``python -m vllm.entrypoints.openai.api_server`` and wait until it serves.
 
-        The interpreter is the current one unless ``python`` says otherwise; the log goes to
-        ``log_path`` (a temp file by default) and its tail is in the error if startup fails.
+        ``server``: the keywords of :func:`server_command` (host, max_model_len, dtype, extra_args,
+        python, ...), declared there once; ``port`` defaults to a free one, ``device`` to the one
+        torch sees. The log goes to ``log_path`` (a temp file by default) and its tail is in the
+        error if startup fails.
         """
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").exists():
             raise EngineError(f"{model_dir} is not a model directory (no config.json)")
         device = detect_device() if device == "auto" else device
+        host = server.setdefault("host", "127.0.0.1")
         port = port or free_port(host)
         log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = server_command(model_dir, served_name, port, host=host, device=device,
-                             max_model_len=max_model_len, dtype=dtype, kv_cache_bytes=kv_cache_bytes,
-                             extra_args=extra_args, python=python)
+        cmd = server_command(model_dir, served_name, port, device=device, **server)
         # the engine never talks through the capture proxy
         child_env = direct_env({**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})})
         with open(log_path, "ab") as log:

@@ -1,12 +1,13 @@
 """Talk to a running proxy from any environment: control API, harness environment, subprocess.
 
-No mitmproxy import and only the standard library: the launcher and trainer (training
-environment) import this; the proxy itself runs from its own environment
+No mitmproxy import (the standard library and the proxy's option declarations): the launcher
+and trainer (training environment) import this; the proxy itself runs from its own environment
 (:func:`lightning_harness.proxy.locate.proxy_python`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -19,6 +20,7 @@ from typing import Any, Iterable, Mapping
 
 from lightning_harness.process import StartupError, direct_env, free_port, start_in_session, stop_group, wait_ready
 
+from .config import CONTROL_TOKEN_VAR, TOKEN_VAR, ProxyConfig, option_argv
 from .credentials import attempt_credential, check_attempt, check_model_version, check_rollout_id, rollout_user
 from .locate import proxy_python
 
@@ -27,10 +29,8 @@ NO_TOKEN = "-"  # path segment used in reverse URLs when the proxy runs without 
 BUNDLE_NAME = "lightning-ca-bundle.pem"
 CONTROL_TOKEN_FILE = "control-token-{port}"  # in the confdir, 0600: written by `serve` when it generates one
 
-
 class ProxyError(RuntimeError):
     """The proxy answered a control call with an error (message includes its body)."""
-
 
 # -- control API --------------------------------------------------------------------------------
 class ProxyControl:
@@ -95,11 +95,9 @@ class ProxyControl:
         """Write buffered spans and rewards to Parquet now."""
         return self._call("POST", "/_lh/flush", {})
 
-
 def control_token_path(confdir: str | os.PathLike, reverse_port: int) -> Path:
     """Where `lightning-proxy serve` keeps the control token it generated (one file per listener)."""
     return Path(confdir) / CONTROL_TOKEN_FILE.format(port=int(reverse_port))
-
 
 def read_control_token(confdir: str | os.PathLike, reverse_port: int) -> str | None:
     """The generated control token of the proxy on ``reverse_port``, if its file is readable."""
@@ -107,7 +105,6 @@ def read_control_token(confdir: str | os.PathLike, reverse_port: int) -> str | N
         return control_token_path(confdir, reverse_port).read_text().strip() or None
     except OSError:
         return None
-
 
 # -- Contract 2: the harness environment -------------------------------------------------------
 def harness_env(
@@ -157,13 +154,7 @@ def harness_env(
     }
     return env
 
-
 # -- the proxy as a subprocess -------------------------------------------------------------------
-def default_confdir() -> Path:
-    """Where the proxy keeps its CA unless told otherwise (stable, so printed envs stay valid)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lightning-harness" / "proxy-conf"
-
 
 class ProxyProcess:
     """``lightning-proxy serve`` as a subprocess in its own process group.
@@ -174,52 +165,43 @@ class ProxyProcess:
 
     def __init__(
         self,
-        traces_dir: str | os.PathLike,
-        upstreams: Iterable[str] = (),
-        token: str | None = None,
-        served_model: str | None = None,
-        route_hosts: Iterable[str] = (),
-        inject_token_ids: bool = True,
-        model_version: int = 0,
-        confdir: str | os.PathLike | None = None,
-        log_path: str | os.PathLike | None = None,
+        config: ProxyConfig | str | os.PathLike,
         *,
-        model_map: Mapping[str, str] | None = None,
-        listen_host: str = "127.0.0.1",
+        log_path: str | os.PathLike | None = None,
         public_host: str | None = None,
-        control_token: str | None = None,
-        ssl_insecure: bool = False,
-        upstream_ca: str | os.PathLike | None = None,
-        flush_seconds: float | None = None,
         extra_args: Iterable[str] = (),
         python: str | None = None,
         ready_timeout: float = 120.0,
         env: Mapping[str, str] | None = None,
+        **options: Any,
     ) -> None:
-        self.traces_dir = Path(traces_dir)
-        self.upstreams = list(upstreams)
-        self.token = token if token is not None else secrets.token_urlsafe(18)
-        self.served_model = served_model
-        self.route_hosts = list(route_hosts)
-        self.inject_token_ids = inject_token_ids
-        self.model_version = model_version
-        self.confdir = Path(confdir) if confdir else default_confdir()
+        """``config``: the proxy's options, or its traces folder with ``options`` named as in
+        :class:`ProxyConfig` (``ProxyProcess("traces", upstreams=[url])``). Ports are picked at start;
+        the token and the control token (never given to a harness; "" = no auth) are generated
+        unless set. The rest is about the process: its log, the host harnesses reach it at."""
+        base = dataclasses.asdict(config) if isinstance(config, ProxyConfig) else {"traces": config}
+        options = {k: v for k, v in options.items() if v is not None}  # None: not given, as for flags
+        config = ProxyConfig.from_mapping({**base, **options})
+        self.config = dataclasses.replace(
+            config, confdir=str(config.resolved_confdir),
+            token=config.token if config.token is not None else secrets.token_urlsafe(18),
+            control_token=config.control_token if config.control_token is not None else secrets.token_urlsafe(24))
         self.log_path = Path(log_path) if log_path else self.traces_dir.parent / "proxy.log"
-        self.model_map = dict(model_map or {})
-        self.listen_host = listen_host
-        self.public_host = public_host or ("127.0.0.1" if listen_host in ("0.0.0.0", "::") else listen_host)
-        # separate from the token and never given to a harness; "" = control API without auth
-        self.control_token = control_token if control_token is not None else secrets.token_urlsafe(24)
-        self.ssl_insecure = ssl_insecure
-        self.upstream_ca = upstream_ca
-        self.flush_seconds = flush_seconds
+        host = config.listen_host
+        self.public_host = public_host or ("127.0.0.1" if host in ("0.0.0.0", "::") else host)
         self.extra_args = list(extra_args)
         self.python = python or proxy_python()
         self.ready_timeout = ready_timeout
         self.env = dict(env) if env is not None else None
         self.proc: subprocess.Popen | None = None
-        self.forward_port = 0
-        self.reverse_port = 0
+
+    # the options a caller reads back (ports once started)
+    traces_dir = property(lambda self: Path(self.config.traces))
+    confdir = property(lambda self: Path(self.config.confdir))
+    token = property(lambda self: self.config.token)
+    control_token = property(lambda self: self.config.control_token)
+    forward_port = property(lambda self: self.config.forward_port)
+    reverse_port = property(lambda self: self.config.reverse_port)
 
     # URLs as a harness on this machine reaches them
     @property
@@ -247,40 +229,14 @@ class ProxyProcess:
         return harness_env(rollout_id, attempt, self.token, self.forward_url, self.reverse_url, self.ca_bundle, api_key)
 
     def command(self) -> list[str]:
-        cmd = [
-            self.python, "-m", "lightning_harness.proxy", "serve",
-            "--traces", str(self.traces_dir),
-            "--listen-host", self.listen_host,
-            "--forward-port", str(self.forward_port),
-            "--reverse-port", str(self.reverse_port),
-            "--confdir", str(self.confdir),
-            "--model-version", str(self.model_version),
-            "--inject-token-ids" if self.inject_token_ids else "--no-inject-token-ids",
-        ]
-        for url in self.upstreams:
-            cmd += ["--upstream", url]
-        for host in self.route_hosts:
-            cmd += ["--route-host", host]
-        for src, dst in self.model_map.items():
-            cmd += ["--model-map", f"{src}={dst}"]
-        if self.served_model:
-            cmd += ["--served-model", self.served_model]
-        if self.ssl_insecure:
-            cmd += ["--ssl-insecure"]
-        if self.upstream_ca:
-            cmd += ["--upstream-ca", str(self.upstream_ca)]
-        if self.flush_seconds is not None:
-            cmd += ["--flush-seconds", str(self.flush_seconds)]
-        if self.control_token == "":
-            cmd += ["--control-token", ""]  # explicitly none (not a secret, so argv is fine)
-        return cmd + self.extra_args
+        """``serve`` with every option that differs from its default (secrets: see :meth:`_child_env`)."""
+        return [self.python, "-m", "lightning_harness.proxy", "serve", *option_argv(self.config)[0], *self.extra_args]
 
     def _child_env(self) -> dict[str, str]:
         env = direct_env(os.environ if self.env is None else self.env)  # it reaches upstreams directly
-        env["LIGHTNING_PROXY_TOKEN"] = self.token  # secrets travel by environment, not argv
-        env.pop("LIGHTNING_PROXY_CONTROL_TOKEN", None)
-        if self.control_token:
-            env["LIGHTNING_PROXY_CONTROL_TOKEN"] = self.control_token
+        for var in (TOKEN_VAR, CONTROL_TOKEN_VAR):  # secrets travel by environment, not argv
+            env.pop(var, None)
+        env.update(option_argv(self.config)[1])
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
@@ -288,11 +244,12 @@ class ProxyProcess:
         """Start and wait until ready; retries with new ports if a port was taken meanwhile."""
         self.traces_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        host = self.listen_host if self.listen_host != "0.0.0.0" else "127.0.0.1"
+        host = self.config.listen_host if self.config.listen_host != "0.0.0.0" else "127.0.0.1"
         for tries_left in (2, 1, 0):
-            self.forward_port = self.reverse_port = free_port(host)
-            while self.reverse_port == self.forward_port:
-                self.reverse_port = free_port(host)
+            port = free_port(host)
+            self.config.forward_port = self.config.reverse_port = port
+            while self.config.reverse_port == port:
+                self.config.reverse_port = free_port(host)
             self.proc = start_in_session(self.command(), self.log_path, self._child_env())
             try:
                 wait_ready(self._ready, self.ready_timeout, what="lightning-proxy", proc=self.proc,

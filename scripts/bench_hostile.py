@@ -190,7 +190,7 @@ async def soak(p: ProxyProcess, n: int, hostile_share: float, concurrency: int, 
 
 
 def run_soak(a, work: Path, stub) -> dict:
-    p = ProxyProcess(work / "traces-soak", [stub.url], confdir=work / "conf", log_path=work / "proxy-soak.log").start()
+    p = ProxyProcess(work / "traces-soak", upstreams=[stub.url], confdir=work / "conf", log_path=work / "proxy-soak.log").start()
     try:
         asyncio.run(soak_warmup(p))
         p.control.flush()
@@ -278,7 +278,7 @@ async def sse(p: ProxyProcess, stub_url: str, sizes: list[int], reps: int) -> di
 
 
 def run_memory_and_sse(a, work: Path, stub) -> dict:
-    p = ProxyProcess(work / "traces-mem", [stub.url], confdir=work / "conf", log_path=work / "proxy-mem.log").start()
+    p = ProxyProcess(work / "traces-mem", upstreams=[stub.url], confdir=work / "conf", log_path=work / "proxy-mem.log").start()
     try:
         asyncio.run(soak_warmup(p))
         mem = asyncio.run(memory(p))
@@ -327,7 +327,7 @@ def run_signals(a, work: Path, stub) -> dict:
         runs = []
         for k in range(a.signals):
             d = work / f"sig-{sig.name}-{k}"
-            p = ProxyProcess(d / "traces", [stub.url], confdir=work / "conf", log_path=d / "proxy.log",
+            p = ProxyProcess(d / "traces", upstreams=[stub.url], confdir=work / "conf", log_path=d / "proxy.log",
                              extra_args=["--shutdown-grace", "1"]).start()
             answered, killed_at = asyncio.run(load_until_signal(p, sig, 1.0 + random.random(), f"{sig.name}-{k}"))
             try:

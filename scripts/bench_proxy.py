@@ -285,7 +285,7 @@ def main() -> int:
     results: dict = {"points": [], "config": vars(a)}
     try:
         def start_proxy(i: int) -> ProxyProcess:
-            p = ProxyProcess(work / f"traces-{i}", [stub.url], route_hosts=["api.openai.com"], confdir=work / "conf",
+            p = ProxyProcess(work / f"traces-{i}", upstreams=[stub.url], route_hosts=["api.openai.com"], confdir=work / "conf",
                              log_path=work / f"proxy-{i}.log", inject_token_ids=not a.no_inject)
             proxies.append(p.start())
             return p

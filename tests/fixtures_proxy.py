@@ -134,7 +134,7 @@ def make_proxy(tmp_path, proxy_confdir, stub_upstream):
         kw.setdefault("route_hosts", ["api.openai.com"])
         kw.setdefault("confdir", proxy_confdir)
         kw.setdefault("log_path", tmp_path / f"proxy-{len(started)}.log")
-        p = ProxyProcess(**kw)
+        p = ProxyProcess(kw.pop("traces_dir"), **kw)
         started.append(p)
         return p.start()
 
