@@ -9,20 +9,31 @@ import pytest
 from fixtures_traces import rollout, span
 from lightning_harness.trainer import merge as M
 from lightning_harness.trainer import samples as S
-from lightning_harness.trainer.merge import merge_calls
 
 
 def reference_samples(spans: list[dict]) -> dict[str, tuple]:
-    """The package's plain merge rule (``merge.merge_calls``), rollout by rollout."""
+    """The merge rule written the obvious way: one rollout, one call at a time."""
     out: dict[str, tuple] = {}
     by_rollout: dict[str, list[dict]] = {}
     for s in spans:
         by_rollout.setdefault(s["rollout_id"], []).append(s)
     for rid, calls in by_rollout.items():
         calls.sort(key=lambda c: c["seq"])
-        merged = merge_calls((c["prompt_token_ids"], c["response_token_ids"], c["response_logprobs"]) for c in calls)
-        out.update({f"{rid}~0~{i}": (m.prompt, m.response, m.mask, m.logprobs) for i, m in enumerate(merged)})
-    return out
+        cur = None
+        index = -1
+        for c in calls:
+            P, R, L = c["prompt_token_ids"], c["response_token_ids"], c["response_logprobs"]
+            if cur is not None and P[: len(cur["hist"])] == cur["hist"]:
+                ctx = P[len(cur["hist"]):]
+                cur["resp"] += ctx + R
+                cur["mask"] += [0] * len(ctx) + [1] * len(R)
+                cur["lp"] += [0.0] * len(ctx) + list(L)
+            else:
+                index += 1
+                cur = {"prompt": list(P), "resp": list(R), "mask": [1] * len(R), "lp": list(L)}
+                out[f"{rid}~0~{index}"] = cur
+            cur["hist"] = list(P) + list(R)
+    return {k: (v["prompt"], v["resp"], v["mask"], v["lp"]) for k, v in out.items()}
 
 
 def random_spans(rng: np.random.Generator, n_rollouts: int) -> list[dict]:
@@ -54,7 +65,7 @@ def random_spans(rng: np.random.Generator, n_rollouts: int) -> list[dict]:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_vectorised_merge_equals_reference(make_traces, monkeypatch, seed):
-    monkeypatch.setattr(M, "_CHUNK", 7)
+    monkeypatch.setattr(M, "_CHUNK", 7)  # the fast path lives in merge.py
     rng = np.random.default_rng(seed)
     spans = random_spans(rng, 40)
     rollouts = [rollout(f"r{r:03d}", reward=float(r % 3)) for r in range(40)]

@@ -83,17 +83,14 @@ def merge_calls(calls: Iterable[tuple[Sequence[int], Sequence[int], Sequence[flo
 # --------------------------------------------------------------------------------------------
 def flat(col: pa.ChunkedArray | pa.Array, value_type: pa.DataType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(values, offsets[n+1], valid[n]) of a list column; null lists have length 0 and valid False."""
+    arr = col
     if isinstance(col, pa.ChunkedArray):
         # combine_chunks copies even a single chunk (500 MB of prompts at 100k spans): avoid it
         arr = col.chunk(0) if col.num_chunks == 1 else (col.combine_chunks() if col.num_chunks else pa.array([], pa.list_(value_type)))
-    else:
-        arr = col
     arr = arr.cast(pa.list_(value_type)) if arr.type != pa.list_(value_type) else arr
     valid = ~np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool) if len(arr) else np.zeros(0, bool)
-    offsets = np.asarray(arr.offsets.to_numpy(), dtype=np.int64)
-    base = offsets[0] if len(offsets) else 0
-    end = offsets[-1] if len(offsets) else 0
-    return arr.values.to_numpy(zero_copy_only=False)[base:end], offsets - base, valid
+    offsets = np.asarray(arr.offsets.to_numpy(), dtype=np.int64)  # n + 1 entries, even for n = 0
+    return arr.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]], offsets - offsets[0], valid
 
 
 _ARANGE = np.arange(0, dtype=np.int64)
