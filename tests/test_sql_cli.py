@@ -112,3 +112,18 @@ def test_shell_reads_statements_from_stdin(traces):
     assert "calls,5" in p.stdout and "n\n5" in p.stdout.replace("\r", "")
     assert "t1,1,1,1.0" in p.stdout
     assert "error:" in p.stdout and "answer\n42" in p.stdout.replace("\r", "")
+
+
+def test_shell_names_are_identifiers_never_sql(traces):
+    """``.schema NAME`` quotes NAME: a name with SQL in it is an unknown view, not a statement."""
+    import io
+
+    from lightning_harness.trainer.sql import shell
+    from lightning_harness.trainer.views import connect
+
+    out = io.StringIO()
+    con = connect(traces)
+    shell(con, str(traces), "csv", stdin=io.StringIO(".schema calls;\n.schema calls;DROP/**/VIEW/**/calls\n.tables\n"), out=out)
+    text = out.getvalue()
+    assert "prompt_len" in text  # the columns of calls
+    assert "error:" in text and "calls,5" in text  # the second name failed; the view is still there

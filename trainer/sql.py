@@ -152,6 +152,12 @@ def _run_skipping(con: duckdb.DuckDBPyConnection, query: str, traces_dir: str | 
     return past_damaged_parts(lambda: run_query(con, query), lambda: define_views(con, traces_dir))
 
 
+def quote_identifier(name: str) -> str:
+    """``name`` (``view`` or ``schema.view``) as quoted DuckDB identifiers. Why: names cannot be
+    bound as parameters, and a shell argument must not become SQL of its own."""
+    return ".".join('"' + part.replace('"', '""') + '"' for part in name.split("."))
+
+
 def list_queries(out=None) -> None:
     t = Table(title="canned queries (-q NAME)", show_header=True, header_style="bold")
     t.add_column("name")
@@ -211,10 +217,10 @@ def shell(con: duckdb.DuckDBPyConnection, traces_dir: str, fmt: str = "table", m
                 out.write(SHELL_HELP.format(views=", ".join(VIEW_NAMES)) + "\n")
             elif cmd == ".tables":
                 define_views(con, traces_dir)
-                counts = [(v, con.sql(f"SELECT count(*) FROM {v}").fetchall()[0][0]) for v in VIEW_NAMES]
+                counts = [(v, con.sql(f"SELECT count(*) FROM {quote_identifier(v)}").fetchall()[0][0]) for v in VIEW_NAMES]
                 render(pa.table({"view": [c[0] for c in counts], "rows": [c[1] for c in counts]}), fmt, out=out)
             elif cmd == ".schema" and args:
-                _shell_exec(con, f"DESCRIBE {args[0]}", fmt, max_rows, out)
+                _shell_exec(con, f"DESCRIBE {quote_identifier(args[0].rstrip(';'))}", fmt, max_rows, out)
             elif cmd == ".queries":
                 list_queries(out)
             elif cmd == ".q" and args:
