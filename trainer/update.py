@@ -408,16 +408,13 @@ class PolicyUpdater:
             token_loss, diag = ppo_token_loss(new_lp, prox_lp, batch.behaviour_logprobs, batch.advantages, cfg, ref_lp)
             loss = aggregate_loss(token_loss, batch.mask, batch.token_weight, n_units, cfg.loss_mode)
             loss.backward()
-            msk = batch.mask
             stats["loss"] += float(loss.detach())
-            stats["tokens"] += float(msk.sum())
-            stats["clip_frac"] += float((diag["clipped"] * msk).sum())
-            stats["tis_mean"] += float((diag["tis"] * msk).sum())
-            stats["tis_capped_frac"] += float((diag["tis_capped"] * msk).sum())
-            stats["mismatch_abs"] += float((diag["mismatch"] * msk).sum())
-            stats["ratio_mean"] += float((torch.exp(new_lp.detach() - prox_lp) * msk).sum())
-            if "kl" in diag:
-                stats["kl"] += float((diag["kl"] * msk).sum())
+            stats["tokens"] += float(batch.mask.sum())
+            per_token = {"clip_frac": diag["clipped"], "tis_mean": diag["tis"], "tis_capped_frac": diag["tis_capped"],
+                         "mismatch_abs": diag["mismatch"], "ratio_mean": torch.exp(new_lp.detach() - prox_lp),
+                         "kl": diag.get("kl")}
+            for k, v in per_token.items():  # token sums; update() divides by the tokens
+                stats[k] += 0.0 if v is None else float((v * batch.mask).sum())
         return stats
 
     def logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
