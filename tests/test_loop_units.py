@@ -129,8 +129,8 @@ def test_step_line_reports_the_async_fields():
 
 
 def test_cli_help_build_and_print_config_do_not_import_torch():
-    """`lightning-train --help`, `build --help` and `run --print-config` stay fast: torch (seconds to
-    import) loads only for `run` and `step`."""
+    """`lightning-train --help`, `build --help`, `run --print-config` and `step --help` stay fast: torch
+    (seconds to import) loads only when a loop or an update runs."""
     import subprocess
     import sys
 
@@ -144,7 +144,9 @@ def test_cli_help_build_and_print_config_do_not_import_torch():
         "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
         "r = CliRunner().invoke(main, ['step', '--help'])\n"
         "print(r.exit_code, 'TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
+        "import lightning_harness.trainer.update\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["NO-TORCH", "0", "TORCH"]
+    assert out.stdout.split() == ["NO-TORCH", "0", "NO-TORCH", "TORCH"]

@@ -105,7 +105,7 @@ def served(request, tiny_model_dir, tmp_path_factory):
     """(engine, model_dir) for loop tests. vLLM does not refresh a tied output head on
     reload_weights, so a tied test model gets its own engine serving an untied copy."""
     from lightning_harness.launcher.engine import VLLMEngine
-    from lightning_harness.trainer.update import is_tied, untie_checkpoint
+    from lightning_harness.trainer.checkpoint import is_tied, untie_checkpoint
 
     if not is_tied(tiny_model_dir):
         yield request.getfixturevalue("vllm_engine"), tiny_model_dir

@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -161,11 +160,11 @@ class TrainingRun:
                 raise ConfigError(f"model: {model} is not an HF model folder (no config.json)")
             self.state = {"step": 0, "model_version": 0, "checkpoint": str(model), "base_model": str(model),
                           "stream_pos": 0, "in_flight": [], "run_id": cfg.run_id}
-            from .update import is_tied, untie_checkpoint
+            from .checkpoint import is_tied, step_dir, untie_checkpoint
 
             if cfg.engine.untie_embeddings and is_tied(model):
                 # vLLM's reload_weights leaves a tied output head stale: serve and train an untied copy
-                step0 = untie_checkpoint(model, self.ckpt_dir / "step-000000")
+                step0 = untie_checkpoint(model, step_dir(self.ckpt_dir, 0))
                 self.state.update(checkpoint=str(step0), base_model=str(step0))
                 self.console.print(f"model has tied embeddings: serving and training an untied copy ({step0})",
                                    soft_wrap=True)
@@ -270,7 +269,6 @@ class TrainingRun:
         self.progress.update(phase="loading policy")
         self.updater = PolicyUpdater(self.state["checkpoint"], self.cfg.update,
                                      reference_dir=self.state["base_model"])
-        self.updater.version = int(self.state["model_version"])
 
     # -- rollouts --------------------------------------------------------------------------------
     def submit_groups(self, n: int, label: int) -> None:
@@ -412,6 +410,7 @@ class TrainingRun:
         On a GPU the update needs the engine asleep (memory); on CPU it shares the cores with the
         engine, and the policy must not change under calls in flight, so it stays inside too.
         """
+        from .checkpoint import prune, step_dir
         from .update import scheduled_lr
 
         cfg, ctl, rep = self.cfg, self.proxy.control, {}
@@ -434,10 +433,9 @@ class TrainingRun:
             m = self.updater.update(table)
             rep.update(m)
             rep["update/lr"] = lr
-            new_version = version + 1
-            self.updater.version = new_version  # one version per step, even if nothing was trainable
+            new_version = version + 1  # one version per step, even if nothing was trainable
             t0 = time.monotonic()
-            ckpt = self.updater.save(self.ckpt_dir / f"step-{step:06d}", step=step,
+            ckpt = self.updater.save(step_dir(self.ckpt_dir, step), model_version=new_version, step=step,
                                      save_optimizer=cfg.checkpoint.save_optimizer)
             rep["time/save_s"] = time.monotonic() - t0
             # new weights into the engine, in place
@@ -456,15 +454,8 @@ class TrainingRun:
         rep["time/pause_s"] = time.monotonic() - t_pause
         rep["model_version"] = new_version
         self.state.update(model_version=new_version, checkpoint=str(ckpt))
-        self._prune_checkpoints()
+        prune(self.ckpt_dir, cfg.checkpoint.keep_last, protect=(self.state["checkpoint"], self.state["base_model"]))
         return rep
-
-    def _prune_checkpoints(self) -> None:
-        keep = max(1, self.cfg.checkpoint.keep_last)
-        ckpts = sorted(p for p in self.ckpt_dir.glob("step-*") if p.is_dir())
-        for p in ckpts[:-keep]:
-            if str(p) not in (self.state["checkpoint"], self.state["base_model"]):
-                shutil.rmtree(p, ignore_errors=True)
 
     # -- eval --------------------------------------------------------------------------------------
     def evaluate(self, version: int) -> dict[str, float]:
