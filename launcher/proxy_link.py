@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lightning_harness.proxy.client import (
-    BUNDLE_NAME, ProxyControl, ProxyError, ProxyProcess, default_confdir, harness_env, read_control_token,
+    BUNDLE_NAME, ProxyControl, ProxyError, ProxyProcess, harness_env, read_control_token,
 )
+from lightning_harness.proxy.config import default_confdir
 
 
 @dataclass(frozen=True)
