@@ -15,6 +15,8 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from lightning_harness.schemas.states import FINISHED, RETRY_FAILURES
+
 from .identity import batch_run_id
 from .tasks import TaskFileError, load_tasks
 
@@ -60,6 +62,7 @@ def main() -> None:
 @click.option("--split", default="train", show_default=True, help="Label stored on rollouts ('train', 'eval', ...).")
 @click.option("--step", type=int, help="Training step stored on rollouts (and in rollout/group ids).")
 @click.option("--id-field", help="Task field holding the task id. [default: task_id or id]")
+@click.option("--private-field", "private_fields", multiple=True, help="Task field only the reward command sees (a solution, hidden tests); the harness gets the row without it. Repeatable.")
 @click.option("--limit", type=click.IntRange(1), help="Only the first N tasks.")
 @click.option("--upstream", "upstreams", multiple=True, help="OpenAI-compatible server URL (repeat for a pool; the proxy balances by rollout).")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), help="Start vLLM on this model directory (stopped at the end).")
@@ -87,7 +90,7 @@ def main() -> None:
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Skip rollouts this run id already finished in --traces.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Live progress bar.")
 def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeout, retries, run_id, split, step,
-        id_field, limit, upstreams, model_dir, served_name, max_model_len, engine_args, route_hosts, proxy_url, proxy_token,
+        id_field, private_fields, limit, upstreams, model_dir, served_name, max_model_len, engine_args, route_hosts, proxy_url, proxy_token,
         proxy_control_token, proxy_forward_url,
         proxy_ca, proxy_confdir, api_key, reward_cmd, self_reward, run_as, reward_timeout, k8s_template, k8s_namespace, k8s_proxy_host, k8s_keep, cwd,
         extra_env, resume, progress) -> None:
@@ -120,7 +123,7 @@ def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeou
         raise click.UsageError("--k8s needs --k8s-proxy-host: the address at which pods reach this machine's proxy")
     try:
         env = _parse_env(extra_env)
-        tasks = load_tasks(task_file, id_field=id_field, limit=limit)
+        tasks = load_tasks(task_file, id_field=id_field, limit=limit, private_fields=private_fields)
     except TaskFileError as exc:
         raise click.UsageError(str(exc)) from None
     runner = None  # the local runner by default
@@ -210,7 +213,7 @@ def run(task_file, harness_argv, shell_cmd, traces, samples, concurrency, timeou
     if batch is not None:
         st = batch.stats
         console.print(f"{st.finished}/{st.total} finished ({st.skipped} from earlier runs) · {st.line()}", highlight=False)
-    failed = sum(r.state in ("failed", "timed_out") for r in results)
+    failed = sum(r.state in RETRY_FAILURES for r in results)
     if batch is not None and batch.error:
         console.print(f"[red]batch stopped: {batch.error}[/]; run the same command again to resume")
         code = EXIT_FAILURES
@@ -302,7 +305,7 @@ def summary(traces, run_id) -> None:
     for rid, hist in sorted(load_history(traces).items()):
         rows = [r for r in hist.rows if run_id is None or r["run_id"] == run_id]
         if rows:  # the attempt that finished the rollout, else its latest
-            done = [r for r in rows if r["state"] in ("succeeded", "no_reward")] or rows
+            done = [r for r in rows if r["state"] in FINISHED] or rows
             finals.append(RolloutResult.from_row(max(done, key=lambda r: int(r["attempt"]))))
     if not finals:
         raise click.ClickException(f"no rollouts in {traces}" + (f" for run {run_id}" if run_id else ""))

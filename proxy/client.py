@@ -111,6 +111,11 @@ def read_control_token(confdir: str | os.PathLike, reverse_port: int) -> str | N
 
 
 # -- Contract 2: the harness environment -------------------------------------------------------
+# the variables whose values embed the attempt's credential or the user's API key (a k8s Secret holds them)
+SECRET_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "OPENAI_BASE_URL",
+               "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "LIGHTNING_REWARD_URL")
+
+
 def harness_env(
     rollout_id: str,
     attempt: int,
@@ -124,7 +129,8 @@ def harness_env(
     """The environment that sends an unmodified harness through the proxy (Contract 2).
 
     ``forward_url``/``reverse_url`` are the proxy listeners as the harness reaches them (e.g.
-    ``http://127.0.0.1:PORT``). The launcher adds ``LIGHTNING_TASK``, ``LIGHTNING_OUTPUT_DIR`` etc.
+    ``http://127.0.0.1:PORT``). The launcher adds its part (``launcher/attempt.py contract_env``:
+    ``LIGHTNING_TASK``, ``LIGHTNING_OUTPUT_DIR`` etc.); :data:`SECRET_VARS` names the secret ones.
     ``token`` is the proxy token; the harness gets only the credential derived from it for this
     attempt (the harness is untrusted: it may run model-written commands).
     """
