@@ -73,21 +73,20 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel, mod
     work = attempt_dir(s.traces_dir, spec, attempt)
     (work / "out").mkdir(parents=True, exist_ok=True)
     task_file, log_path = work / "task.json", work / "harness.log"
-    fields = harness_fields(spec)
+    fields = {k: v for k, v in spec.task.fields.items() if k not in spec.task.private}  # the reward's alone
     seen = json.dumps(fields, sort_keys=True, default=str)
-    task_file.unlink(missing_ok=True)  # a link planted here (by another harness) is replaced, not followed
-    task_file.write_text(seen + "\n")
+    write_task_file(task_file, seen)
     (work / "reward.json").unlink(missing_ok=True)
     paths_in = getattr(s.runner, "harness_paths", None)  # paths as the harness sees them (a pod mounts them elsewhere)
     paths = paths_in(work) if paths_in else local_paths(work)
-    env = {**s.extra_env, **proxy_env(s, spec, attempt, work), **contract_env(spec, attempt, seen, paths, model_version)}
+    named = named_values(spec, attempt, paths)
+    env = {**s.extra_env, **proxy_env(s, spec, attempt, work), **contract_env(named, seen, model_version)}
     files = {"task.json": task_file}
     if s.proxy is not None and Path(s.proxy.ca_bundle).exists():
         files["ca-bundle.pem"] = Path(s.proxy.ca_bundle)
-    values = template_values(spec, attempt, fields, paths)
     job = AttemptJob(
         rollout_id=spec.rollout_id, attempt=attempt,
-        command=render_command(s.harness, values) if s.harness else None, env=env, workdir=work,
+        command=render_command(s.harness, {**fields, **named}) if s.harness else None, env=env, workdir=work,
         log_path=log_path, timeout=s.timeout, cwd=s.cwd, task_json=seen,
         labels={"run_id": spec.run_id, "task_id": spec.task.id, "group_id": spec.group_id}, files=files,
     )
@@ -118,66 +117,50 @@ def judge(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outco
 
 
 # -- Contract 2, the launcher's part: who the attempt is, its task, its files ---------------------------
-def harness_fields(spec: RolloutSpec) -> dict[str, Any]:
-    """The task row as the harness gets it: without the task's private fields (``Task.private``)."""
-    return {k: v for k, v in spec.task.fields.items() if k not in spec.task.private}
+def write_task_file(path: Path, row_json: str) -> None:
+    path.unlink(missing_ok=True)  # a link planted here (by a harness) is replaced, not followed
+    path.write_text(row_json + "\n")
 
 
 def local_paths(work: Path) -> dict[str, str]:
-    return {"task_file": str(work / "task.json"), "reward_file": str(work / "reward.json"),
-            "output_dir": str(work / "out")}
+    return {"task_file": str(work / "task.json"), "reward_file": str(work / "reward.json"), "output_dir": str(work / "out")}
 
 
-def contract_env(spec: RolloutSpec, attempt: int, task_json: str, paths: Mapping[str, str],
-                 model_version: int | None = None) -> dict[str, str]:
-    """The ``LIGHTNING_*`` variables of one attempt, for its harness and for its reward command.
+def named_values(spec: RolloutSpec, attempt: int, paths: Mapping[str, str]) -> dict[str, Any]:
+    """Who the attempt is and where its files are: ``{placeholders}`` of the harness and reward
+    command lines, and (upper-cased, by :func:`contract_env`) ``LIGHTNING_*`` variables."""
+    return {"rollout_id": spec.rollout_id, "attempt": attempt, "run_id": spec.run_id, "task_id": spec.task.id,
+            "group_id": spec.group_id, "sample_index": spec.sample_index, "split": spec.split,
+            "step": "" if spec.step is None else spec.step, **paths}
 
-    The proxy's part (base URLs, proxy variables, credential, CA bundle) is
-    ``proxy.client.harness_env``; the reward command gets this part with the whole task row and
-    local paths, the harness with :func:`harness_fields` and the paths it sees.
-    """
-    env = {
-        "LIGHTNING_ROLLOUT_ID": spec.rollout_id, "LIGHTNING_ATTEMPT": str(attempt),
-        "LIGHTNING_RUN_ID": spec.run_id, "LIGHTNING_TASK_ID": spec.task.id, "LIGHTNING_GROUP_ID": spec.group_id,
-        "LIGHTNING_SAMPLE_INDEX": str(spec.sample_index), "LIGHTNING_SPLIT": spec.split,
-        "LIGHTNING_STEP": "" if spec.step is None else str(spec.step),
-        "LIGHTNING_TASK": task_json, "LIGHTNING_TASK_FILE": paths["task_file"],
-        "LIGHTNING_REWARD_FILE": paths["reward_file"], "LIGHTNING_OUTPUT_DIR": paths["output_dir"],
-    }
+
+def contract_env(named: Mapping[str, Any], task_json: str, model_version: int | None = None) -> dict[str, str]:
+    """The launcher's part of Contract 2 (the proxy's part: ``proxy.client.harness_env``), for a harness
+    and for a reward command: ``LIGHTNING_<NAME>`` for each of :func:`named_values`, the task row (a
+    harness's without the task's private fields), the model version."""
+    env = {f"LIGHTNING_{k.upper()}": str(v) for k, v in named.items()}
+    env["LIGHTNING_TASK"] = task_json
     if model_version is not None:
         env["LIGHTNING_MODEL_VERSION"] = str(model_version)
     return env
 
 
-def template_values(spec: RolloutSpec, attempt: int, fields: Mapping[str, Any], paths: Mapping[str, str]) -> dict[str, Any]:
-    """``{placeholders}`` of a harness or reward command line: task fields, identity, paths."""
-    values = dict(fields)
-    values.update(
-        task_id=spec.task.id, rollout_id=spec.rollout_id, attempt=attempt, sample_index=spec.sample_index,
-        group_id=spec.group_id, run_id=spec.run_id, split=spec.split, step="" if spec.step is None else spec.step,
-        **paths,
-    )
-    return values
-
-
 def proxy_env(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path) -> dict[str, str]:
-    """The proxy's part of Contract 2 (``proxy.client.harness_env``) as this runner's harness reaches it."""
+    """The proxy's part of Contract 2 (``proxy.client.harness_env``) as this runner's harness reaches it:
+    a pod through the runner's view of the proxy; a harness run as another user (--run-as) with the CA
+    bundle copied into the attempt folder (the proxy's confdir, root's home by default, is not its to read)."""
     if s.proxy is None:
         return {}
-    view = getattr(s.runner, "proxy_view", None)
-    return (view(s.proxy) if view else own_ca(s, work)).env_for(spec.rollout_id, attempt)
-
-
-def own_ca(s: AttemptSettings, work: Path) -> ProxyLink:
-    """The proxy link, with the CA bundle copied into the attempt folder when the harness runs as
-    another user (--run-as): the proxy's confdir (root's home by default) is not that user's to read."""
-    if not getattr(s.runner, "run_as", None) or not Path(s.proxy.ca_bundle).is_file():
-        return s.proxy
-    copy = work / "ca-bundle.pem"
-    copy.unlink(missing_ok=True)
-    shutil.copyfile(s.proxy.ca_bundle, copy)
-    os.chmod(copy, 0o644)
-    return dataclasses.replace(s.proxy, ca_bundle=str(copy))
+    link = s.proxy
+    if getattr(s.runner, "proxy_view", None):
+        link = s.runner.proxy_view(link)
+    elif getattr(s.runner, "run_as", None) and Path(link.ca_bundle).is_file():
+        copy = work / "ca-bundle.pem"
+        copy.unlink(missing_ok=True)
+        shutil.copyfile(link.ca_bundle, copy)
+        os.chmod(copy, 0o644)
+        link = dataclasses.replace(link, ca_bundle=str(copy))
+    return link.env_for(spec.rollout_id, attempt)
 
 
 def collect_reward(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome,
@@ -219,20 +202,14 @@ def collect_reward(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Pa
 def score(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome) -> Reward:
     """Run ``--reward-cmd`` (the verifier) on a finished attempt; raises RewardError when it gives no reward.
 
-    The scorer is ours: it sees the whole task row (private fields too) in ``LIGHTNING_TASK`` and in a
-    file of its own written only now (the harness is gone), local paths, and no capture proxy."""
-    log_path = work / "harness.log"
-    whole = spec.task.to_json()
-    task_file = work / "reward-task.json"
+    The scorer is ours: it sees the whole task row (private fields too: ``task.json`` is rewritten now
+    that the harness is gone), local paths, and no capture proxy."""
+    log_path, whole = work / "harness.log", spec.task.to_json()
     try:
-        task_file.unlink(missing_ok=True)  # whatever the harness left at this name goes
-        with os.fdopen(os.open(task_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as fh:
-            fh.write(whole + "\n")
+        write_task_file(work / "task.json", whole)
     except OSError as exc:
-        raise RewardError(f"cannot write the reward command's task file {task_file}: {exc}") from None
-    paths = dict(local_paths(work), task_file=str(task_file))
-    env = contract_env(spec, attempt, whole, paths)
-    env.update(LIGHTNING_LOG_FILE=str(log_path), LIGHTNING_EXIT_CODE=str(outcome.exit_code))
-    values = dict(template_values(spec, attempt, spec.task.fields, paths), log_file=str(log_path))
-    return run_reward_cmd(substitute(s.reward_cmd, values, quote=True), env, timeout=s.reward_timeout,
+        raise RewardError(f"cannot write the reward command's task file: {exc}") from None
+    named = named_values(spec, attempt, {**local_paths(work), "log_file": str(log_path)})
+    env = {**contract_env(named, whole), "LIGHTNING_EXIT_CODE": str(outcome.exit_code)}
+    return run_reward_cmd(substitute(s.reward_cmd, {**spec.task.fields, **named}, quote=True), env, timeout=s.reward_timeout,
                           cwd=s.cwd, log_path=log_path)

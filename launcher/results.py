@@ -12,7 +12,6 @@ import datetime as dt
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from statistics import fmean
 from typing import Any, Iterable
 
 from lightning_harness.schemas import ROLLOUTS, read_table
@@ -74,11 +73,6 @@ class GroupResult:
     @property
     def rewards(self) -> list[float | None]:
         return [r.reward for r in self.rollouts]
-
-    @property
-    def mean_reward(self) -> float | None:
-        vals = [r.reward for r in self.rollouts if r.reward is not None]
-        return fmean(vals) if vals else None
 
     @property
     def complete(self) -> bool:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 import pyarrow.parquet as pq
 
-from lightning_harness.schemas.rewards import SELF_SOURCES, VERIFIER_SOURCES, RewardError, parse_reward, precedence
+from lightning_harness.schemas.rewards import RewardError, parse_reward, precedence
 
 from .local import open_log, open_regular
 from .proctree import ProcessTree
@@ -144,9 +144,7 @@ class RewardsTable:
                 info = json.loads(r["info_json"])
             except json.JSONDecodeError:
                 info = {"raw": r["info_json"]}
-        old = by_source.get(source)
-        if old is None or precedence(source, r["created_at"]) >= precedence(old.source, old.at):
-            by_source[source] = Reward(float(r["reward"]), source, info, r["created_at"])
+        by_source[source] = winner(Reward(float(r["reward"]), source, info, r["created_at"]), by_source.get(source))
 
     def _flush(self, ended_mono: float) -> None:
         if self.flush_fn is None:

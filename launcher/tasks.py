@@ -22,10 +22,8 @@ class TaskFileError(ValueError):
 
 @dataclass(frozen=True)
 class Task:
-    """One task row: ``id`` (a string) and every field of the row, id included, in ``fields``.
-
-    ``private``: names of fields only the reward command sees (a solution, hidden tests); the harness
-    environment (launcher/attempt.py) leaves them out of everything the harness gets."""
+    """One task row: ``id`` (a string) and every field of the row, id included, in ``fields``;
+    ``private``: fields only the reward command sees (launcher/attempt.py keeps them from the harness)."""
 
     id: str
     fields: Mapping[str, Any] = field(default_factory=dict)

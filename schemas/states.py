@@ -1,17 +1,12 @@
 """Rollout states: the values of the ``rollouts.state`` column, and which of them mean what.
 
-Why here: the launcher writes these states, the trainer and the SQL views read them; one enum keeps
-the stored strings (``StrEnum``: a member *is* its string, so Parquet and DuckDB see plain text).
-
-"Failure" means two different things, and each has its own set:
-
-* :data:`RETRY_FAILURES` (``failed``, ``timed_out``): the attempt went wrong by itself; it uses one of
-  the rollout's retries. ``cancelled`` does not: stopping a batch is not the rollout's fault, so a
-  cancelled attempt neither uses a retry nor finishes the rollout (a re-run runs it again).
-* :data:`ABORTED` (``failed``, ``timed_out``, ``cancelled``): the harness did not run to its normal end,
-  so any reward it reported is not a judged one; the training failure policy
-  (``trainer.advantages.apply_failure_policy``) drops or penalises these.
-* :data:`FINISHED` (``succeeded``, ``no_reward``): the attempt ran to its end; a re-run skips the rollout.
+One ``StrEnum`` for the launcher that writes them and the trainer and SQL views that read them (a
+member *is* its string, so Parquet and DuckDB see plain text). "Failure" means two things:
+:data:`RETRY_FAILURES` use one of the rollout's retries; ``cancelled`` does not (stopping a batch is
+not the rollout's fault: it neither uses a retry nor finishes the rollout, a re-run runs it again).
+:data:`ABORTED` adds ``cancelled``: the harness did not run to its end, so the training failure
+policy (``trainer.advantages.apply_failure_policy``) drops or penalises these. A rollout with a
+:data:`FINISHED` attempt ran to its end; a re-run skips it.
 """
 
 from __future__ import annotations
@@ -28,12 +23,6 @@ class RolloutState(StrEnum):
 
 
 SUCCEEDED, NO_REWARD, FAILED, TIMED_OUT, CANCELLED = RolloutState  # short names, for `state == FAILED`
-
-FINISHED = frozenset({RolloutState.SUCCEEDED, RolloutState.NO_REWARD})
-RETRY_FAILURES = frozenset({RolloutState.FAILED, RolloutState.TIMED_OUT})
-ABORTED = RETRY_FAILURES | {RolloutState.CANCELLED}
-
-
-def sql_list(states) -> str:
-    """``'a', 'b'`` for an SQL ``IN (...)``: the states are fixed identifiers, never user text."""
-    return ", ".join(f"'{s.value}'" for s in sorted(states))
+FINISHED = frozenset({SUCCEEDED, NO_REWARD})
+RETRY_FAILURES = frozenset({FAILED, TIMED_OUT})
+ABORTED = RETRY_FAILURES | {CANCELLED}

@@ -26,7 +26,7 @@ import logging
 from mitmproxy import http
 
 from ...schemas import BufferFull
-from ...schemas.rewards import RewardError, check_info, check_reward, reward_from_object
+from ...schemas.rewards import RewardError, reward_from_object
 from ..credentials import InvalidId, check_attempt, check_model_version, check_rollout_id, log_safe
 from ..state import CONTROL, META, REWARD, ProxyState
 
@@ -134,7 +134,8 @@ class Control:
             source = body.get("source") or "api"
             if not isinstance(source, str) or len(source) > 64:
                 raise BadRequest("source must be a string of at most 64 characters")
-            rid_row = self.write_reward(rid, attempt, body.get("reward"), body.get("info"), source)
+            value, info = reward_from_object(body)
+            rid_row = self.write_reward(rid, attempt, value, info, source)
             return _json_response(flow, 200, {"ok": True, "reward_id": rid_row})
         if name == "end":
             body = _body(flow)
@@ -146,22 +147,15 @@ class Control:
             return _json_response(flow, 200, st.snapshot())
         return _json_response(flow, 404, {"error": f"unknown control call {path}"})
 
-    def write_reward(self, rollout_id, attempt, reward, info, source: str, secrets=()) -> str:
+    def write_reward(self, rollout_id, attempt, value: float, info: dict | None, source: str, secrets=()) -> str:
         """Append one reward row; ``secrets``: the posting harness's credentials, masked in ``info``."""
         if not rollout_id:
             raise BadRequest("a reward needs a rollout (credentials or rollout_id)")
-        value, info = check_reward(reward), check_info(info)
         reward_id = uuid.uuid4().hex
-        self.state.rewards.append(
-            {
-                "reward_id": reward_id,
-                "rollout_id": rollout_id,
-                "attempt": check_attempt(attempt or 0),
-                "reward": value,
-                "created_at": datetime.now(timezone.utc),
-                "source": source,
-                "info_json": self.state.redactor.json_text(json.dumps(info or {}), secrets),
-            }
-        )
+        self.state.rewards.append({
+            "reward_id": reward_id, "rollout_id": rollout_id, "attempt": check_attempt(attempt or 0), "reward": value,
+            "created_at": datetime.now(timezone.utc), "source": source,
+            "info_json": self.state.redactor.json_text(json.dumps(info or {}), secrets),
+        })
         self.state.rewards_captured += 1
         return reward_id
