@@ -257,7 +257,8 @@ def read_rewards_file(path: str) -> list[tuple[str, int, float, dict]]:
             if not line.strip():
                 continue
             try:
-                reward, info = reward_from_object(json.loads(line))
+                obj = json.loads(line)
+                reward, info = reward_from_object(obj)
                 rows.append((check_rollout_id(obj.get("rollout_id")), check_attempt(obj.get("attempt", 0)),
                              reward, info or {}))
             except ValueError as exc:  # InvalidId and JSONDecodeError are ValueErrors

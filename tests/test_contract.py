@@ -146,3 +146,19 @@ def test_a_private_field_that_no_task_has_is_an_error(tmp_path):
     assert load_tasks(tasks, private_fields=["solution"])[0].private == {"solution"}
     with pytest.raises(TaskFileError, match="soluton"):
         load_tasks(tasks, private_fields=["soluton"])
+
+
+def test_the_proxy_clis_rewards_file_follows_the_same_rule(tmp_path):
+    """`lightning-proxy ctl rewards FILE` checks every line with the one rule before posting any."""
+    import click
+
+    from lightning_harness.proxy.cli import read_rewards_file
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"rollout_id": "a", "reward": 0.5, "attempt": 2}\n{"rollout_id": "b", "reward": 1, "info": {"g": 1}}\n')
+    assert read_rewards_file(str(good)) == [("a", 2, 0.5, {}), ("b", 0, 1.0, {"g": 1})]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"rollout_id": "a", "reward": 1}\n{"rollout_id": "b", "reward": "1"}\n[1]\n{"rollout_id": "c", "reward": 1, "info": "s"}\n')
+    with pytest.raises(click.ClickException, match="3 bad line") as err:
+        read_rewards_file(str(bad))
+    assert all(f"line {n}:" in err.value.message for n in (2, 3, 4))
