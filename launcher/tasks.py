@@ -137,9 +137,7 @@ def load_tasks(path: str | os.PathLike, *, id_field: str | None = None, limit: i
         seen[task.id] = where
         tasks.append(task)
     private = frozenset(private_fields)
-    unknown = private.difference(*(t.fields for t in tasks))
-    if unknown:
+    if unknown := private.difference(*(t.fields for t in tasks)):
         raise TaskFileError(f"{p}: private field(s) {sorted(unknown)} are in no task (fields: {sorted(tasks[0].fields)})")
-    if private:
-        tasks = [Task(t.id, t.fields, private) for t in tasks]
+    tasks = [Task(t.id, t.fields, private) for t in tasks] if private else tasks
     return tasks[:limit] if limit else tasks
