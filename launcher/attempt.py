@@ -165,7 +165,7 @@ def proxy_env(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path) -
 
 def collect_reward(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome,
                    ended_mono: float) -> tuple[Reward | None, str | None]:
-    """The attempt's reward by rank (launcher/rewards.py): verifier (command, api) over the harness's own
+    """The attempt's reward by rank (schemas/rewards.py): verifier (command, api) over the harness's own
     report (file, proxy), which counts only without --reward-cmd and with self-rewards on.
     Errors are kept, never turned into 0."""
     def lookup(sources: tuple[str, ...]) -> Reward | None:
