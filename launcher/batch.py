@@ -25,13 +25,14 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from lightning_harness.proxy.health import CaptureUnhealthy, capture_baseline, require_capture
 from lightning_harness.schemas import PartWriter
+from lightning_harness.schemas.states import CANCELLED, FAILED, NO_REWARD, RETRY_FAILURES
 
 from .attempt import WORK_DIR, AttemptSettings, attempt_dir, make_result, run_attempt
 from .identity import GroupFn, RolloutSpec, plan_rollouts
 from .local import LocalRunner, utcnow
 from .progress import BatchProgress, BatchStats
 from .proxy_link import ProxyLink
-from .results import CANCELLED, FAILED, FAILURES, NO_REWARD, GroupResult, History, RolloutResult, load_history
+from .results import GroupResult, History, RolloutResult, load_history
 from .rewards import RewardsTable
 from .runas import lock_traces
 from .tasks import Task, tasks_from_rows
@@ -425,8 +426,8 @@ class BatchRunner:
             self._after_attempt(item, result)
 
     def _after_attempt(self, item: _Item, result: RolloutResult) -> None:
-        failures = item.failures + (result.state in FAILURES)
-        retry = result.state in FAILURES and failures <= self.settings.retries and not self._cancel.is_set()
+        failures = item.failures + (result.state in RETRY_FAILURES)
+        retry = result.state in RETRY_FAILURES and failures <= self.settings.retries and not self._cancel.is_set()
         ready = None
         with self._lock:
             if retry:
@@ -455,7 +456,7 @@ class BatchRunner:
         s.finished += 1
         s.ran += ran
         s.skipped += not ran
-        s.failed += r.state in FAILURES
+        s.failed += r.state in RETRY_FAILURES
         s.no_reward += r.state == NO_REWARD
         if r.reward is not None:
             s.reward_sum += r.reward
@@ -474,7 +475,7 @@ class BatchRunner:
 
     def _run_attempt(self, item: _Item) -> RolloutResult:
         result, reward = run_attempt(self._settings, item.spec, item.attempt, self._cancel, self._current_model_version())
-        if result.state in FAILURES:
+        if result.state in RETRY_FAILURES:
             problem = self._health()
             if problem:  # not the harness's fault: recorded as cancelled, so it neither retries now nor counts later
                 result.state, result.error = CANCELLED, f"{problem}; the attempt ended with: {result.error}"

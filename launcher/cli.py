@@ -18,6 +18,7 @@ from rich.console import Console
 
 from lightning_harness.proxy.cli import proxy_options
 from lightning_harness.proxy.config import ProxyConfig, parse_pairs
+from lightning_harness.schemas.states import FINISHED, RETRY_FAILURES
 
 from .identity import batch_run_id
 from .tasks import TaskFileError, load_tasks
@@ -54,6 +55,7 @@ def main() -> None:
 @click.option("--split", default="train", show_default=True, help="Label stored on rollouts ('train', 'eval', ...).")
 @click.option("--step", type=int, help="Training step stored on rollouts (and in rollout/group ids).")
 @click.option("--id-field", help="Task field holding the task id. [default: task_id or id]")
+@click.option("--private-field", "private_fields", multiple=True, help="Task field only the reward command sees (a solution, hidden tests); the harness gets the row without it. Repeatable.")
 @click.option("--limit", type=click.IntRange(1), help="Only the first N tasks.")
 @proxy_options("upstreams")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), help="Start vLLM on this model directory (stopped at the end).")
@@ -98,7 +100,7 @@ def run(task_file, harness_argv, shell_cmd, **opts) -> None:
     harness = _harness(shell_cmd, harness_argv, o)
     try:
         env = parse_pairs(o.extra_env, "--env")
-        tasks = load_tasks(task_file, id_field=o.id_field, limit=o.limit)
+        tasks = load_tasks(task_file, id_field=o.id_field, limit=o.limit, private_fields=o.private_fields)
     except (TaskFileError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
     runner = _runner(o)
@@ -218,7 +220,7 @@ def _report(batch, results, code: int, traces: Path, run_id: str) -> int:
     if batch is not None:
         st = batch.stats
         console.print(f"{st.finished}/{st.total} finished ({st.skipped} from earlier runs) · {st.line()}", highlight=False)
-    failed = sum(r.state in ("failed", "timed_out") for r in results)
+    failed = sum(r.state in RETRY_FAILURES for r in results)
     if batch is not None and batch.error:
         console.print(f"[red]batch stopped: {batch.error}[/]; run the same command again to resume")
         code = EXIT_FAILURES
@@ -325,7 +327,7 @@ def summary(traces, run_id) -> None:
     for rid, hist in sorted(load_history(traces).items()):
         rows = [r for r in hist.rows if run_id is None or r["run_id"] == run_id]
         if rows:  # the attempt that finished the rollout, else its latest
-            done = [r for r in rows if r["state"] in ("succeeded", "no_reward")] or rows
+            done = [r for r in rows if r["state"] in FINISHED] or rows
             finals.append(RolloutResult.from_row(max(done, key=lambda r: int(r["attempt"]))))
     if not finals:
         raise click.ClickException(f"no rollouts in {traces}" + (f" for run {run_id}" if run_id else ""))

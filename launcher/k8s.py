@@ -27,6 +27,8 @@ from typing import Any, Mapping, Sequence
 import jinja2
 import yaml
 
+from lightning_harness.proxy.client import SECRET_VARS
+
 from .local import AttemptJob, AttemptOutcome, trim_to_tail, utcnow
 from .proxy_link import ProxyLink
 
@@ -62,11 +64,6 @@ def label_value(text: str) -> str:
     return value or "x"
 
 
-# environment values that embed the proxy token or the user's API key: they go through the Secret
-SECRET_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "OPENAI_BASE_URL",
-              "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "LIGHTNING_REWARD_URL")
-
-
 def secret_key(env_name: str) -> str:
     return f"env.{env_name}"
 
@@ -74,7 +71,7 @@ def secret_key(env_name: str) -> str:
 def _env_list(env: Mapping[str, str], secret: str | None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for k, v in env.items():
-        if secret and k in SECRET_ENV:
+        if secret and k in SECRET_VARS:
             out.append({"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": secret_key(k)}}})
         else:
             out.append({"name": k, "value": str(v)})
@@ -316,7 +313,7 @@ class K8sRunner:
         (job.workdir / "job.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))  # no secrets in it
         container = manifest["spec"]["template"]["spec"]["containers"][0]["name"]
         data = {k: Path(p).read_text() for k, p in job.files.items()}
-        data.update({secret_key(k): str(v) for k, v in job.env.items() if k in SECRET_ENV})
+        data.update({secret_key(k): str(v) for k, v in job.env.items() if k in SECRET_VARS})
         secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "stringData": data,
                   "metadata": {"name": name, "namespace": self.namespace, "labels": manifest["metadata"]["labels"]}}
         try:

@@ -18,7 +18,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from .results import FAILURES, SUCCEEDED, RolloutResult
+from lightning_harness.schemas.states import CANCELLED, NO_REWARD, RETRY_FAILURES, SUCCEEDED, TIMED_OUT
+
+from .results import RolloutResult
 
 
 class BatchStats:
@@ -112,12 +114,12 @@ _NUM = re.compile(r"\d+(\.\d+)?s")
 
 def failure_cause(r: RolloutResult) -> str:
     """A short, groupable cause: 'exit code 3', 'timed out', 'no reward: reward file ... not a number'."""
-    if r.state == "timed_out":
+    if r.state == TIMED_OUT:
         return "timed out"
-    if r.state == "cancelled":
+    if r.state == CANCELLED:
         return "cancelled"
     err = (r.error or "").split(";")[0].strip()
-    if r.state == "no_reward":
+    if r.state == NO_REWARD:
         if not err or err.startswith("no reward reported"):
             return "no reward reported"
         return f"no reward: {err}"
@@ -141,7 +143,7 @@ def summary_tables(results: Iterable[RolloutResult]) -> list[Table]:
         t1.add_row(
             task_id, str(len(rs)), str(sum(r.state == SUCCEEDED for r in rs)),
             fmt(fmean(vals) if vals else None), fmt(min(vals) if vals else None), fmt(max(vals) if vals else None),
-            str(sum(r.state == "no_reward" for r in rs)), str(sum(r.state in FAILURES for r in rs)),
+            str(sum(r.state == NO_REWARD for r in rs)), str(sum(r.state in RETRY_FAILURES for r in rs)),
         )
     causes = Counter(failure_cause(r) for r in results if r.state != SUCCEEDED)
     t2 = Table(title="Failures by cause")

@@ -13,6 +13,7 @@ import urllib.parse
 
 import click
 
+from ..schemas.rewards import reward_from_object
 from .client import BUNDLE_NAME, ProxyControl, ProxyError, control_token_path, harness_env, read_control_token
 from .config import CONTROL_TOKEN_VAR, MiB, ProxyConfig, default_confdir, flag_names
 from .credentials import InvalidId, check_attempt, check_rollout_id
@@ -264,17 +265,9 @@ def read_rewards_file(path: str) -> list[tuple[str, int, float, dict]]:
                 continue
             try:
                 obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    raise ValueError("not a JSON object")
-                reward = obj.get("reward")
-                if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward \
-                        or reward in (float("inf"), float("-inf")):
-                    raise ValueError(f"reward must be a finite number, got {reward!r}")
-                info = obj.get("info") or {}
-                if not isinstance(info, dict):
-                    raise ValueError("info must be a JSON object")
+                reward, info = reward_from_object(obj)
                 rows.append((check_rollout_id(obj.get("rollout_id")), check_attempt(obj.get("attempt", 0)),
-                             float(reward), info))
+                             reward, info or {}))
             except ValueError as exc:  # InvalidId and JSONDecodeError are ValueErrors
                 bad.append(f"line {n}: {exc}")
     if bad:

@@ -107,20 +107,19 @@ def read_control_token(confdir: str | os.PathLike, reverse_port: int) -> str | N
         return None
 
 # -- Contract 2: the harness environment -------------------------------------------------------
-def harness_env(
-    rollout_id: str,
-    attempt: int,
-    token: str | None,
-    forward_url: str,
-    reverse_url: str,
-    ca_bundle: str | os.PathLike,
-    api_key: str | None = None,
-    anthropic_api_key: str | None = None,
-) -> dict[str, str]:
+PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY")
+CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE")
+# the variables whose values embed the attempt's credential or the user's API key (a k8s Secret holds them)
+SECRET_VARS = PROXY_VARS + ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "LIGHTNING_REWARD_URL")
+
+
+def harness_env(rollout_id: str, attempt: int, token: str | None, forward_url: str, reverse_url: str,
+                ca_bundle: str | os.PathLike, api_key: str | None = None, anthropic_api_key: str | None = None) -> dict[str, str]:
     """The environment that sends an unmodified harness through the proxy (Contract 2).
 
     ``forward_url``/``reverse_url`` are the proxy listeners as the harness reaches them (e.g.
-    ``http://127.0.0.1:PORT``). The launcher adds ``LIGHTNING_TASK``, ``LIGHTNING_OUTPUT_DIR`` etc.
+    ``http://127.0.0.1:PORT``). The launcher adds its part (``launcher/attempt.py contract_env``:
+    ``LIGHTNING_TASK``, ``LIGHTNING_OUTPUT_DIR`` etc.); :data:`SECRET_VARS` names the secret ones.
     ``token`` is the proxy token; the harness gets only the credential derived from it for this
     attempt (the harness is untrusted: it may run model-written commands).
     """
@@ -130,19 +129,8 @@ def harness_env(
     userinfo = f"{urllib.parse.quote(user, safe='~')}:{urllib.parse.quote(secret, safe='')}"
     proxy = f"{fwd.scheme or 'http'}://{userinfo}@{fwd.netloc}"
     prefix = f"{reverse_url.rstrip('/')}/lh/{urllib.parse.quote(user, safe='~')}/{urllib.parse.quote(secret, safe='')}"
-    bundle = str(ca_bundle)
-    env = {
-        "HTTP_PROXY": proxy,
-        "HTTPS_PROXY": proxy,
-        "http_proxy": proxy,
-        "https_proxy": proxy,
-        "ALL_PROXY": proxy,
-        "NO_PROXY": "",
-        "no_proxy": "",
-        "SSL_CERT_FILE": bundle,
-        "REQUESTS_CA_BUNDLE": bundle,
-        "NODE_EXTRA_CA_CERTS": bundle,
-        "CURL_CA_BUNDLE": bundle,
+    return {
+        **dict.fromkeys(PROXY_VARS, proxy), "NO_PROXY": "", "no_proxy": "", **dict.fromkeys(CA_VARS, str(ca_bundle)),
         "OPENAI_BASE_URL": f"{prefix}/v1",
         "OPENAI_API_KEY": api_key or PLACEHOLDER_API_KEY,
         # Anthropic SDKs append /v1/messages to the base URL; the key is the user's, else the placeholder
@@ -152,7 +140,6 @@ def harness_env(
         "LIGHTNING_ATTEMPT": str(attempt),
         "LIGHTNING_REWARD_URL": f"{prefix}/reward",
     }
-    return env
 
 # -- the proxy as a subprocess -------------------------------------------------------------------
 

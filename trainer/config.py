@@ -117,6 +117,7 @@ class TasksConfig(Section):
     train: str | None = None  # JSONL/JSON/Parquet task file
     eval: str | None = None  # held-out tasks; must not overlap train (checked)
     id_field: str | None = None
+    private_fields: list[str] = field(default_factory=list)  # task fields only the reward command sees (solution, hidden tests)
 
 
 @typed_section

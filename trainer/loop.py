@@ -174,11 +174,12 @@ class TrainingRun:
         save_config(cfg, self.run_dir / "config.yaml")
         from lightning_harness.launcher.tasks import load_tasks
 
-        self.train_tasks = load_tasks(cfg.path(cfg.tasks.train), id_field=cfg.tasks.id_field)
+        self.train_tasks = load_tasks(cfg.path(cfg.tasks.train), id_field=cfg.tasks.id_field,
+                                      private_fields=cfg.tasks.private_fields)
         self.eval_tasks = []
         if cfg.tasks.eval:
             self.eval_tasks = load_tasks(cfg.path(cfg.tasks.eval), id_field=cfg.tasks.id_field,
-                                         limit=cfg.eval.max_tasks)
+                                         limit=cfg.eval.max_tasks, private_fields=cfg.tasks.private_fields)
             overlap = {t.id for t in self.train_tasks} & {t.id for t in self.eval_tasks}
             if overlap:
                 raise ConfigError(f"train and eval tasks overlap on ids {sorted(overlap)[:5]}")
@@ -325,7 +326,7 @@ class TrainingRun:
     def _check_failures(self, groups: list, first: bool) -> None:
         """Every rollout failed: on the first step that is a setup error (stop, say why); later, warn."""
         rollouts = [r for g in groups for r in g.rollouts]
-        if not rollouts or any(r.state == "succeeded" for r in rollouts):
+        if not rollouts or any(r.ok for r in rollouts):
             return
         r = rollouts[0]
         tail = ""
@@ -478,7 +479,7 @@ class TrainingRun:
             "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
             "eval/success": sum(1 for r in rewards if r >= e.success_threshold) / max(len(rewards), 1),
             "eval/rollouts": len(results),
-            "eval/failed": sum(1 for r in results if r.state != "succeeded"),
+            "eval/failed": sum(1 for r in results if not r.ok),
             "time/eval_s": time.monotonic() - t0,
         }
         self.state.setdefault("evals", {})[str(version)] = out
@@ -646,7 +647,7 @@ def train_stats(groups: list, threshold: float) -> dict[str, float]:
     return {
         "train/groups": len(groups),
         "train/rollouts": len(rollouts),
-        "train/failed": sum(1 for r in rollouts if r.state != "succeeded"),
+        "train/failed": sum(1 for r in rollouts if not r.ok),
         "train/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
         "train/success": sum(1 for x in rewards if x >= threshold) / len(rollouts) if rollouts else float("nan"),
         "train/duration_mean_s": sum(r.duration_s or 0 for r in rollouts) / max(len(rollouts), 1),
