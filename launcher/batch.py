@@ -188,7 +188,6 @@ class BatchRunner:
         self._history: dict[str, History] | None = None
         self._results: dict[str, RolloutResult] = {}
         self._finished_groups: list[GroupResult] = []
-        self._in_queue = 0
         self._running = 0
         self._workers: list[threading.Thread] = []
         self._progress_started = False
@@ -243,7 +242,6 @@ class BatchRunner:
                         continue
                     attempt = max(hist.last_attempt, self._last_attempt_on_disk(spec)) + 1
                     self._queue.put(_Item((gnum, spec.sample_index, attempt), spec, attempt, hist.failures))
-                    self._in_queue += 1
                 if group.done:
                     group.reported = True
                     ready.append(group.result())
@@ -409,7 +407,6 @@ class BatchRunner:
                 self._abort(problem)
                 return
             with self._lock:
-                self._in_queue -= 1
                 self._running += 1
                 self.stats.running = self._running
             try:
@@ -434,7 +431,6 @@ class BatchRunner:
                 self.stats.retried += 1
                 nxt = item.attempt + 1
                 self._queue.put(_Item((item.priority[0], item.priority[1], nxt), item.spec, nxt, failures, item.ran + 1))
-                self._in_queue += 1
             elif result.state != CANCELLED:
                 result.attempts_run = item.ran + 1
                 group = self._groups[item.spec.group_id]

@@ -46,7 +46,3 @@ def render_command(harness: Sequence[str] | str, values: Mapping[str, Any]) -> l
         raise ValueError("empty harness command")
     return [substitute(str(a), values) for a in harness]
 
-
-def placeholders(harness: Sequence[str] | str) -> set[str]:
-    items = [harness] if isinstance(harness, str) else list(harness)
-    return {m.group(1) for a in items for m in _PLACEHOLDER.finditer(str(a))}
