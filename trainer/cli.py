@@ -116,17 +116,14 @@ def step_line(step: int, total: int, r: dict[str, Any]) -> str:
 
 def print_summary(console, summary: dict[str, Any], traces: Path, run_id: str) -> None:
     """The end of a run: held-out success before and after, where the curve, checkpoint and traces are."""
-    from rich.table import Table
+    from rich.table import Column, Table
 
     evals = summary.get("evals") or {}
     if evals:
         versions = sorted(int(v) for v in evals)
         first, last = str(versions[0]), str(versions[-1])
-        t = Table(title="held-out evaluation")
-        t.add_column("metric")
-        t.add_column(f"before (v{first})", justify="right")
-        t.add_column(f"after (v{last})", justify="right")
-        t.add_column("change", justify="right")
+        t = Table("metric", *(Column(h, justify="right") for h in (f"before (v{first})", f"after (v{last})", "change")),
+                  title="held-out evaluation")
         for key, fmt in (("eval/success", "{:.1%}"), ("eval/reward_mean", "{:.3f}")):
             a, b = evals[first].get(key), evals[last].get(key)
             if a is None or b is None:

@@ -1,21 +1,14 @@
 """`lightning-train run`'s loop: rollouts through the proxy, updates, in-place weight swaps.
 
-One step (sync and async share the code; the scheduler, trainer/scheduler.py, decides what runs):
-
-    collect         the launcher keeps the scheduler's groups in flight through the proxy against
-                    vLLM until ``groups_per_step`` groups have finished
-    samples         (engine still serving) flush proxy + runner -> compact the store -> samples of
-                    the finished groups (only their rollouts' rows are read) -> staleness filter
-    hold + swap     only what needs the engine stopped: proxy pause (new model calls are held, not
-                    refused) -> drain in-flight calls -> vLLM pause (+ sleep on GPU) -> policy
-                    update -> checkpoint -> vLLM reload_weights (+ wake) + resume -> proxy
-                    model_version v+1 -> proxy resume (held calls go on under the new weights)
-    evaluate        every ``eval.every`` steps, held-out tasks at their own temperature/sample count
+Read :meth:`TrainingRun.run`, then :meth:`TrainingRun.step`: collect (the scheduler, scheduler.py,
+decides which groups run and which finished ones an update may train on) -> samples (engine still
+serving) -> the hold, only around the swap (proxy pause + drain, vLLM pause, update, checkpoint,
+reload, model version + 1, resume) -> evaluate. docs/TRAINING.md tells the phases in full.
 
 Crash safety: ``RUN/state.json`` is rewritten (atomically) after every completed step with the
 checkpoint, the model version, the task stream position and the groups still in flight; rollout
 ids are deterministic, so ``--resume`` resubmits the in-flight groups and the launcher skips every
-rollout that had already finished. The command line and what it prints at the end live in cli.py.
+rollout that had already finished. The command line and what it prints live in cli.py.
 """
 
 from __future__ import annotations
@@ -155,8 +148,7 @@ class TrainingRun:
         self.progress.print(f"[yellow]warning: {msg}[/]")
 
     def update_phase(self, step: int, groups: list) -> dict[str, Any]:
-        """Samples of the finished groups (engine serving), then the hold: pause, drain, pause vLLM,
-        train, save, reload, bump version, resume. Only what needs the engine stopped is held."""
+        """Samples of the finished groups (engine serving), then the hold around the swap only."""
         rep: dict[str, Any] = {}
         version = self.version
         table = self.step_samples(step, groups, version, rep)

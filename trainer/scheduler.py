@@ -100,7 +100,7 @@ class Scheduler:
             task, label = self._by_id[e["task"]], int(e["label"])
             by_label.setdefault(label, []).append(task)
             self._launched(task, label)
-        return sorted(by_label.items(), key=lambda item: item[0])
+        return sorted(by_label.items())
 
     def launches(self, label: int) -> list:
         """Tasks to launch now with ``label``: the free slots, filled from the stream. Finished groups
