@@ -133,7 +133,8 @@ def print_summary(console, summary: dict[str, Any], traces: Path, run_id: str) -
         console.print(t)
     if summary.get("plot"):
         console.print(f"reward curve:     {summary['plot']}", soft_wrap=True)
-    console.print(f"final checkpoint: {summary['checkpoint']} (model version {summary['model_version']})", soft_wrap=True)
+    console.print(f"final checkpoint: {summary['checkpoint']} (model version {summary['model_version']})",
+                  soft_wrap=True)
     console.print(f"read the rollouts: lightning-train report {summary['run_dir']}  (one HTML page)",
                   soft_wrap=True, highlight=False, markup=False)
     console.print("inspect the run:  lightning-sql " + f"{traces} " +

@@ -452,10 +452,9 @@ class TrainingRun:
         png = None
         if cfg.plot:
             png = plot_rewards(self.traces, self.run_dir / "reward_curve.png", cfg.run_id)
-        evals = self.state.get("evals", {})
         summary = {"run_dir": str(self.run_dir), "checkpoint": self.state["checkpoint"],
                    "model_version": self.state["model_version"], "plot": str(png) if png else None,
-                   "evals": evals, "steps": self.state["step"]}
+                   "evals": self.state.get("evals", {}), "steps": self.state["step"]}
         self.progress.close()
         print_summary(self.console, summary, self.traces, cfg.run_id)
         write_json_atomic(self.run_dir / "summary.json", summary)

@@ -61,13 +61,12 @@ class Schedule:
     staleness_mode: str  # 'drop': too stale is discarded (a fresh group replaces it); 'tis': kept, TIS corrects
 
     @classmethod
-    def from_rollout(cls, rollout) -> Schedule:
+    def from_rollout(cls, r) -> Schedule:
         """``rollout.mode`` translated. Sync: only the step's groups in flight, so nothing runs through an
         update and nothing can go stale (staleness 0, and nothing is ever dropped for it)."""
-        if rollout.mode == "async":
-            return cls(rollout.groups_per_step, rollout.groups_in_flight, rollout.max_staleness,
-                       rollout.staleness_mode)
-        return cls(rollout.groups_per_step, rollout.groups_per_step, 0, "tis")
+        if r.mode == "async":
+            return cls(r.groups_per_step, r.groups_in_flight, r.max_staleness, r.staleness_mode)
+        return cls(r.groups_per_step, r.groups_per_step, 0, "tis")
 
     def too_stale(self, group, version: int) -> bool:
         """A finished group an update at ``version`` may not consume (dropped whole, never in part)."""
