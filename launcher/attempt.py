@@ -13,9 +13,10 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from lightning_harness.schemas.rewards import SELF_SOURCES, RewardError
 from lightning_harness.schemas.states import RolloutState
@@ -68,7 +69,8 @@ def make_result(spec: RolloutSpec, attempt: int, state: str, outcome: AttemptOut
     )
 
 
-def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel, model_version: int | None) -> tuple[RolloutResult, Reward | None]:
+def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel,
+                model_version: int | None) -> tuple[RolloutResult, Reward | None]:
     """Prepare, run and judge one attempt; returns its row and the reward (if any)."""
     work = attempt_dir(s.traces_dir, spec, attempt)
     (work / "out").mkdir(parents=True, exist_ok=True)
@@ -123,7 +125,8 @@ def write_task_file(path: Path, row_json: str) -> None:
 
 
 def local_paths(work: Path) -> dict[str, str]:
-    return {"task_file": str(work / "task.json"), "reward_file": str(work / "reward.json"), "output_dir": str(work / "out")}
+    return {"task_file": str(work / "task.json"), "reward_file": str(work / "reward.json"),
+            "output_dir": str(work / "out")}
 
 
 def named_values(spec: RolloutSpec, attempt: int, paths: Mapping[str, str]) -> dict[str, Any]:
@@ -211,5 +214,6 @@ def score(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outco
         raise RewardError(f"cannot write the reward command's task file: {exc}") from None
     named = named_values(spec, attempt, {**local_paths(work), "log_file": str(log_path)})
     env = {**contract_env(named, whole), "LIGHTNING_EXIT_CODE": str(outcome.exit_code)}
-    return run_reward_cmd(substitute(s.reward_cmd, {**spec.task.fields, **named}, quote=True), env, timeout=s.reward_timeout,
+    return run_reward_cmd(substitute(s.reward_cmd, {**spec.task.fields, **named}, quote=True), env,
+                          timeout=s.reward_timeout,
                           cwd=s.cwd, log_path=log_path)

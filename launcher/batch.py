@@ -19,9 +19,10 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from lightning_harness.proxy.health import CaptureUnhealthy, capture_baseline, require_capture
 from lightning_harness.schemas import PartWriter
@@ -98,7 +99,8 @@ def _as_link(proxy: Any) -> ProxyLink | None:
         return ProxyLink.attach(proxy[0], proxy[1], control_token=proxy[2] if len(proxy) == 3 else None)
     if isinstance(proxy, str):
         return ProxyLink.attach(proxy, None)
-    raise TypeError(f"proxy must be a ProxyProcess, ProxyLink, (url, token[, control_token]) or URL, got {type(proxy).__name__}")
+    raise TypeError(f"proxy must be a ProxyProcess, ProxyLink, (url, token[, control_token]) or URL, got "
+                    f"{type(proxy).__name__}")
 
 
 @dataclass(kw_only=True)
@@ -145,7 +147,8 @@ class BatchRunner:
     The trainer may assign ``runner.model_version`` after each update.
     """
 
-    def __init__(self, harness: Sequence[str] | str | None, settings: BatchSettings | None = None, **fields: Any) -> None:
+    def __init__(self, harness: Sequence[str] | str | None, settings: BatchSettings | None = None,
+                 **fields: Any) -> None:
         s = self.settings = replace(settings, **fields) if settings else BatchSettings(**fields)
         if s.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
@@ -177,7 +180,7 @@ class BatchRunner:
             cwd=s.cwd, extra_env=dict(s.extra_env or {}), reward_cmd=s.reward_cmd, reward_timeout=s.reward_timeout,
             self_reward=s.self_reward,
         )
-        self._queue: "queue.PriorityQueue[_Item]" = queue.PriorityQueue()
+        self._queue: queue.PriorityQueue[_Item] = queue.PriorityQueue()
         self._lock = threading.Condition()
         self._cancel = threading.Event()
         self._closed = threading.Event()
@@ -212,7 +215,8 @@ class BatchRunner:
         )
         if self._history is None:
             # read once: within this runner a rollout is submitted once, so only earlier runs matter
-            self._history = load_history(self.traces_dir, run_id=self.settings.run_id) if self.settings.skip_finished else {}
+            self._history = load_history(self.traces_dir,
+                                         run_id=self.settings.run_id) if self.settings.skip_finished else {}
         history = self._history
         by_group: dict[str, list[RolloutSpec]] = {}
         for spec in specs:
@@ -383,7 +387,7 @@ class BatchRunner:
         self._rollouts.flush()
         self._rewards.flush()
 
-    def __enter__(self) -> "BatchRunner":
+    def __enter__(self) -> BatchRunner:
         return self
 
     def __exit__(self, exc_type, *exc: object) -> None:
@@ -430,7 +434,8 @@ class BatchRunner:
             if retry:
                 self.stats.retried += 1
                 nxt = item.attempt + 1
-                self._queue.put(_Item((item.priority[0], item.priority[1], nxt), item.spec, nxt, failures, item.ran + 1))
+                self._queue.put(_Item((item.priority[0], item.priority[1], nxt), item.spec, nxt, failures,
+                                      item.ran + 1))
             elif result.state != CANCELLED:
                 result.attempts_run = item.ran + 1
                 group = self._groups[item.spec.group_id]
@@ -470,7 +475,8 @@ class BatchRunner:
             return None
 
     def _run_attempt(self, item: _Item) -> RolloutResult:
-        result, reward = run_attempt(self._settings, item.spec, item.attempt, self._cancel, self._current_model_version())
+        result, reward = run_attempt(self._settings, item.spec, item.attempt, self._cancel,
+                                     self._current_model_version())
         if result.state in RETRY_FAILURES:
             problem = self._health()
             if problem:  # not the harness's fault: recorded as cancelled, so it neither retries now nor counts later

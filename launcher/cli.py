@@ -12,6 +12,7 @@ import signal
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -22,6 +23,9 @@ from lightning_harness.schemas.states import FINISHED, RETRY_FAILURES
 
 from .identity import batch_run_id
 from .tasks import TaskFileError, load_tasks
+
+if TYPE_CHECKING:
+    from .proxy_link import ProxyLink
 
 console = Console(stderr=True)
 EXIT_FAILURES = 1
@@ -45,42 +49,74 @@ def main() -> None:
 @main.command(context_settings={"max_content_width": 110})
 @click.argument("task_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("harness_argv", nargs=-1, type=click.UNPROCESSED)
-@click.option("--cmd", "shell_cmd", help="Harness as a shell command line instead of argv after '--'. {task_id}, {rollout_id}, {attempt}, {output_dir} and task fields are substituted (shell-quoted).")
-@click.option("--traces", type=click.Path(file_okay=False, path_type=Path), default=Path("traces"), show_default=True, help="Traces root: spans/, rewards/, rollouts/ Parquet and launch/ (per-attempt logs and files).")
-@click.option("--samples", "-n", type=click.IntRange(1), default=1, show_default=True, help="Rollouts per task (the group size).")
-@click.option("--concurrency", "-j", type=click.IntRange(1), default=4, show_default=True, help="Harnesses running at once.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, help="Seconds per attempt; then its whole process tree (or Job) is killed.")
-@click.option("--retries", type=click.IntRange(0), default=0, show_default=True, help="Extra attempts for a crashed or timed-out rollout (each a new attempt id).")
-@click.option("--run-id", help="Batch id (prefix of every rollout id). [default: derived from the task file and command, so a re-run resumes]")
+@click.option("--cmd", "shell_cmd",
+              help="Harness as a shell command line instead of argv after '--'. {task_id}, {rollout_id}, {attempt}, "
+                   "{output_dir} and task fields are substituted (shell-quoted).")
+@click.option("--traces", type=click.Path(file_okay=False, path_type=Path), default=Path("traces"), show_default=True,
+              help="Traces root: spans/, rewards/, rollouts/ Parquet and launch/ (per-attempt logs and files).")
+@click.option("--samples", "-n", type=click.IntRange(1), default=1, show_default=True,
+              help="Rollouts per task (the group size).")
+@click.option("--concurrency", "-j", type=click.IntRange(1), default=4, show_default=True,
+              help="Harnesses running at once.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds per attempt; then its whole process tree (or Job) is killed.")
+@click.option("--retries", type=click.IntRange(0), default=0, show_default=True,
+              help="Extra attempts for a crashed or timed-out rollout (each a new attempt id).")
+@click.option("--run-id",
+              help="Batch id (prefix of every rollout id). [default: derived from the task file and command, so a "
+                   "re-run resumes]")
 @click.option("--split", default="train", show_default=True, help="Label stored on rollouts ('train', 'eval', ...).")
 @click.option("--step", type=int, help="Training step stored on rollouts (and in rollout/group ids).")
 @click.option("--id-field", help="Task field holding the task id. [default: task_id or id]")
-@click.option("--private-field", "private_fields", multiple=True, help="Task field only the reward command sees (a solution, hidden tests); the harness gets the row without it. Repeatable.")
+@click.option("--private-field", "private_fields", multiple=True,
+              help="Task field only the reward command sees (a solution, hidden tests); the harness gets the row "
+                   "without it. Repeatable.")
 @click.option("--limit", type=click.IntRange(1), help="Only the first N tasks.")
 @proxy_options("upstreams")
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), help="Start vLLM on this model directory (stopped at the end).")
-@click.option("--served-name", help="Model name served by --model / sent to the upstreams. [default: the model folder name]")
-@click.option("--max-model-len", type=click.IntRange(16), help="Context length of the vLLM started by --model. [default: the model's, at most 4096]")
-@click.option("--engine-arg", "engine_args", multiple=True, help="Extra argument for the vLLM server started by --model (repeat; e.g. --engine-arg=--seed=0).")
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Start vLLM on this model directory (stopped at the end).")
+@click.option("--served-name",
+              help="Model name served by --model / sent to the upstreams. [default: the model folder name]")
+@click.option("--max-model-len", type=click.IntRange(16),
+              help="Context length of the vLLM started by --model. [default: the model's, at most 4096]")
+@click.option("--engine-arg", "engine_args", multiple=True,
+              help="Extra argument for the vLLM server started by --model (repeat; e.g. --engine-arg=--seed=0).")
 @proxy_options("route_hosts")
 @click.option("--proxy-url", help="Use this running proxy (its reverse listener URL) instead of starting one.")
 @proxy_options("token", prefix="proxy-")
 @proxy_options("control_token", prefix="proxy-")
 @click.option("--proxy-forward-url", help="Forward listener of the running proxy. [default: asked from the proxy]")
-@click.option("--proxy-ca", type=click.Path(exists=True, dir_okay=False), help="CA bundle of the running proxy. [default: the proxy's default confdir]")
+@click.option("--proxy-ca", type=click.Path(exists=True, dir_okay=False),
+              help="CA bundle of the running proxy. [default: the proxy's default confdir]")
 @proxy_options("confdir", prefix="proxy-")
-@click.option("--api-key", envvar=["LIGHTNING_API_KEY", "OPENAI_API_KEY"], show_envvar=False, help="OPENAI_API_KEY handed to harnesses (never recorded). [env LIGHTNING_API_KEY, then OPENAI_API_KEY; default: a placeholder]")
-@click.option("--reward-cmd", help="Shell command scoring a finished attempt; prints a number or {\"reward\": x}. Sees LIGHTNING_TASK, LIGHTNING_OUTPUT_DIR, LIGHTNING_LOG_FILE; {placeholders} as in --cmd.")
-@click.option("--self-reward/--no-self-reward", default=True, show_default=True, help="Without --reward-cmd, take the harness's own report (LIGHTNING_REWARD_FILE, a POST to LIGHTNING_REWARD_URL) as its reward. Off: only the verifier (--reward-cmd, the operator's control-API post) counts. With --reward-cmd, self-reports never count.")
-@click.option("--run-as", multiple=True, help="Run every harness as this unprivileged USER (or USER:GROUP; names or ids), no supplementary groups, from its private attempt folder: it cannot read the proxy's secrets, write the traces, signal the proxy or vLLM, or read other attempts (docs/LAUNCH.md). Repeat for one user per running attempt (at most that many run at once). Needs root; refuses root. The --reward-cmd verifier keeps the launcher's user.")
+@click.option("--api-key", envvar=["LIGHTNING_API_KEY", "OPENAI_API_KEY"], show_envvar=False,
+              help="OPENAI_API_KEY handed to harnesses (never recorded). [env LIGHTNING_API_KEY, then OPENAI_API_KEY; "
+                   "default: a placeholder]")
+@click.option("--reward-cmd",
+              help="Shell command scoring a finished attempt; prints a number or {\"reward\": x}. Sees LIGHTNING_TASK, "
+                   "LIGHTNING_OUTPUT_DIR, LIGHTNING_LOG_FILE; {placeholders} as in --cmd.")
+@click.option("--self-reward/--no-self-reward", default=True, show_default=True,
+              help="Without --reward-cmd, take the harness's own report (LIGHTNING_REWARD_FILE, a POST to "
+                   "LIGHTNING_REWARD_URL) as its reward. Off: only the verifier (--reward-cmd, the operator's "
+                   "control-API post) counts. With --reward-cmd, self-reports never count.")
+@click.option("--run-as", multiple=True,
+              help="Run every harness as this unprivileged USER (or USER:GROUP; names or ids), no supplementary "
+                   "groups, from its private attempt folder: it cannot read the proxy's secrets, write the traces, "
+                   "signal the proxy or vLLM, or read other attempts (docs/LAUNCH.md). Repeat for one user per running "
+                   "attempt (at most that many run at once). Needs root; refuses root. The --reward-cmd verifier keeps "
+                   "the launcher's user.")
 @click.option("--reward-timeout", type=float, default=300.0, show_default=True, help="Seconds allowed to --reward-cmd.")
-@click.option("--k8s", "k8s_template", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Run each attempt as a Kubernetes Job rendered from this Jinja2 YAML template.")
+@click.option("--k8s", "k8s_template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Run each attempt as a Kubernetes Job rendered from this Jinja2 YAML template.")
 @click.option("--k8s-namespace", default="default", show_default=True, help="Namespace of the Jobs.")
-@click.option("--k8s-proxy-host", help="Host/IP at which pods reach this machine's proxy (the started proxy then listens on 0.0.0.0).")
+@click.option("--k8s-proxy-host",
+              help="Host/IP at which pods reach this machine's proxy (the started proxy then listens on 0.0.0.0).")
 @click.option("--k8s-keep", is_flag=True, help="Keep finished Jobs (debugging); their TTL still applies.")
-@click.option("--cwd", type=click.Path(exists=True, file_okay=False), help="Working directory of the harnesses. [default: here]")
+@click.option("--cwd", type=click.Path(exists=True, file_okay=False),
+              help="Working directory of the harnesses. [default: here]")
 @click.option("--env", "extra_env", multiple=True, help="KEY=VALUE added to every harness environment. Repeatable.")
-@click.option("--resume/--no-resume", default=True, show_default=True, help="Skip rollouts this run id already finished in --traces.")
+@click.option("--resume/--no-resume", default=True, show_default=True,
+              help="Skip rollouts this run id already finished in --traces.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Live progress bar.")
 def run(task_file, harness_argv, shell_cmd, **opts) -> None:
     """Run every task of TASK_FILE (.jsonl, .json or .parquet) SAMPLES times with the harness after '--'.
@@ -107,7 +143,8 @@ def run(task_file, harness_argv, shell_cmd, **opts) -> None:
     harness_text = harness if isinstance(harness, str) else shlex.join(harness)
     run_id = o.run_id or batch_run_id(task_file.stem, *(t.id for t in tasks), harness_text, o.split, str(o.step))
     (o.traces / "launch").mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]run[/] {run_id}: {len(tasks)} tasks x {o.samples} samples, concurrency {o.concurrency}, traces {o.traces}")
+    console.print(f"[bold]run[/] {run_id}: {len(tasks)} tasks x {o.samples} samples, concurrency {o.concurrency}, "
+                  f"traces {o.traces}")
     _describe_runner(runner, o)
     settings = BatchSettings(
         traces_dir=o.traces, run_id=run_id, runner=runner, samples=o.samples, concurrency=o.concurrency,
@@ -167,7 +204,8 @@ def _describe_runner(runner, o) -> None:
         who = ", ".join(f"{u.user} ({u.uid}:{u.gid})" for u in runner.run_as)
         console.print(f"harnesses run as {who}, no supplementary groups, one user per running attempt")
         if len(runner.run_as) < o.concurrency:
-            console.print(f"[yellow]--run-as: {len(runner.run_as)} user(s), so at most {len(runner.run_as)} harness(es) "
+            console.print(f"[yellow]--run-as: {len(runner.run_as)} user(s), so at most {len(runner.run_as)} "
+                          f"harness(es) "
                           f"at once (--concurrency {o.concurrency}); give one user per running attempt[/]")
         _warn_secret_argv()
 
@@ -219,7 +257,8 @@ def _report(batch, results, code: int, traces: Path, run_id: str) -> int:
         console.print(table)
     if batch is not None:
         st = batch.stats
-        console.print(f"{st.finished}/{st.total} finished ({st.skipped} from earlier runs) · {st.line()}", highlight=False)
+        console.print(f"{st.finished}/{st.total} finished ({st.skipped} from earlier runs) · {st.line()}",
+                      highlight=False)
     failed = sum(r.state in RETRY_FAILURES for r in results)
     if batch is not None and batch.error:
         console.print(f"[red]batch stopped: {batch.error}[/]; run the same command again to resume")
@@ -236,14 +275,16 @@ def _warn_secret_argv() -> None:
     """Every user can read a process's command line (/proc/<pid>/cmdline): secrets given there reach
     the --run-as user too; the environment variables do not."""
     ctx = click.get_current_context()
-    for name, env in (("proxy_token", "LIGHTNING_PROXY_TOKEN"), ("proxy_control_token", "LIGHTNING_PROXY_CONTROL_TOKEN"),
+    for name, env in (("proxy_token", "LIGHTNING_PROXY_TOKEN"),
+                      ("proxy_control_token", "LIGHTNING_PROXY_CONTROL_TOKEN"),
                       ("api_key", "LIGHTNING_API_KEY")):
         if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
             opt = "--" + name.replace("_", "-")
-            console.print(f"[yellow]warning: {opt} on the command line is readable by every user (harnesses too); use ${env}[/]")
+            console.print(f"[yellow]warning: {opt} on the command line is readable by every user (harnesses too); use "
+                          f"${env}[/]")
 
 
-def _services(stack, checks, o) -> "ProxyLink":
+def _services(stack, checks, o) -> ProxyLink:
     """Start (or attach to) the engine and the proxy; ``stack`` stops what was started, ``checks`` watch it."""
     if o.proxy_url:
         return _attach_proxy(o)
@@ -258,7 +299,7 @@ def _services(stack, checks, o) -> "ProxyLink":
     return _start_proxy(stack, checks, config, o.traces / "launch", o.api_key)
 
 
-def _attach_proxy(o) -> "ProxyLink":
+def _attach_proxy(o) -> ProxyLink:
     from lightning_harness.proxy.client import ProxyError
 
     from .proxy_link import ProxyLink
@@ -289,7 +330,7 @@ def _start_engine(stack, checks, o) -> str:
     return engine.url
 
 
-def _start_proxy(stack, checks, config: ProxyConfig, logs: Path, api_key: str | None) -> "ProxyLink":
+def _start_proxy(stack, checks, config: ProxyConfig, logs: Path, api_key: str | None) -> ProxyLink:
     from lightning_harness.proxy.client import ProxyProcess
 
     from .batch import process_check
@@ -316,7 +357,8 @@ def _context_len(model_dir: Path, cap: int = 4096) -> int:
 
 
 @main.command()
-@click.option("--traces", type=click.Path(exists=True, file_okay=False, path_type=Path), default=Path("traces"), show_default=True)
+@click.option("--traces", type=click.Path(exists=True, file_okay=False, path_type=Path), default=Path("traces"),
+              show_default=True)
 @click.option("--run-id", help="Only this run. [default: every run in --traces]")
 def summary(traces, run_id) -> None:
     """Print reward by task and failures by cause for rollouts already in TRACES (final attempts)."""
@@ -324,7 +366,7 @@ def summary(traces, run_id) -> None:
     from .results import RolloutResult, load_history
 
     finals = []
-    for rid, hist in sorted(load_history(traces).items()):
+    for _, hist in sorted(load_history(traces).items()):
         rows = [r for r in hist.rows if run_id is None or r["run_id"] == run_id]
         if rows:  # the attempt that finished the rollout, else its latest
             done = [r for r in rows if r["state"] in FINISHED] or rows

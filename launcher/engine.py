@@ -27,7 +27,7 @@ import httpx
 from lightning_harness.process import StartupError, direct_env, free_port, start_in_session, stop_group, wait_ready
 
 CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
-_STARTED: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
+_STARTED: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
 
 
 class EngineError(RuntimeError):
@@ -90,7 +90,7 @@ class VLLMEngine:
     @classmethod
     def start(cls, model_dir: str | Path, served_name: str, *, log_path: str | Path | None = None,
               env: dict[str, str] | None = None, startup_timeout: float = 900.0, port: int | None = None,
-              device: str = "auto", **server: Any) -> "VLLMEngine":
+              device: str = "auto", **server: Any) -> VLLMEngine:
         """Start ``python -m vllm.entrypoints.openai.api_server`` and wait until it serves.
 
         ``server``: the keywords of :func:`server_command` (host, max_model_len, dtype, extra_args,
@@ -125,7 +125,7 @@ class VLLMEngine:
 
     @classmethod
     def attach(cls, url: str, *, served_name: str | None = None, api_key: str | None = None,
-               timeout: float = 60.0) -> "VLLMEngine":
+               timeout: float = 60.0) -> VLLMEngine:
         """Use a server someone else runs; checks it answers and learns its model name."""
         engine = cls(url, served_name=served_name, api_key=api_key)
         engine.wait_ready(timeout)
@@ -154,7 +154,7 @@ class VLLMEngine:
             _STARTED.discard(self)
             stop_group(process, grace=timeout)
 
-    def __enter__(self) -> "VLLMEngine":
+    def __enter__(self) -> VLLMEngine:
         return self
 
     def __exit__(self, *exc) -> None:

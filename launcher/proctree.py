@@ -43,8 +43,8 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from lightning_harness.process import proc_stat
 
@@ -106,8 +106,10 @@ class ProcessTree:
         with cls._class_lock:
             if cls._mechanism is None:
                 cls._mechanism, why = cls._probe()
-                if cls._mechanism == "scan" and ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0):
-                    why += f"; not a subreaper (errno {ctypes.get_errno()}): orphans go to init, only the scan finds them"
+                libc = ctypes.CDLL(None, use_errno=True)
+                if cls._mechanism == "scan" and libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0):
+                    why += (f"; not a subreaper (errno {ctypes.get_errno()}): orphans go to init, "
+                            "only the scan finds them")
                 log.info("process trees: %s (%s)", cls._mechanism, why)
             return cls._mechanism
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from lightning_harness.schemas import ROLLOUTS, read_table
 from lightning_harness.schemas.states import FINISHED, RETRY_FAILURES, RolloutState
@@ -50,7 +51,7 @@ class RolloutResult:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in ROLLOUTS.names}
 
     @classmethod
-    def from_row(cls, row: dict[str, Any], *, skipped: bool = False) -> "RolloutResult":
+    def from_row(cls, row: dict[str, Any], *, skipped: bool = False) -> RolloutResult:
         values = {name: row.get(name) for name in ROLLOUTS.names}
         return cls(**values, skipped=skipped, attempts_run=0)
 
@@ -104,7 +105,8 @@ class History:
         return None
 
 
-def load_history(traces_dir: str | Path, rollout_ids: Iterable[str] | None = None, *, run_id: str | None = None) -> dict[str, History]:
+def load_history(traces_dir: str | Path, rollout_ids: Iterable[str] | None = None, *,
+                 run_id: str | None = None) -> dict[str, History]:
     """Rows already in ``TRACES/rollouts`` grouped by rollout id (optionally one run, or given ids)."""
     import pyarrow as pa
     import pyarrow.compute as pc

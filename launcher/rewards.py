@@ -16,9 +16,10 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import pyarrow.parquet as pq
 
@@ -53,7 +54,7 @@ def read_reward_file(path: Path) -> Reward | None:
         raise RewardError(f"reward file {path} is larger than {MAX_REWARD_FILE} bytes")
     if st.st_nlink != 1:  # a hard link to someone else's file (--run-as: the launcher reads what the harness owns)
         raise RewardError(f"reward file {path} has {st.st_nlink} hard links; not read")
-    at = dt.datetime.fromtimestamp(st.st_mtime, dt.timezone.utc)
+    at = dt.datetime.fromtimestamp(st.st_mtime, dt.UTC)
     value, info = parse_reward(data, what=f"reward file {path}")
     return Reward(value, "file", info, at)
 
@@ -121,7 +122,8 @@ class RewardsTable:
             if path in self._seen or path.name.startswith("."):
                 continue
             try:
-                rows = pq.read_table(path, columns=["rollout_id", "attempt", "reward", "created_at", "source", "info_json"]).to_pylist()
+                rows = pq.read_table(path, columns=["rollout_id", "attempt", "reward", "created_at", "source",
+                                                    "info_json"]).to_pylist()
             except Exception:  # a foreign or broken file must not stop the batch; skip it
                 self._seen.add(path)
                 continue

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 #: Columns tried, in order, when no id field is named.
 ID_FIELDS = ("task_id", "id")
@@ -138,6 +139,7 @@ def load_tasks(path: str | os.PathLike, *, id_field: str | None = None, limit: i
         tasks.append(task)
     private = frozenset(private_fields)
     if unknown := private.difference(*(t.fields for t in tasks)):
-        raise TaskFileError(f"{p}: private field(s) {sorted(unknown)} are in no task (fields: {sorted(tasks[0].fields)})")
+        raise TaskFileError(f"{p}: private field(s) {sorted(unknown)} are in no task (fields: "
+                            f"{sorted(tasks[0].fields)})")
     tasks = [Task(t.id, t.fields, private) for t in tasks] if private else tasks
     return tasks[:limit] if limit else tasks

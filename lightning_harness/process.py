@@ -21,7 +21,7 @@ import signal
 import socket
 import subprocess
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 # Every variable that sends a client through a proxy: a child that must reach its peers directly
 # (the engine, the proxy itself) gets none of them.

@@ -266,7 +266,8 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
             out["response_logprobs"] = _floats([c.get("logprob") for c in lp["content"] if isinstance(c, dict)])
         elif isinstance(lp.get("token_logprobs"), list):
             out["response_logprobs"] = _floats(lp["token_logprobs"])
-    return _checked(_token_counts(out, obj.get("usage"), "prompt_tokens", "completion_tokens", count_ids=len(choices) == 1), obj)
+    return _checked(_token_counts(out, obj.get("usage"), "prompt_tokens", "completion_tokens",
+                                  count_ids=len(choices) == 1), obj)
 
 
 def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:

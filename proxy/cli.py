@@ -80,7 +80,8 @@ def _default_text(f: dataclasses.Field) -> str:
 
 
 @main.command()
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="YAML file; keys are the long option names with '_' (flags override it).")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="YAML file; keys are the long option names with '_' (flags override it).")
 @proxy_options()
 def serve(config_path, **flags) -> None:
     """Run the proxy: forward and reverse listeners, capture to Parquet, control API under /_lh/."""
@@ -143,11 +144,15 @@ def _format_env(env: dict[str, str], fmt: str) -> str:
 @main.command()
 @click.argument("rollout_id")
 @click.option("--attempt", type=int, default=0, show_default=True, help="Attempt number of the rollout.")
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="The proxy's YAML config (ports, token, confdir).")
-@click.option("--host", "public_host", default=None, help="Host the harness reaches the proxy at. [default: the listen host, or 127.0.0.1]")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="The proxy's YAML config (ports, token, confdir).")
+@click.option("--host", "public_host", default=None,
+              help="Host the harness reaches the proxy at. [default: the listen host, or 127.0.0.1]")
 @proxy_options("forward_port", "reverse_port", "token", "confdir")
-@click.option("--api-key", envvar="OPENAI_API_KEY", help="Key the harness sends upstream. [env OPENAI_API_KEY, else a placeholder]")
-@click.option("--anthropic-api-key", envvar="ANTHROPIC_API_KEY", help="Key Anthropic clients send. [env ANTHROPIC_API_KEY, else a placeholder]")
+@click.option("--api-key", envvar="OPENAI_API_KEY",
+              help="Key the harness sends upstream. [env OPENAI_API_KEY, else a placeholder]")
+@click.option("--anthropic-api-key", envvar="ANTHROPIC_API_KEY",
+              help="Key Anthropic clients send. [env ANTHROPIC_API_KEY, else a placeholder]")
 @click.option("--format", "fmt", type=click.Choice(["export", "json", "dotenv"]), default="export", show_default=True)
 def env(rollout_id, attempt, config_path, public_host, api_key, anthropic_api_key, fmt, **proxy_flags) -> None:
     """Print the environment that sends an unmodified harness through the proxy.
@@ -161,19 +166,20 @@ def env(rollout_id, attempt, config_path, public_host, api_key, anthropic_api_ke
     if not bundle.exists():
         click.echo(f"warning: {bundle} does not exist yet; start `lightning-proxy serve` first", err=True)
     try:  # the harness gets a credential for this attempt only, never the token itself
-        out = harness_env(
-            rollout_id, attempt, cfg.token, f"http://{host}:{cfg.forward_port}", f"http://{host}:{cfg.reverse_port}", bundle, api_key,
-            anthropic_api_key,
-        )
+        out = harness_env(rollout_id, attempt, cfg.token, f"http://{host}:{cfg.forward_port}",
+                          f"http://{host}:{cfg.reverse_port}", bundle, api_key, anthropic_api_key)
     except InvalidId as exc:
         raise click.BadParameter(str(exc)) from None
     click.echo(_format_env(out, fmt))
 
 
 @main.group()
-@click.option("--url", envvar="LIGHTNING_PROXY_URL", default=None, help="Reverse listener URL. [env LIGHTNING_PROXY_URL, default http://127.0.0.1:8081]")
-@click.option("--token", envvar=CONTROL_TOKEN_VAR, help="Control token. [env LIGHTNING_PROXY_CONTROL_TOKEN, else the file `serve` generated in --confdir]")
-@click.option("--confdir", help="The proxy's confdir (holds control-token-<port>). [default: ~/.cache/lightning-harness/proxy-conf]")
+@click.option("--url", envvar="LIGHTNING_PROXY_URL", default=None,
+              help="Reverse listener URL. [env LIGHTNING_PROXY_URL, default http://127.0.0.1:8081]")
+@click.option("--token", envvar=CONTROL_TOKEN_VAR,
+              help="Control token. [env LIGHTNING_PROXY_CONTROL_TOKEN, else the file `serve` generated in --confdir]")
+@click.option("--confdir",
+              help="The proxy's confdir (holds control-token-<port>). [default: ~/.cache/lightning-harness/proxy-conf]")
 @click.pass_context
 def ctl(ctx, url, token, confdir) -> None:
     """Drive a running proxy's control API; prints its JSON answer."""

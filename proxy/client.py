@@ -15,8 +15,9 @@ import subprocess
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from lightning_harness.process import StartupError, direct_env, free_port, start_in_session, stop_group, wait_ready
 
@@ -110,11 +111,13 @@ def read_control_token(confdir: str | os.PathLike, reverse_port: int) -> str | N
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY")
 CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE")
 # the variables whose values embed the attempt's credential or the user's API key (a k8s Secret holds them)
-SECRET_VARS = PROXY_VARS + ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "LIGHTNING_REWARD_URL")
+SECRET_VARS = PROXY_VARS + ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY",
+                            "LIGHTNING_REWARD_URL")
 
 
 def harness_env(rollout_id: str, attempt: int, token: str | None, forward_url: str, reverse_url: str,
-                ca_bundle: str | os.PathLike, api_key: str | None = None, anthropic_api_key: str | None = None) -> dict[str, str]:
+                ca_bundle: str | os.PathLike, api_key: str | None = None,
+                anthropic_api_key: str | None = None) -> dict[str, str]:
     """The environment that sends an unmodified harness through the proxy (Contract 2).
 
     ``forward_url``/``reverse_url`` are the proxy listeners as the harness reaches them (e.g.
@@ -227,7 +230,7 @@ class ProxyProcess:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def start(self) -> "ProxyProcess":
+    def start(self) -> ProxyProcess:
         """Start and wait until ready; retries with new ports if a port was taken meanwhile."""
         self.traces_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -261,7 +264,7 @@ class ProxyProcess:
         if self.proc:
             stop_group(self.proc, grace=0)
 
-    def __enter__(self) -> "ProxyProcess":
+    def __enter__(self) -> ProxyProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import urllib.parse
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import yaml
-
 
 # capture_failure: what the proxy does with new model calls while capture is unhealthy
 CAPTURE_FAILURE_POLICIES = {
@@ -145,7 +145,7 @@ class ProxyConfig:
         return Path(self.confdir).expanduser() if self.confdir else default_confdir()
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> "ProxyConfig":
+    def from_mapping(cls, data: Mapping[str, Any]) -> ProxyConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -172,7 +172,7 @@ class ProxyConfig:
         return cls(**values)
 
     @classmethod
-    def load(cls, path: str | os.PathLike | None, **overrides: Any) -> "ProxyConfig":
+    def load(cls, path: str | os.PathLike | None, **overrides: Any) -> ProxyConfig:
         """YAML file (optional) then overrides (CLI flags; ``None`` means "not given")."""
         data: dict[str, Any] = {}
         if path:

@@ -13,8 +13,9 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..schemas import BufferFull, PartWriter
 from ..schemas.compact import PeriodicCompactor
@@ -77,7 +78,8 @@ class Call:
     response_error: str | None = None
     event_filters: list[Callable[[dict], None]] = field(default_factory=list)
     # hygiene
-    secrets: set[str] = field(default_factory=set)  # values secret for this call (credentials, header keys): never recorded
+    # values secret for this call (credentials, header keys): never recorded
+    secrets: set[str] = field(default_factory=set)
     salvaged: bool = False  # some bytes were not valid UTF-8 (decoded with replacement) or a field was out of range
 
 

@@ -34,8 +34,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -286,7 +286,7 @@ class PeriodicCompactor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="compact", daemon=True)
 
-    def start(self) -> "PeriodicCompactor":
+    def start(self) -> PeriodicCompactor:
         if self.every_s > 0:
             self._thread.start()
         return self

@@ -62,7 +62,8 @@ def precedence(source: str | None, at: Any) -> tuple:
 
 def rank_sql(source: str) -> str:
     """The rank of the column ``source`` as an SQL expression."""
-    return f"CASE {source} " + " ".join(f"WHEN '{s}' THEN {r}" for s, r in SOURCE_RANK.items()) + f" ELSE {SELF_REPORT} END"
+    return f"CASE {source} " + " ".join(f"WHEN '{s}' THEN {r}" for s,
+                                        r in SOURCE_RANK.items()) + f" ELSE {SELF_REPORT} END"
 
 
 def precedence_sql(source: str, at: str) -> str:

@@ -176,6 +176,7 @@ class PlainMitmproxy:
         import subprocess
 
         from conftest import free_port
+
         from lightning_harness.proxy.locate import proxy_python
 
         self.port = free_port()
@@ -223,7 +224,7 @@ def plain_comparison(a, proxy_target: Target, proxy_pid: int, plain: PlainMitmpr
     """The proxy vs plain mitmproxy, alternating (plain, proxy) ``--rounds`` times per case so
     that load from other processes on the machine hits both alike; the median round counts."""
     plain_target = Target(plain.url)
-    for kind, body in bodies.items():  # warm up both paths
+    for body in bodies.values():  # warm up both paths
         load(plain_target, 4, total=100, body=body)
         load(proxy_target, 4, total=100, body=body)
     # (case, concurrency, what plain mitmproxy is sent, what the proxy is sent). "sse_same": plain
@@ -254,7 +255,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="measurement time per point")
     ap.add_argument("--memory-requests", type=int, default=20_000)
     ap.add_argument("--mode", choices=["reverse", "forward"], default="reverse", help="how the load reaches the proxy")
-    ap.add_argument("--proxies", type=int, default=2, help="also measure aggregate req/s with this many proxy processes (0/1: skip)")
+    ap.add_argument("--proxies", type=int, default=2,
+                    help="also measure aggregate req/s with this many proxy processes (0/1: skip)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--no-inject", action="store_true", help="turn token-id injection/stripping off")
     ap.add_argument("--json", dest="json_out", help="also write the figures as JSON here")
@@ -285,7 +287,8 @@ def main() -> int:
     results: dict = {"points": [], "config": vars(a)}
     try:
         def start_proxy(i: int) -> ProxyProcess:
-            p = ProxyProcess(work / f"traces-{i}", upstreams=[stub.url], route_hosts=["api.openai.com"], confdir=work / "conf",
+            p = ProxyProcess(work / f"traces-{i}", upstreams=[stub.url], route_hosts=["api.openai.com"],
+                             confdir=work / "conf",
                              log_path=work / f"proxy-{i}.log", inject_token_ids=not a.no_inject)
             proxies.append(p.start())
             return p
@@ -393,7 +396,8 @@ def report_plain(out: Console, res: dict) -> None:
         case = {"sse": f"SSE x{res['config']['sse_tokens']}", "json": "JSON",
                 "sse_same": f"SSE x{res['config']['sse_tokens']} same bytes"}[pt["case"]]
         t.add_row(case, str(pt["concurrency"]), f"{b['rps']:.0f}", f"{x['rps']:.0f}",
-                  f"{b['cpu_ms_per_req']:.2f}", f"{x['cpu_ms_per_req']:.2f}", f"{x['cpu_ms_per_req'] / b['cpu_ms_per_req']:.2f}",
+                  f"{b['cpu_ms_per_req']:.2f}", f"{x['cpu_ms_per_req']:.2f}",
+                  f"{x['cpu_ms_per_req'] / b['cpu_ms_per_req']:.2f}",
                   f"{b['p50_ms']:.2f}", f"{x['p50_ms']:.2f}", f"{x['p50_ms'] / b['p50_ms']:.2f}",
                   f"{b['ttfb_p50_ms']:.2f}", f"{x['ttfb_p50_ms']:.2f}", f"{x['ttfb_p50_ms'] / b['ttfb_p50_ms']:.2f}",
                   f"{b['errors']}/{x['errors']}")
@@ -443,7 +447,8 @@ def report(res: dict, ncpu: int | None) -> None:
         out.print(
             f"scaling: {s['proxies']} proxy processes at total concurrency {s['concurrency']}: "
             f"{s['rps_total']:.0f} req/s vs {s['rps_one_proxy']:.0f} with one "
-            f"(x{s['rps_total'] / s['rps_one_proxy']:.2f}), CPU {s['cpu_ms_per_req']:.2f} ms/req, p99 {s['p99_ms']:.1f} ms"
+            f"(x{s['rps_total'] / s['rps_one_proxy']:.2f}), CPU {s['cpu_ms_per_req']:.2f} ms/req, "
+            f"p99 {s['p99_ms']:.1f} ms"
         )
     out.print("1-core capacity = 1000 / proxy CPU ms per request: the req/s one proxy process sustains when it "
               "has a whole core (proxy req/s falls below it when other processes share the CPUs; see CPU util).")
@@ -453,7 +458,8 @@ def report(res: dict, ncpu: int | None) -> None:
         pass
     worst = max(pt["proxy"]["cpu_ms_per_req"] for pt in res["points"])
     best_rps = max(pt["proxy"]["rps"] for pt in res["points"])
-    out.print(f"targets: CPU/req <= 3.5 ms at every concurrency: {worst:.2f} ms -> {'OK' if worst <= 3.5 else 'MISSED'}; "
+    out.print(f"targets: CPU/req <= 3.5 ms at every concurrency: "
+              f"{worst:.2f} ms -> {'OK' if worst <= 3.5 else 'MISSED'}; "
               f"one process >= 300 captured req/s: {best_rps:.0f} -> {'OK' if best_rps >= 300 else 'MISSED'}"
               + (f"; RSS growth < 20 MiB: {m['rss_after_mib'] - m['rss_before_mib']:+.1f} MiB -> "
                  f"{'OK' if m['rss_after_mib'] - m['rss_before_mib'] < 20 else 'MISSED'}" if m else ""))

@@ -40,8 +40,8 @@ import tiny_model as tm
 
 SWE_DIR = tm.ROOT / "examples" / "swe"
 sys.path.insert(0, str(SWE_DIR))
-import generate as swe_tasks
-import reward as swe_reward  # the sandboxed hidden-test scorer: these folders hold model-written code
+import generate as swe_tasks  # noqa: E402
+import reward as swe_reward  # noqa: E402 (the sandboxed hidden-test scorer: these folders hold model-written code)
 
 console = Console(stderr=True)
 SPECIALS = tm.SPECIALS + ["<tool_call>", "</tool_call>"]
@@ -73,7 +73,8 @@ def run_sandboxed(command: str, folder: Path, timeout: float = 10.0) -> tuple[in
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
             "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
             "--ro-bind", str(prefix.resolve()), str(prefix),
-            "--ro-bind", str(Path(sys.base_prefix).resolve()), sys.base_prefix, "--bind", str(folder), "/repo", "--chdir", "/repo",
+            "--ro-bind", str(Path(sys.base_prefix).resolve()), sys.base_prefix, "--bind", str(folder), "/repo",
+            "--chdir", "/repo",
             "--setenv", "PATH", f"{prefix}/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
             "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--", "bash", "-c", command]
     try:
@@ -103,11 +104,10 @@ def _span(old: str, new: str) -> tuple[str, str]:
     s = 0
     while s < min(len(old), len(new)) - p and old[-1 - s] == new[-1 - s]:
         s += 1
-    word = lambda c: not c.isspace()
     a, end = p, len(old) - s
-    while a > 0 and word(old[a - 1]):
+    while a > 0 and not old[a - 1].isspace():
         a -= 1
-    while end < len(old) and word(old[end]):
+    while end < len(old) and not old[end].isspace():
         end += 1
     while end == a and end < len(old):  # a pure insertion: take the next word along
         end += 1
@@ -271,7 +271,8 @@ def agent_rollouts(model, tok, tasks: list[dict], step_limit: int, temperature: 
                 break
             outs = []
             for i in range(0, len(keep), 16):
-                outs += tm.sample_turn(model, tok, [p for _, p in keep[i:i + 16]], max_new_tokens, temperature, generator)
+                outs += tm.sample_turn(model, tok, [p for _, p in keep[i:i + 16]], max_new_tokens, temperature,
+                                       generator)
             for (s, _), out in zip(keep, outs):
                 s["calls"] += 1
                 s["submitted"] = False
@@ -279,7 +280,8 @@ def agent_rollouts(model, tok, tasks: list[dict], step_limit: int, temperature: 
                 step_episode(s, parse_reply(text))
         for s in states:
             s["reward"] = swe_reward.score(s["task"], s["folder"])[0]
-    return [{"task_id": s["task"]["id"], "reward": s["reward"], "calls": s["calls"], "submitted": s.get("submitted", False),
+    return [{"task_id": s["task"]["id"], "reward": s["reward"], "calls": s["calls"],
+             "submitted": s.get("submitted", False),
              "messages": s["messages"]} for s in states]
 
 
@@ -326,7 +328,8 @@ def make_tokenizer(episodes: list[dict], vocab: int, max_len: int):
 @click.option("--lr", default=3e-3, show_default=True)
 @click.option("--batch", default=6, show_default=True)
 @click.option("--eval-tasks", default=84, show_default=True, help="held-out tasks evaluated (first N)")
-@click.option("--eval-shard", default="0/1", show_default=True, help="i/n: evaluate every n-th task from i (parallel runs)")
+@click.option("--eval-shard", default="0/1", show_default=True,
+              help="i/n: evaluate every n-th task from i (parallel runs)")
 @click.option("--eval-samples", default=1, show_default=True, help="sampled episodes per held-out task")
 @click.option("--step-limit", default=8, show_default=True, help="model calls per episode")
 @click.option("--threads", default=1, show_default=True)
@@ -336,8 +339,11 @@ def make_tokenizer(episodes: list[dict], vocab: int, max_len: int):
 @click.option("--device", default="cpu", show_default=True, help="where SFT runs (cuda if you have one)")
 @click.option("--eval/--no-eval", "run_eval", default=True, help="measure held-out success after the build")
 @click.option("--eval-only", is_flag=True, help="skip the build: evaluate the model in --out")
-@click.option("--snapshots", default="", help="comma-separated SFT steps at which to also save OUT-stepN (pick a warm start by its held-out success)")
-def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_shard, eval_samples,
+@click.option("--snapshots", default="",
+              help="comma-separated SFT steps at which to also save OUT-stepN "
+                   "(pick a warm start by its held-out success)")
+def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks,
+         eval_shard, eval_samples,
          step_limit, threads, workers, episodes_file, device, run_eval, eval_only, snapshots):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
@@ -382,7 +388,8 @@ def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps
               if trajectories else "imitation")
     info = {"seed": seed, "source": source, "p_wrong": p_wrong,
             "episodes": len(samples), "vocab": len(tok), "layers": layers, "hidden": hidden, "heads": heads,
-            "max_len": max_len, "steps": done, "planned_steps": steps, "minutes_budget": minutes, "device": device, "lr": lr, "batch": batch, "sft_seconds": round(sft_s),
+            "max_len": max_len, "steps": done, "planned_steps": steps, "minutes_budget": minutes, "device": device,
+            "lr": lr, "batch": batch, "sft_seconds": round(sft_s),
             "params": sum(p.numel() for p in model.parameters()), "untied_after_sft": True}
     (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
     console.print(f"SFT {sft_s:.0f}s, wrote {out}")

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pyarrow as pa
 import torch
+from test_update_core import make_samples
 
 from lightning_harness.schemas import SAMPLES
 from lightning_harness.trainer import checkpoint as C
 from lightning_harness.trainer import update as U
 from lightning_harness.trainer import verl_backend as VB
 from lightning_harness.trainer.weights import rollout_index, rollout_key
-
-from test_update_core import make_samples
 
 
 def test_prune_keeps_the_newest_and_every_protected_checkpoint(tmp_path):

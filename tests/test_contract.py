@@ -45,7 +45,8 @@ def test_cancelled_uses_no_retry_but_is_not_trained_on():
     assert FINISHED.isdisjoint(ABORTED) and FINISHED | ABORTED == set(RolloutState)
     rows = [{"attempt": 0, "state": "cancelled"}, {"attempt": 1, "state": "failed"}]
     assert History(rows).failures == 1 and History(rows).final(retries=1) is None
-    keep, _, counts = apply_failure_policy(np.array([1.0, 1.0, 1.0]), np.array(["cancelled", "timed_out", "succeeded"], dtype=object))
+    keep, _, counts = apply_failure_policy(np.array([1.0, 1.0, 1.0]),
+                                           np.array(["cancelled", "timed_out", "succeeded"], dtype=object))
     assert keep.tolist() == [False, False, True]
     assert counts == {"failed": 0, "timed_out": 1, "cancelled": 1, "no_reward": 0, "dropped": 2}
 
@@ -70,7 +71,7 @@ SOURCES = ["command", "api", "proxy", "file", "grader", None]  # 'grader': an un
 
 
 def _random_reports(rng: random.Random, n_attempts: int) -> list[dict]:
-    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     seconds = rng.sample(range(100_000), n_attempts * 6)  # distinct times: no ties to break
     rows = []
     for a in range(n_attempts):
@@ -118,7 +119,8 @@ print(float(whole["solution"] == from_file["solution"] == "SECRET-fix-8c1f" and 
 
 def test_a_harness_never_sees_a_private_field_while_the_reward_does(tmp_path, stub_upstream, proxy_confdir):
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"id": "t1", "prompt": "fix it", "solution": "SECRET-fix-8c1f", "hidden_tests": "assert 1"}) + "\n")
+    tasks.write_text(json.dumps({"id": "t1", "prompt": "fix it", "solution": "SECRET-fix-8c1f",
+                                 "hidden_tests": "assert 1"}) + "\n")
     (tmp_path / "harness.py").write_text(HARNESS)
     (tmp_path / "scorer.py").write_text(SCORER)
     traces = tmp_path / "traces"
@@ -155,10 +157,12 @@ def test_the_proxy_clis_rewards_file_follows_the_same_rule(tmp_path):
     from lightning_harness.proxy.cli import read_rewards_file
 
     good = tmp_path / "good.jsonl"
-    good.write_text('{"rollout_id": "a", "reward": 0.5, "attempt": 2}\n{"rollout_id": "b", "reward": 1, "info": {"g": 1}}\n')
+    good.write_text('{"rollout_id": "a", "reward": 0.5, "attempt": 2}\n'
+                    '{"rollout_id": "b", "reward": 1, "info": {"g": 1}}\n')
     assert read_rewards_file(str(good)) == [("a", 2, 0.5, {}), ("b", 0, 1.0, {"g": 1})]
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"rollout_id": "a", "reward": 1}\n{"rollout_id": "b", "reward": "1"}\n[1]\n{"rollout_id": "c", "reward": 1, "info": "s"}\n')
+    bad.write_text('{"rollout_id": "a", "reward": 1}\n{"rollout_id": "b", "reward": "1"}\n[1]\n'
+                   '{"rollout_id": "c", "reward": 1, "info": "s"}\n')
     with pytest.raises(click.ClickException, match="3 bad line") as err:
         read_rewards_file(str(bad))
     assert all(f"line {n}:" in err.value.message for n in (2, 3, 4))

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
-
 import pyarrow as pa
 import pytest
 
 from lightning_harness.schemas import SAMPLES, read_table
 from lightning_harness.trainer import config as C
 from lightning_harness.trainer.cli import step_line
-from lightning_harness.trainer.scheduler import TaskStream, staleness_filter
 from lightning_harness.trainer.metrics import MetricsLog, read_metrics
 from lightning_harness.trainer.plot import plot_rewards
+from lightning_harness.trainer.scheduler import TaskStream, staleness_filter
 
 
 def write_cfg(tmp_path, text):

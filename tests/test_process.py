@@ -11,8 +11,16 @@ import time
 
 import pytest
 
-from lightning_harness.process import (PROXY_VARS, StartupError, direct_env, free_port, log_tail, start_in_session,
-                                       stop_group, wait_ready)
+from lightning_harness.process import (
+    PROXY_VARS,
+    StartupError,
+    direct_env,
+    free_port,
+    log_tail,
+    start_in_session,
+    stop_group,
+    wait_ready,
+)
 
 
 def alive(pid: int) -> bool:
@@ -110,7 +118,8 @@ def test_a_child_that_dies_during_startup_fails_fast_with_its_log_tail(tmp_path)
 
 
 def test_a_child_never_ready_times_out_with_its_log_tail(tmp_path):
-    proc = start_in_session([sys.executable, "-c", "print('still warming up', flush=True); import time; time.sleep(300)"],
+    proc = start_in_session([sys.executable, "-c",
+                             "print('still warming up', flush=True); import time; time.sleep(300)"],
                             tmp_path / "log", os.environ)
     port = free_port()  # nothing listens there
 

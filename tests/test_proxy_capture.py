@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from fixtures_proxy import StubServer, read_spans
 
 pytestmark = pytest.mark.timeout(300)
@@ -224,7 +223,7 @@ def test_no_intercept_hosts_are_tunnelled_untouched(make_proxy, stub_tls_server)
     """--no-intercept: the client sees the upstream's own certificate, and nothing is recorded."""
     import ssl
 
-    p = make_proxy(upstreams=[], extra_args=["--no-intercept", r"^127\.0\.0\.1:%d$" % stub_tls_server.port])
+    p = make_proxy(upstreams=[], extra_args=["--no-intercept", rf"^127\.0\.0\.1:{stub_tls_server.port}$"])
     env = p.env_for("tunnel")
     ctx = ssl.create_default_context(cafile=stub_tls_server.cert)  # trusts the stub only, not the proxy CA
     with httpx.Client(proxy=env["HTTPS_PROXY"], verify=ctx, trust_env=False, timeout=60) as c:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from fixtures_traces import rollout, span
+
 from lightning_harness.trainer import merge as M
 from lightning_harness.trainer import samples as S
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from fixtures_traces import rollout, span
+
 from lightning_harness.schemas import read_table
 from lightning_harness.trainer import merge as M
 from lightning_harness.trainer.merge import merge_calls
@@ -62,7 +62,8 @@ def _rollout_spans(rng: np.random.Generator, rid: str, attempt: int) -> list[dic
         lp = {0: lp, 1: lp, 2: lp, 3: None, 4: lp[:-1] or None}[int(rng.integers(0, 5))]  # missing / misfit
         error = "upstream_error" if rng.random() < 0.05 else None
         finish = "length" if rng.random() < 0.1 else "stop"
-        out.append(span(rid, seq, prompt, response, attempt=attempt, logprobs=lp, error_kind=error, finish_reason=finish))
+        out.append(span(rid, seq, prompt, response, attempt=attempt, logprobs=lp, error_kind=error,
+                        finish_reason=finish))
         history = prompt + response
         kind = rng.choice(["tool", "tool", "user", "exact", "retokenized", "truncated", "template", "other"])
         if kind in ("tool", "user"):  # the harness adds a tool result or a user turn: context

@@ -46,7 +46,8 @@ def test_build_and_sql_on_real_proxy_traces(make_proxy, vllm_engine, tiny_model_
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
     print("merge statistics on real traces:", {k: stats[k] for k in ("samples", "calls_continuing_history", "breaks",
-                                                                        "drift_checked", "drift_prompt", "drift_response")})
+                                                                        "drift_checked", "drift_prompt",
+                                                                     "drift_response")})
     # every call continues its history: one sample per rollout, the template's tokens between
     # turns masked as context
     assert stats["calls_continuing_history"] == 12 - 4 and sum(stats["breaks"].values()) == 0
@@ -59,7 +60,8 @@ def test_build_and_sql_on_real_proxy_traces(make_proxy, vllm_engine, tiny_model_
     # model tokens and their logprobs are exactly the spans' (merged or not), per rollout
     for rid in (f"chat-{k}" for k in range(4)):
         sp = sorted(spans.filter(pc.equal(spans["rollout_id"], rid)).to_pylist(), key=lambda r: r["seq"])
-        ss = sorted(samples.filter(pc.equal(samples["rollout_id"], rid)).to_pylist(), key=lambda r: r["index_in_rollout"])
+        ss = sorted(samples.filter(pc.equal(samples["rollout_id"], rid)).to_pylist(),
+                    key=lambda r: r["index_in_rollout"])
         model_ids = [t for s in ss for t, m in zip(s["response_token_ids"], s["response_mask"]) if m]
         model_lps = [x for s in ss for x, m in zip(s["response_logprobs"], s["response_mask"]) if m]
         assert model_ids == [t for s in sp for t in s["response_token_ids"]]
@@ -67,7 +69,8 @@ def test_build_and_sql_on_real_proxy_traces(make_proxy, vllm_engine, tiny_model_
         assert sum(s["loss_weight"] * sum(s["response_mask"]) for s in ss) == pytest.approx(1.0)
         assert {s["reward"] for s in ss} == {float(int(rid[-1]) % 2)}
 
-    for name in ("tokens_per_rollout", "latency_by_version", "merge_breaks", "error_rate_by_upstream", "reward_by_task"):
+    for name in ("tokens_per_rollout", "latency_by_version", "merge_breaks", "error_rate_by_upstream",
+                 "reward_by_task"):
         q = subprocess.run([str(BIN / "lightning-sql"), str(traces), "-q", name, "--format", "json"],
                            capture_output=True, text=True, timeout=120)
         assert q.returncode == 0 and json.loads(q.stdout), (name, q.stderr)
@@ -121,5 +124,6 @@ def test_real_chat_responses_and_messages_rollouts_follow_the_merge_rule(make_pr
     spans = read_table(traces, "spans")
     assert sorted(set(spans["endpoint"].to_pylist())) == ["chat.completions", "messages", "responses"]
     stats = assert_samples_follow_the_rule(traces, group_by="'all'")
-    print("merge on real spans of three APIs:", {k: stats[k] for k in ("samples", "calls_continuing_history", "breaks")})
+    print("merge on real spans of three APIs:",
+          {k: stats[k] for k in ("samples", "calls_continuing_history", "breaks")})
     assert stats["calls_used"] == 10 and stats["calls_continuing_history"] >= 3 and stats["breaks"]["other"] >= 1

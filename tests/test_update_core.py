@@ -43,7 +43,7 @@ def make_samples(seed: int = 0, n_rollouts: int = 6, adv=None) -> pa.Table:
     for r in range(n_rollouts):
         n = rng.randint(1, 3)
         samples = []
-        for k in range(n):
+        for _ in range(n):
             prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 10))]
             resp = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 14))]
             mask = [1 if rng.random() < 0.7 else 0 for _ in resp]
@@ -112,6 +112,14 @@ def test_update_moves_logprobs_in_the_direction_of_the_advantage(tiny_model):
         assert m["update/grad_norm"] > 0
 
 
+def recording_collate(collate, seen: list):
+    """``collate`` that also records every sample it is given (which samples got a forward pass)."""
+    def record(chunk, *args, **kwargs):
+        seen.extend(chunk)
+        return collate(chunk, *args, **kwargs)
+    return record
+
+
 def test_zero_advantage_rollouts_are_skipped_but_still_count_in_the_divisor(tiny_model):
     """A group with no signal dilutes the step (as verl's aggregation does) but costs no forward pass."""
     signal = make_samples(seed=8, n_rollouts=3, adv=1.0)
@@ -125,7 +133,7 @@ def test_zero_advantage_rollouts_are_skipped_but_still_count_in_the_divisor(tiny
         up = U.PolicyUpdater(tiny_model, U.UpdateConfig(lr=1e-3, max_grad_norm=0))
         seen = []
         orig = U.collate
-        U.collate = lambda chunk, *a, **k: (seen.extend(chunk), orig(chunk, *a, **k))[1]
+        U.collate = recording_collate(orig, seen)
         try:
             m = up.update(table)
         finally:
@@ -203,7 +211,8 @@ def test_checkpoint_roundtrip_keeps_version_weights_tokenizer_and_optimizer(tiny
         torch.testing.assert_close(p.detach(), q.detach(), msg=n)
     assert (out / "tokenizer.json").read_bytes() == (tiny_model / "tokenizer.json").read_bytes()
     text = "w5 w7 w9"
-    assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == AutoTokenizer.from_pretrained(tiny_model)(text)["input_ids"]
+    saved, original = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(tiny_model)
+    assert saved(text)["input_ids"] == original(text)["input_ids"]
     up2 = U.PolicyUpdater(out, U.UpdateConfig(lr=1e-3))
     s1, s2 = up.optimizer.state_dict()["state"], up2.optimizer.state_dict()["state"]
     assert len(s2) == len(s1) > 0

@@ -82,7 +82,7 @@ def save_checkpoint(model: torch.nn.Module, out_dir: str | os.PathLike, *, sourc
     if optimizer is not None:
         (tmp / TRAINER_STATE_DIR).mkdir()
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-    info = {**version_info, "saved_at": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+    info = {**version_info, "saved_at": _dt.datetime.now(_dt.UTC).isoformat()}
     (tmp / VERSION_FILE).write_text(json.dumps(info, indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)

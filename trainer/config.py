@@ -23,9 +23,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+from collections.abc import Iterable
 from dataclasses import field
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -117,7 +118,8 @@ class TasksConfig(Section):
     train: str | None = None  # JSONL/JSON/Parquet task file
     eval: str | None = None  # held-out tasks; must not overlap train (checked)
     id_field: str | None = None
-    private_fields: list[str] = field(default_factory=list)  # task fields only the reward command sees (solution, hidden tests)
+    # task fields only the reward command sees (a solution, hidden tests): the harness gets the row without them
+    private_fields: list[str] = field(default_factory=list)
 
 
 @typed_section
@@ -258,7 +260,7 @@ class RunConfig(Section):
         d["update"]["betas"] = list(d["update"]["betas"])
         return d
 
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
         """What a run needs beyond well-typed keys: the required ones and the rules between sections
         (skipped for --print-config and for reading a saved config)."""
         problems = []

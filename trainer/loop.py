@@ -192,7 +192,8 @@ class TrainingRun:
                                      include_secret_spans=s.include_secret_spans,
                                      rollouts=[r.rollout_id for g in groups for r in g.rollouts],
                                      **(s.extra or {}))
-        rep.update({f"samples/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        rep.update({f"samples/{k}": v for k,
+                    v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         table, st = staleness_filter(table, version, self.schedule.max_staleness, self.schedule.staleness_mode)
         rep.update(st)
         if table.num_rows:
@@ -220,7 +221,8 @@ class TrainingRun:
         rep["time/drain_s"] = float(drain.get("waited_s", time.monotonic() - t_pause))
         rep["proxy/drained"] = bool(drain.get("drained", False))
         rep["proxy/in_flight_after_drain"] = int(drain.get("in_flight", 0))
-        sleep = cfg.engine.sleep_on_update == "always" or (cfg.engine.sleep_on_update == "auto" and self.device == "cuda")
+        when = cfg.engine.sleep_on_update
+        sleep = when == "always" or (when == "auto" and self.device == "cuda")
         self.engine.pause("wait")
         if sleep:
             self.engine.sleep(cfg.engine.sleep_level)
@@ -270,7 +272,8 @@ class TrainingRun:
         results = run_batch(self.eval_tasks, command, traces_dir=self.traces, run_id=f"{cfg.run_id}-eval",
                             proxy=self.proxy, samples=e.group_size, concurrency=cfg.harness.concurrency,
                             timeout=cfg.harness.timeout_s, retries=cfg.harness.retries,
-                            reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward, run_as=cfg.harness.run_as, step=version, split="eval",
+                            reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward,
+                            run_as=cfg.harness.run_as, step=version, split="eval",
                             cwd=self._cwd(), extra_env=self._harness_env())
         rewards = [r.reward if r.reward is not None else 0.0 for r in results]
         out = {
@@ -390,7 +393,8 @@ class TrainingRun:
         self.runner = BatchRunner(
             command, traces_dir=self.traces, proxy=self.proxy, run_id=cfg.run_id,
             samples=cfg.rollout.group_size, concurrency=cfg.harness.concurrency, timeout=cfg.harness.timeout_s,
-            retries=cfg.harness.retries, reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward, run_as=cfg.harness.run_as, split="train",
+            retries=cfg.harness.retries, reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward,
+            run_as=cfg.harness.run_as, split="train",
             cwd=self._cwd(), extra_env=self._harness_env(), flush_seconds=0.5,
         )
 

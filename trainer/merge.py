@@ -29,8 +29,8 @@ order; ``lcp`` = longest common prefix of the new prompt and the history ``H``):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -86,7 +86,10 @@ def flat(col: pa.ChunkedArray | pa.Array, value_type: pa.DataType) -> tuple[np.n
     arr = col
     if isinstance(col, pa.ChunkedArray):
         # combine_chunks copies even a single chunk (500 MB of prompts at 100k spans): avoid it
-        arr = col.chunk(0) if col.num_chunks == 1 else (col.combine_chunks() if col.num_chunks else pa.array([], pa.list_(value_type)))
+        if col.num_chunks == 1:
+            arr = col.chunk(0)
+        else:
+            arr = col.combine_chunks() if col.num_chunks else pa.array([], pa.list_(value_type))
     arr = arr.cast(pa.list_(value_type)) if arr.type != pa.list_(value_type) else arr
     valid = ~np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool) if len(arr) else np.zeros(0, bool)
     offsets = np.asarray(arr.offsets.to_numpy(), dtype=np.int64)  # n + 1 entries, even for n = 0
@@ -127,7 +130,8 @@ def _first_bad(out: np.ndarray, row0: int, bad: np.ndarray, seg_starts: np.ndarr
     out[row0 + first_seg] = bad[first_pos] - seg_starts[first_seg]
 
 
-def _first_mismatch(a: np.ndarray, a_starts: np.ndarray, b: np.ndarray, b_starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+def _first_mismatch(a: np.ndarray, a_starts: np.ndarray, b: np.ndarray, b_starts: np.ndarray,
+                    lens: np.ndarray) -> np.ndarray:
     """For each segment k: the first j < lens[k] with a[a_starts+j] != b[b_starts+j], else lens[k].
 
     Chunked over segments so the temporary index arrays stay small.

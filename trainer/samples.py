@@ -46,8 +46,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
+from typing import Any
 
 import duckdb
 import numpy as np
@@ -107,7 +108,8 @@ class SampleOptions:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         steps = self.steps  # kept as tuples: an iterator given once is read once
         if steps is not None:
-            object.__setattr__(self, "steps", (int(steps),) if isinstance(steps, (int, np.integer)) else tuple(int(s) for s in steps))
+            object.__setattr__(self, "steps",
+                               (int(steps),) if isinstance(steps, (int, np.integer)) else tuple(int(s) for s in steps))
         if self.rollouts is not None:
             object.__setattr__(self, "rollouts", tuple(sorted({str(r) for r in self.rollouts})))
 
@@ -282,7 +284,8 @@ def _kept_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions, stats: d
     stats["rollouts_by_state"] = fcounts
     stats["rollouts_without_group"] = int(no_group[kept_idx].sum())
     stats.update({f"adv_{k}": v for k, v in adv_report.as_dict().items()})
-    table = ro.take(pa.array(kept_idx, type=pa.int64())).append_column("ridx", pa.array(np.arange(len(kept_idx)), pa.int64()))
+    table = ro.take(pa.array(kept_idx, type=pa.int64()))
+    table = table.append_column("ridx", pa.array(np.arange(len(kept_idx)), pa.int64()))
     return _Kept(table, eff_reward[kept_idx], adv)
 
 
@@ -311,7 +314,9 @@ def _read_calls(con: duckdb.DuckDBPyConnection, kept: pa.Table, include_secret_s
     stats["calls_error"] = int(err.sum())
     if err.any():
         calls = calls.filter(pa.array(~err))
-    secret = calls["secret_detected"].to_numpy(zero_copy_only=False).astype(bool) if calls.num_rows else np.zeros(0, bool)
+    secret = np.zeros(0, bool)
+    if calls.num_rows:
+        secret = calls["secret_detected"].to_numpy(zero_copy_only=False).astype(bool)
     stats["calls_secret_detected"] = int(secret.sum())
     stats["calls_dropped_secret"] = 0 if include_secret_spans else int(secret.sum())
     calls = calls.drop_columns(["secret_detected"])
@@ -356,7 +361,8 @@ def _bodies(con, calls: pa.Table, rows: np.ndarray) -> dict[str, tuple]:
         return {}
     con.register("_lh_ids", pa.table({"span_id": calls["span_id"].take(pa.array(rows))}))
     try:
-        got = con.sql("SELECT span_id, request_json, response_json, endpoint FROM spans JOIN _lh_ids USING (span_id)").fetchall()
+        got = con.sql("SELECT span_id, request_json, response_json, endpoint "
+                      "FROM spans JOIN _lh_ids USING (span_id)").fetchall()
     finally:
         con.unregister("_lh_ids")
     return {sid: (rq, rs, ep) for sid, rq, rs, ep in got}
@@ -381,7 +387,8 @@ def _count_drift(calls: pa.Table, rows: np.ndarray, bodies: dict, tokenizer: Any
     stats.update(drift_checked=checked, drift_prompt=int(drift_p), drift_response=int(drift_r))
 
 
-def _retokenize_rows(calls: pa.Table, need: np.ndarray, bodies: dict, tokenizer: Any, stats: dict) -> tuple[pa.Table, np.ndarray]:
+def _retokenize_rows(calls: pa.Table, need: np.ndarray, bodies: dict, tokenizer: Any,
+                     stats: dict) -> tuple[pa.Table, np.ndarray]:
     """Rebuild only the rows that need it, then splice them in with one take per column (no
     conversion of the whole table to Python lists); a row that cannot be rebuilt keeps its nulls."""
     n = calls.num_rows
@@ -451,7 +458,10 @@ def _layout(calls: pa.Table, tok: TokenArrays, hist: np.ndarray, new_sample: np.
     if int(ctx.sum()):
         ids[~model] = tok.p_val[segment_index(tok.p_off[:-1] + hist, ctx)]
     # logprobs aligned with responses; NaN where missing or of the wrong length
-    l_val, l_off, l_valid = flat(calls["response_logprobs"], pa.float32()) if n else (np.zeros(0, np.float32), np.zeros(1, np.int64), np.zeros(0, bool))
+    if n:
+        l_val, l_off, l_valid = flat(calls["response_logprobs"], pa.float32())
+    else:
+        l_val, l_off, l_valid = np.zeros(0, np.float32), np.zeros(1, np.int64), np.zeros(0, bool)
     ll = np.diff(l_off)
     lp_ok = l_valid & (ll == rl)
     stats["calls_without_logprobs"] = int((~lp_ok).sum())
@@ -469,7 +479,8 @@ def _layout(calls: pa.Table, tok: TokenArrays, hist: np.ndarray, new_sample: np.
                    np.add.reduceat(rl, s_first).astype(np.int64) if any_s else np.zeros(0, np.int64))
 
 
-def _apply_limits(lay: _Layout, prompt_len: np.ndarray, opts: SampleOptions, stats: dict) -> tuple[np.ndarray, np.ndarray]:
+def _apply_limits(lay: _Layout, prompt_len: np.ndarray, opts: SampleOptions,
+                  stats: dict) -> tuple[np.ndarray, np.ndarray]:
     """Prompts too long drop the sample; responses too long are cut (token work only for the
     samples concerned); samples left without a model token are dropped. Returns (kept, cut)."""
     keep_s = np.ones(len(lay.first), dtype=bool)
@@ -483,7 +494,8 @@ def _apply_limits(lay: _Layout, prompt_len: np.ndarray, opts: SampleOptions, sta
         tr = np.flatnonzero(cut)
         s_off = np.cumsum(lay.length) - lay.length
         cut_idx = segment_index(s_off[tr] + opts.max_response_len, cut[tr])
-        cut_model = np.bincount(np.repeat(tr, cut[tr]), weights=lay.mask.view(bool)[cut_idx], minlength=len(cut)).astype(np.int64)
+        cut_model = np.bincount(np.repeat(tr, cut[tr]), weights=lay.mask.view(bool)[cut_idx],
+                                minlength=len(cut)).astype(np.int64)
         lay.model_tokens = lay.model_tokens - cut_model
         stats["truncated_model_tokens"] = int(cut_model.sum())
     stats["samples_truncated"] = int((cut > 0).sum())
@@ -525,7 +537,9 @@ def _assemble(calls: pa.Table, kept: _Kept, tok: TokenArrays, m: Merge, new_samp
     take_r = pa.array(s_ridx, type=pa.int64())
     rid, att = kept.table["rollout_id"].take(take_r), kept.table["attempt"].take(take_r)
     idx_arr = pa.array(s_index.astype(np.int32))
-    span_ids = calls["span_id"].filter(pa.array(np.repeat(keep_s, lay.n_calls))) if calls.num_rows else pa.array([], pa.string())
+    span_ids = pa.array([], pa.string())
+    if calls.num_rows:
+        span_ids = calls["span_id"].filter(pa.array(np.repeat(keep_s, lay.n_calls)))
     cols = {
         "sample_id": pc.binary_join_element_wise(rid, pc.cast(att, pa.string()), pc.cast(idx_arr, pa.string()), "~"),
         "rollout_id": rid,
@@ -534,11 +548,13 @@ def _assemble(calls: pa.Table, kept: _Kept, tok: TokenArrays, m: Merge, new_samp
         "group_id": kept.table["group_key"].take(take_r),
         "step": kept.table["step"].take(take_r),
         "index_in_rollout": idx_arr,
-        "span_ids": pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(n_calls)]).astype(np.int32)),
-                                             span_ids.combine_chunks() if isinstance(span_ids, pa.ChunkedArray) else span_ids),
+        "span_ids": pa.ListArray.from_arrays(
+            pa.array(np.concatenate([[0], np.cumsum(n_calls)]).astype(np.int32)),
+            span_ids.combine_chunks() if isinstance(span_ids, pa.ChunkedArray) else span_ids),
         "n_calls": pa.array(n_calls.astype(np.int32)),
         "merged": pa.array(n_calls > 1),
-        "break_reason": pa.array(np.array([None, *BREAK_REASONS], dtype=object)[reason.astype(np.int64) + 1].tolist(), pa.string()),
+        "break_reason": pa.array(np.array([None, *BREAK_REASONS], dtype=object)[reason.astype(np.int64) + 1].tolist(),
+                                 pa.string()),
         "retokenized": pa.array(reduce(np.maximum, retok.astype(np.int8)).astype(bool)),
         "prompt_token_ids": calls["prompt_token_ids"].take(pa.array(first[ks], type=pa.int64())) if calls.num_rows
         else pa.array([], pa.list_(pa.int32())),

@@ -94,6 +94,13 @@ def _cell(v: Any, width: int = 60) -> str:
     return s if len(s) <= width else s[: width - 1] + "…"
 
 
+def _csv_cell(v: Any) -> Any:
+    """A CSV cell: empty for null, JSON for lists and structs, the value otherwise."""
+    if v is None:
+        return ""
+    return json.dumps(_jsonable(v)) if isinstance(v, (list, dict)) else _jsonable(v)
+
+
 def _jsonable(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
@@ -124,7 +131,7 @@ def render(table: pa.Table, fmt: str, *, out=None, max_rows: int = 100, output: 
         w = csv.writer(out)
         w.writerow(table.column_names)
         for r in rows:
-            w.writerow(["" if v is None else (json.dumps(_jsonable(v)) if isinstance(v, (list, dict)) else _jsonable(v)) for v in r.values()])
+            w.writerow([_csv_cell(v) for v in r.values()])
     else:
         t = Table(show_header=True, header_style="bold", show_lines=False)
         for name in table.column_names:
@@ -217,7 +224,8 @@ def shell(con: duckdb.DuckDBPyConnection, traces_dir: str, fmt: str = "table", m
                 out.write(SHELL_HELP.format(views=", ".join(VIEW_NAMES)) + "\n")
             elif cmd == ".tables":
                 define_views(con, traces_dir)
-                counts = [(v, con.sql(f"SELECT count(*) FROM {quote_identifier(v)}").fetchall()[0][0]) for v in VIEW_NAMES]
+                counts = [(v,
+                           con.sql(f"SELECT count(*) FROM {quote_identifier(v)}").fetchall()[0][0]) for v in VIEW_NAMES]
                 render(pa.table({"view": [c[0] for c in counts], "rows": [c[1] for c in counts]}), fmt, out=out)
             elif cmd == ".schema" and args:
                 _shell_exec(con, f"DESCRIBE {quote_identifier(args[0].rstrip(';'))}", fmt, max_rows, out)

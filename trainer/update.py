@@ -37,8 +37,8 @@ from torch.utils.checkpoint import checkpoint
 
 from . import checkpoint as ckpt
 from .config import UpdateConfig
-from .weights import aggregate_loss, n_units as count_units, rollout_index, rollout_key
-
+from .weights import aggregate_loss, rollout_index, rollout_key
+from .weights import n_units as count_units
 
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration
@@ -403,7 +403,9 @@ class PolicyUpdater:
             batch = collate(group[start : start + mbs], self.device, self.pad_id)
             new_lp = self.logprobs(self.model, batch)
             R, dev = new_lp.shape[1], new_lp.device
-            prox_lp = new_lp.detach() if prox is None else padded(prox[start : start + mbs], R, torch.float32, device=dev)
+            prox_lp = new_lp.detach()
+            if prox is not None:
+                prox_lp = padded(prox[start : start + mbs], R, torch.float32, device=dev)
             ref_lp = None if ref is None else padded(ref[start : start + mbs], R, torch.float32, device=dev)
             token_loss, diag = ppo_token_loss(new_lp, prox_lp, batch.behaviour_logprobs, batch.advantages, cfg, ref_lp)
             loss = aggregate_loss(token_loss, batch.mask, batch.token_weight, n_units, cfg.loss_mode)

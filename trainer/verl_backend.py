@@ -46,7 +46,8 @@ ADV_ESTIMATOR = "lightning_precomputed"
 # samples -> padded tensors (torch + pyarrow only) -> DataProto
 # ---------------------------------------------------------------------------------------------
 def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout",
-                       max_prompt_len: int | None = None, max_response_len: int | None = None) -> tuple[dict, dict, dict]:
+                       max_prompt_len: int | None = None,
+                       max_response_len: int | None = None) -> tuple[dict, dict, dict]:
     """``samples`` table -> (tensors, non_tensors, meta) in verl's layout.
 
     Prompts are left-padded to ``P``, responses right-padded to ``R``; ``input_ids`` is their

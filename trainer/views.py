@@ -11,8 +11,8 @@
     one row per rollout attempt ``(rollout_id, attempt)`` seen in *any* table: launcher rows,
     spans of a proxy used alone, or rewards POSTed for it. ``reward`` follows the precedence of
     schemas/rewards.py (``precedence_sql``): a verifier report (``command``, ``api``) outranks a
-    self-report (``proxy``, ``file``), the latest wins within a rank. An attempt the launcher judged keeps the launcher's
-    reward (it already weighed the self-reports, or was told to ignore them with --no-self-reward)
+    self-report (``proxy``, ``file``), the latest wins within a rank. An attempt the launcher judged keeps
+    the launcher's reward (it already weighed the self-reports, or was told to ignore them with --no-self-reward)
     unless a verifier-rank report came after it ended (the operator re-scoring); so a self-report
     posted after scoring never changes it. ``state`` is the launcher's (``no_reward`` becomes
     ``succeeded`` when such a later verifier reward exists), or derived (``succeeded`` with a reward,
@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import TypeVar
 
 import duckdb
 import pyarrow as pa
@@ -49,7 +50,8 @@ from ..schemas.states import NO_REWARD, SUCCEEDED
 
 T = TypeVar("T")
 
-RAW_VIEWS = {"spans": "spans", "rewards": "rewards", "rollouts": "rollouts_raw", "samples": "samples", "metrics": "metrics"}
+RAW_VIEWS = {"spans": "spans", "rewards": "rewards", "rollouts": "rollouts_raw", "samples": "samples",
+             "metrics": "metrics"}
 
 
 def _sql_str(s: str) -> str:
@@ -141,7 +143,8 @@ SELECT
     k.rollout_id, k.attempt,
     l.run_id, l.task_id, l.group_id, l.sample_index, l.step, l.split,
     CASE
-        WHEN l.state IS NULL THEN (CASE WHEN coalesce(r.reward, l.reward) IS NULL THEN '{no_reward}' ELSE '{succeeded}' END)
+        WHEN l.state IS NULL
+            THEN (CASE WHEN coalesce(r.reward, l.reward) IS NULL THEN '{no_reward}' ELSE '{succeeded}' END)
         WHEN l.state = '{no_reward}' AND r.reward IS NOT NULL THEN '{succeeded}'
         ELSE l.state
     END AS state,

@@ -17,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from mitmproxy import http
 
@@ -34,7 +34,7 @@ MAX_ERROR_BODY = 500
 
 
 def _ts(t: float | None) -> datetime | None:
-    return None if t is None else datetime.fromtimestamp(t, tz=timezone.utc)
+    return None if t is None else datetime.fromtimestamp(t, tz=UTC)
 
 
 def _valid_text(row: dict, skip: str = "request_json") -> bool:

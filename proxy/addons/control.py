@@ -16,12 +16,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import urllib.parse
 import uuid
-from datetime import datetime, timezone
-
-import logging
+from datetime import UTC, datetime
 
 from mitmproxy import http
 
@@ -119,7 +118,7 @@ class Control:
             t0 = time.monotonic()
             try:
                 await asyncio.wait_for(st.idle_event.wait(), timeout=max(0.0, timeout))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             waited = time.monotonic() - t0
             return _json_response(
@@ -154,7 +153,7 @@ class Control:
         reward_id = uuid.uuid4().hex
         self.state.rewards.append({
             "reward_id": reward_id, "rollout_id": rollout_id, "attempt": check_attempt(attempt or 0), "reward": value,
-            "created_at": datetime.now(timezone.utc), "source": source,
+            "created_at": datetime.now(UTC), "source": source,
             "info_json": self.state.redactor.json_text(json.dumps(info or {}), secrets),
         })
         self.state.rewards_captured += 1
