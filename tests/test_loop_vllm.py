@@ -110,7 +110,7 @@ def spans_with_rollouts(traces):
 def test_one_step_swaps_served_weights_and_holds_requests_during_the_pause(tmp_path, restore_engine, served):
     engine, tiny_model_dir = served
     # four groups of four: the step must train something, and a group whose rollouts all score alike has
-    # no advantage (two groups at temperature 1 were both uniform about one run in fifty)
+    # no advantage (with two groups at temperature 1 both were uniform once, in a full-suite run)
     cfg = load_config(make_run(tmp_path, engine, tiny_model_dir, **{"rollout.groups_per_step": 4}))
     p_ids, r_ids, lp_before = probe(engine)
     run = TrainingRun(cfg)
