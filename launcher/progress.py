@@ -7,10 +7,10 @@ plain lines in CI logs, nothing inside the trainer) is this module's concern.
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from statistics import fmean
 
 from rich.console import Console
@@ -31,22 +31,21 @@ from lightning_harness.schemas.states import CANCELLED, NO_REWARD, RETRY_FAILURE
 from .results import RolloutResult
 
 
+@dataclass
 class BatchStats:
     """Counters of one batch, updated by the runner's worker threads."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.total = 0
-        self.finished = 0
-        self.running = 0
-        self.failed = 0
-        self.no_reward = 0
-        self.retried = 0
-        self.skipped = 0
-        self.reward_sum = 0.0
-        self.reward_n = 0
-        self.t0 = time.monotonic()
-        self.ran = 0  # rollouts finished by this process (for the rate)
+    total: int = 0
+    finished: int = 0
+    running: int = 0
+    failed: int = 0
+    no_reward: int = 0
+    retried: int = 0
+    skipped: int = 0
+    reward_sum: float = 0.0
+    reward_n: int = 0
+    ran: int = 0  # rollouts finished by this process (for the rate)
+    t0: float = field(default_factory=time.monotonic)
 
     @property
     def mean_reward(self) -> float | None:
