@@ -8,20 +8,25 @@ when it happens. Runners (local.py, k8s.py) only start and stop things.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
+
+from lightning_harness.schemas.rewards import SELF_SOURCES, RewardError
+from lightning_harness.schemas.states import RolloutState
 
 from .command import render_command, substitute
 from .identity import RolloutSpec
 from .local import AttemptJob, AttemptOutcome
 from .proxy_link import ProxyLink
-from .results import CANCELLED, FAILED, NO_REWARD, SUCCEEDED, TIMED_OUT, RolloutResult
-from .rewards import SELF_SOURCES, Reward, RewardError, RewardsTable, latest, read_reward_file, run_reward_cmd
+from .results import RolloutResult
+from .rewards import Reward, RewardsTable, read_reward_file, run_reward_cmd, winner
 
 log = logging.getLogger("lightning.launcher")
 WORK_DIR = "launch"  # TRACES/launch/<run_id>/<rollout_id>/<attempt>/ holds task.json, reward.json, harness.log, out/
@@ -64,53 +69,27 @@ def make_result(spec: RolloutSpec, attempt: int, state: str, outcome: AttemptOut
     )
 
 
-def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel, model_version: int | None) -> tuple[RolloutResult, Reward | None]:
+def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel,
+                model_version: int | None) -> tuple[RolloutResult, Reward | None]:
     """Prepare, run and judge one attempt; returns its row and the reward (if any)."""
     work = attempt_dir(s.traces_dir, spec, attempt)
-    out_dir = work / "out"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    task_file, reward_file, log_path = work / "task.json", work / "reward.json", work / "harness.log"
-    task_json = spec.task.to_json()
-    task_file.unlink(missing_ok=True)  # a link planted here (by another harness) is replaced, not followed
-    task_file.write_text(task_json + "\n")
-    reward_file.unlink(missing_ok=True)
-
-    # paths as the harness sees them (a pod mounts them elsewhere)
-    paths = getattr(s.runner, "harness_paths", None)
-    inside = paths(work) if paths else {"task_file": str(task_file), "reward_file": str(reward_file), "output_dir": str(out_dir)}
-    values: dict[str, Any] = dict(spec.task.fields)
-    values.update(
-        task_id=spec.task.id, rollout_id=spec.rollout_id, attempt=attempt, sample_index=spec.sample_index,
-        group_id=spec.group_id, run_id=spec.run_id, split=spec.split, step="" if spec.step is None else spec.step,
-        **inside,
-    )
-    env: dict[str, str] = dict(s.extra_env)
-    if s.proxy is not None:
-        view = getattr(s.runner, "proxy_view", None)
-        env.update((view(s.proxy) if view else own_ca(s, work)).env_for(spec.rollout_id, attempt))
-    env.update(
-        LIGHTNING_ROLLOUT_ID=spec.rollout_id,
-        LIGHTNING_ATTEMPT=str(attempt),
-        LIGHTNING_RUN_ID=spec.run_id,
-        LIGHTNING_TASK_ID=spec.task.id,
-        LIGHTNING_GROUP_ID=spec.group_id,
-        LIGHTNING_SAMPLE_INDEX=str(spec.sample_index),
-        LIGHTNING_SPLIT=spec.split,
-        LIGHTNING_STEP="" if spec.step is None else str(spec.step),
-        LIGHTNING_TASK=task_json,
-        LIGHTNING_TASK_FILE=inside["task_file"],
-        LIGHTNING_REWARD_FILE=inside["reward_file"],
-        LIGHTNING_OUTPUT_DIR=inside["output_dir"],
-    )
-    if model_version is not None:
-        env["LIGHTNING_MODEL_VERSION"] = str(model_version)
+    (work / "out").mkdir(parents=True, exist_ok=True)
+    task_file, log_path = work / "task.json", work / "harness.log"
+    fields = {k: v for k, v in spec.task.fields.items() if k not in spec.task.private}  # the reward's alone
+    seen = json.dumps(fields, sort_keys=True, default=str)
+    write_task_file(task_file, seen)
+    (work / "reward.json").unlink(missing_ok=True)
+    paths_in = getattr(s.runner, "harness_paths", None)  # paths as the harness sees them (a pod mounts them elsewhere)
+    paths = paths_in(work) if paths_in else local_paths(work)
+    named = named_values(spec, attempt, paths)
+    env = {**s.extra_env, **proxy_env(s, spec, attempt, work), **contract_env(named, seen, model_version)}
     files = {"task.json": task_file}
     if s.proxy is not None and Path(s.proxy.ca_bundle).exists():
         files["ca-bundle.pem"] = Path(s.proxy.ca_bundle)
     job = AttemptJob(
         rollout_id=spec.rollout_id, attempt=attempt,
-        command=render_command(s.harness, values) if s.harness else None, env=env, workdir=work,
-        log_path=log_path, timeout=s.timeout, cwd=s.cwd, task_json=task_json,
+        command=render_command(s.harness, {**fields, **named}) if s.harness else None, env=env, workdir=work,
+        log_path=log_path, timeout=s.timeout, cwd=s.cwd, task_json=seen,
         labels={"run_id": spec.run_id, "task_id": spec.task.id, "group_id": spec.group_id}, files=files,
     )
     outcome = s.runner.run(job, cancel)
@@ -119,39 +98,77 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel, mod
         problem = s.proxy.end_attempt(spec.rollout_id, attempt)
         if problem:
             log.warning("%s", problem)
-
-    reward: Reward | None = None
-    error = outcome.error
-    if outcome.cancelled:
-        state = CANCELLED
-    elif outcome.timed_out:
-        state = TIMED_OUT
-    elif outcome.error or outcome.exit_code != 0:
-        state = FAILED
-    else:
-        reward, error = collect_reward(s, spec, attempt, work, outcome, ended_mono)
-        state = SUCCEEDED if reward is not None else NO_REWARD
+    state, reward, error = judge(s, spec, attempt, work, outcome, ended_mono)
     result = make_result(spec, attempt, state, outcome, outcome.started_at, outcome.ended_at,
                          runner=getattr(s.runner, "name", "local"), reward=reward, error=error,
                          log_path=log_path, model_version=model_version)
     return result, reward
 
 
-def own_ca(s: AttemptSettings, work: Path) -> ProxyLink:
-    """The proxy link, with the CA bundle copied into the attempt folder when the harness runs as
-    another user (--run-as): the proxy's confdir (root's home by default) is not that user's to read."""
-    if not getattr(s.runner, "run_as", None) or not Path(s.proxy.ca_bundle).is_file():
-        return s.proxy
-    copy = work / "ca-bundle.pem"
-    copy.unlink(missing_ok=True)
-    shutil.copyfile(s.proxy.ca_bundle, copy)
-    os.chmod(copy, 0o644)
-    return dataclasses.replace(s.proxy, ca_bundle=str(copy))
+def judge(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome,
+          ended_mono: float) -> tuple[RolloutState, Reward | None, str | None]:
+    """The attempt's state from how it ended; only a harness that exited 0 is scored."""
+    if outcome.cancelled:
+        return RolloutState.CANCELLED, None, outcome.error
+    if outcome.timed_out:
+        return RolloutState.TIMED_OUT, None, outcome.error
+    if outcome.error or outcome.exit_code != 0:
+        return RolloutState.FAILED, None, outcome.error
+    reward, error = collect_reward(s, spec, attempt, work, outcome, ended_mono)
+    return (RolloutState.SUCCEEDED if reward is not None else RolloutState.NO_REWARD), reward, error
+
+
+# -- Contract 2, the launcher's part: who the attempt is, its task, its files ---------------------------
+def write_task_file(path: Path, row_json: str) -> None:
+    path.unlink(missing_ok=True)  # a link planted here (by a harness) is replaced, not followed
+    path.write_text(row_json + "\n")
+
+
+def local_paths(work: Path) -> dict[str, str]:
+    return {"task_file": str(work / "task.json"), "reward_file": str(work / "reward.json"),
+            "output_dir": str(work / "out")}
+
+
+def named_values(spec: RolloutSpec, attempt: int, paths: Mapping[str, str]) -> dict[str, Any]:
+    """Who the attempt is and where its files are: ``{placeholders}`` of the harness and reward
+    command lines, and (upper-cased, by :func:`contract_env`) ``LIGHTNING_*`` variables."""
+    return {"rollout_id": spec.rollout_id, "attempt": attempt, "run_id": spec.run_id, "task_id": spec.task.id,
+            "group_id": spec.group_id, "sample_index": spec.sample_index, "split": spec.split,
+            "step": "" if spec.step is None else spec.step, **paths}
+
+
+def contract_env(named: Mapping[str, Any], task_json: str, model_version: int | None = None) -> dict[str, str]:
+    """The launcher's part of Contract 2 (the proxy's part: ``proxy.client.harness_env``), for a harness
+    and for a reward command: ``LIGHTNING_<NAME>`` for each of :func:`named_values`, the task row (a
+    harness's without the task's private fields), the model version."""
+    env = {f"LIGHTNING_{k.upper()}": str(v) for k, v in named.items()}
+    env["LIGHTNING_TASK"] = task_json
+    if model_version is not None:
+        env["LIGHTNING_MODEL_VERSION"] = str(model_version)
+    return env
+
+
+def proxy_env(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path) -> dict[str, str]:
+    """The proxy's part of Contract 2 (``proxy.client.harness_env``) as this runner's harness reaches it:
+    a pod through the runner's view of the proxy; a harness run as another user (--run-as) with the CA
+    bundle copied into the attempt folder (the proxy's confdir, root's home by default, is not its to read)."""
+    if s.proxy is None:
+        return {}
+    link = s.proxy
+    if getattr(s.runner, "proxy_view", None):
+        link = s.runner.proxy_view(link)
+    elif getattr(s.runner, "run_as", None) and Path(link.ca_bundle).is_file():
+        copy = work / "ca-bundle.pem"
+        copy.unlink(missing_ok=True)
+        shutil.copyfile(link.ca_bundle, copy)
+        os.chmod(copy, 0o644)
+        link = dataclasses.replace(link, ca_bundle=str(copy))
+    return link.env_for(spec.rollout_id, attempt)
 
 
 def collect_reward(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome,
                    ended_mono: float) -> tuple[Reward | None, str | None]:
-    """The attempt's reward by rank (launcher/rewards.py): verifier (command, api) over the harness's own
+    """The attempt's reward by rank (schemas/rewards.py): verifier (command, api) over the harness's own
     report (file, proxy), which counts only without --reward-cmd and with self-rewards on.
     Errors are kept, never turned into 0."""
     def lookup(sources: tuple[str, ...]) -> Reward | None:
@@ -177,7 +194,7 @@ def collect_reward(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Pa
             from_file = read_reward_file(work / "reward.json")
         except RewardError as exc:
             errors.append(str(exc))
-    reward = latest(from_file, lookup(("proxy",)))
+    reward = winner(from_file, lookup(("proxy",)))
     if reward is not None:
         return reward, None
     if s.reward_table.flush_errors:
@@ -186,18 +203,17 @@ def collect_reward(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Pa
 
 
 def score(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome) -> Reward:
-    """Run ``--reward-cmd`` (the verifier) on a finished attempt; raises RewardError when it gives no reward."""
-    log_path = work / "harness.log"
-    # the scorer is ours: local paths, and it does not go through the capture proxy
-    env = {
-        "LIGHTNING_ROLLOUT_ID": spec.rollout_id, "LIGHTNING_ATTEMPT": str(attempt),
-        "LIGHTNING_TASK_ID": spec.task.id, "LIGHTNING_TASK": spec.task.to_json(),
-        "LIGHTNING_TASK_FILE": str(work / "task.json"), "LIGHTNING_OUTPUT_DIR": str(work / "out"),
-        "LIGHTNING_REWARD_FILE": str(work / "reward.json"), "LIGHTNING_LOG_FILE": str(log_path),
-        "LIGHTNING_EXIT_CODE": str(outcome.exit_code),
-    }
-    values = dict(spec.task.fields)
-    values.update(task_id=spec.task.id, rollout_id=spec.rollout_id, attempt=attempt, output_dir=str(work / "out"),
-                  task_file=str(work / "task.json"), log_file=str(log_path))
-    return run_reward_cmd(substitute(s.reward_cmd, values, quote=True), env, timeout=s.reward_timeout,
+    """Run ``--reward-cmd`` (the verifier) on a finished attempt; raises RewardError when it gives no reward.
+
+    The scorer is ours: it sees the whole task row (private fields too: ``task.json`` is rewritten now
+    that the harness is gone), local paths, and no capture proxy."""
+    log_path, whole = work / "harness.log", spec.task.to_json()
+    try:
+        write_task_file(work / "task.json", whole)
+    except OSError as exc:
+        raise RewardError(f"cannot write the reward command's task file: {exc}") from None
+    named = named_values(spec, attempt, {**local_paths(work), "log_file": str(log_path)})
+    env = {**contract_env(named, whole), "LIGHTNING_EXIT_CODE": str(outcome.exit_code)}
+    return run_reward_cmd(substitute(s.reward_cmd, {**spec.task.fields, **named}, quote=True), env,
+                          timeout=s.reward_timeout,
                           cwd=s.cwd, log_path=log_path)

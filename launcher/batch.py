@@ -19,25 +19,27 @@ import shutil
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from lightning_harness.proxy.health import CaptureUnhealthy, capture_baseline, require_capture
 from lightning_harness.schemas import PartWriter
+from lightning_harness.schemas.states import CANCELLED, FAILED, NO_REWARD, RETRY_FAILURES
 
 from .attempt import WORK_DIR, AttemptSettings, attempt_dir, make_result, run_attempt
 from .identity import GroupFn, RolloutSpec, plan_rollouts
 from .local import LocalRunner, utcnow
 from .progress import BatchProgress, BatchStats
 from .proxy_link import ProxyLink
-from .results import CANCELLED, FAILED, FAILURES, NO_REWARD, GroupResult, History, RolloutResult, load_history
+from .results import GroupResult, History, RolloutResult, load_history
 from .rewards import RewardsTable
 from .runas import lock_traces
 from .tasks import Task, tasks_from_rows
 
 _UNSET = object()
-__all__ = ["BatchAborted", "BatchRunner", "run_batch", "WORK_DIR", "clean_work_dirs"]
+__all__ = ["BatchAborted", "BatchRunner", "BatchSettings", "run_batch", "WORK_DIR", "clean_work_dirs"]
 
 
 @dataclass(order=True)
@@ -97,95 +99,88 @@ def _as_link(proxy: Any) -> ProxyLink | None:
         return ProxyLink.attach(proxy[0], proxy[1], control_token=proxy[2] if len(proxy) == 3 else None)
     if isinstance(proxy, str):
         return ProxyLink.attach(proxy, None)
-    raise TypeError(f"proxy must be a ProxyProcess, ProxyLink, (url, token[, control_token]) or URL, got {type(proxy).__name__}")
+    raise TypeError(f"proxy must be a ProxyProcess, ProxyLink, (url, token[, control_token]) or URL, got "
+                    f"{type(proxy).__name__}")
+
+
+@dataclass(kw_only=True)
+class BatchSettings:
+    """How a batch runs, declared once: :class:`BatchRunner` and :func:`run_batch` take it (or its
+    fields as keywords), the trainer builds one per phase.
+
+    ``proxy``: a ``ProxyProcess``, a :class:`ProxyLink`, ``(reverse_url, token[, control_token])``, or
+    None (no capture). ``model_version``: stamped on rows; None reads the proxy's current version per
+    attempt. ``run_as``: users for the local runner (not with ``runner``). ``health_check``: returns
+    why the batch must stop (a dead engine), else None.
+    """
+
+    traces_dir: str | Path
+    run_id: str
+    proxy: Any = None
+    runner: Any = None
+    samples: int = 1
+    concurrency: int = 4
+    timeout: float | None = None
+    retries: int = 0
+    reward_cmd: str | None = None
+    reward_timeout: float = 300.0
+    self_reward: bool = True
+    run_as: Any = None
+    step: int | None = None
+    split: str = "train"
+    model_version: int | None = None
+    group_fn: GroupFn | None = None
+    cwd: str | None = None
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    skip_finished: bool = True
+    progress: bool | BatchProgress = False
+    on_result: Callable[[RolloutResult], None] | None = None
+    flush_seconds: float = 1.0
+    health_check: Callable[[], str | None] | None = None
 
 
 class BatchRunner:
     """Runs rollouts of submitted tasks; see the module doc. Use as a context manager.
 
     ``harness``: argv list or shell command line, with ``{placeholders}`` (see :mod:`.command`).
-    ``proxy``: a ``ProxyProcess``, a :class:`ProxyLink`, ``(reverse_url, token[, control_token])``, or None (no capture).
-    ``model_version``: stamped on rows; None reads the proxy's current version per attempt. The trainer
-    may assign ``runner.model_version`` after each update.
+    ``settings``: a :class:`BatchSettings`, or its fields as keywords (keywords win over ``settings``).
+    The trainer may assign ``runner.model_version`` after each update.
     """
 
-    def __init__(
-        self,
-        harness: Sequence[str] | str | None,
-        *,
-        traces_dir: str | Path,
-        proxy: Any = None,
-        runner: Any = None,
-        run_id: str,
-        samples: int = 1,
-        concurrency: int = 4,
-        timeout: float | None = None,
-        retries: int = 0,
-        reward_cmd: str | None = None,
-        reward_timeout: float = 300.0,
-        self_reward: bool = True,
-        run_as: Any = None,
-        step: int | None = None,
-        split: str = "train",
-        model_version: int | None = None,
-        group_fn: GroupFn | None = None,
-        cwd: str | None = None,
-        extra_env: Mapping[str, str] | None = None,
-        skip_finished: bool = True,
-        progress: bool | BatchProgress = False,
-        on_result: Callable[[RolloutResult], None] | None = None,
-        flush_seconds: float = 1.0,
-        health_check: Callable[[], str | None] | None = None,
-    ) -> None:
-        if concurrency < 1:
+    def __init__(self, harness: Sequence[str] | str | None, settings: BatchSettings | None = None,
+                 **fields: Any) -> None:
+        s = self.settings = replace(settings, **fields) if settings else BatchSettings(**fields)
+        if s.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
-        if retries < 0:
+        if s.retries < 0:
             raise ValueError("retries must be >= 0")
         self.harness = harness
-        self.traces_dir = Path(traces_dir)
-        self.proxy = _as_link(proxy)
-        self._checks = [c for c in (process_check("capture proxy", proxy), health_check) if c is not None]
+        self.traces_dir = Path(s.traces_dir)
+        self.proxy = _as_link(s.proxy)
+        self._checks = [c for c in (process_check("capture proxy", s.proxy), s.health_check) if c is not None]
         self.error: str | None = None  # why the batch stopped by itself (a dead proxy or engine)
-        if run_as is not None and runner is not None:
+        if s.run_as is not None and s.runner is not None:
             raise ValueError("run_as is for the local runner (give LocalRunner(run_as=...) yourself, or no runner)")
-        self.runner = runner or LocalRunner(run_as=run_as)
+        self.runner = s.runner or LocalRunner(run_as=s.run_as)
         if getattr(self.runner, "run_as", None):  # harnesses of other users: close the traces to them
             lock_traces(self.traces_dir)
         if not harness and isinstance(self.runner, LocalRunner):
             raise ValueError("a harness command is needed (only a Kubernetes Job template may supply its own)")
-        self.run_id = run_id
-        self.samples = samples
-        self.concurrency = concurrency
-        self.timeout = timeout
-        self.retries = retries
-        self.reward_cmd = reward_cmd
-        self.reward_timeout = reward_timeout
-        self.step = step
-        self.split = split
-        self.model_version = model_version
-        self.group_fn = group_fn
-        self.cwd = cwd
-        self.extra_env = dict(extra_env or {})
-        self.skip_finished = skip_finished
-        self.on_result = on_result
+        self.model_version = s.model_version
         self.stats = BatchStats()
-        if progress is True:
-            self.progress: BatchProgress | None = BatchProgress(self.stats)
-        else:
-            self.progress = progress or None
-
+        self.progress: BatchProgress | None = BatchProgress(self.stats) if s.progress is True else s.progress or None
         self.traces_dir.mkdir(parents=True, exist_ok=True)
-        self._rollouts = PartWriter(self.traces_dir, "rollouts", flush_seconds=flush_seconds)
-        self._rewards = PartWriter(self.traces_dir, "rewards", flush_seconds=flush_seconds)
+        self._rollouts = PartWriter(self.traces_dir, "rollouts", flush_seconds=s.flush_seconds)
+        self._rewards = PartWriter(self.traces_dir, "rewards", flush_seconds=s.flush_seconds)
         control = self.proxy.control if self.proxy else None
         self._capture_baseline = capture_baseline(control) if control else None  # see _check_capture
         self._settings = AttemptSettings(
             traces_dir=self.traces_dir, harness=harness, runner=self.runner, proxy=self.proxy,
-            reward_table=RewardsTable(self.traces_dir, control.flush if control else None), timeout=timeout,
-            cwd=cwd, extra_env=dict(extra_env or {}), reward_cmd=reward_cmd, reward_timeout=reward_timeout,
-            self_reward=self_reward,
+            reward_table=RewardsTable(self.traces_dir, control.flush if control else None), timeout=s.timeout,
+            cwd=s.cwd, extra_env=dict(s.extra_env or {}), reward_cmd=s.reward_cmd, reward_timeout=s.reward_timeout,
+            self_reward=s.self_reward,
         )
-        self._queue: "queue.PriorityQueue[_Item]" = queue.PriorityQueue()
+        self._queue: queue.PriorityQueue[_Item] = queue.PriorityQueue()
         self._lock = threading.Condition()
         self._cancel = threading.Event()
         self._closed = threading.Event()
@@ -196,7 +191,6 @@ class BatchRunner:
         self._history: dict[str, History] | None = None
         self._results: dict[str, RolloutResult] = {}
         self._finished_groups: list[GroupResult] = []
-        self._in_queue = 0
         self._running = 0
         self._workers: list[threading.Thread] = []
         self._progress_started = False
@@ -215,12 +209,14 @@ class BatchRunner:
             raise RuntimeError("runner is closed or cancelled")
         tasks = tasks_from_rows(tasks, source="submit")
         specs = plan_rollouts(
-            tasks, run_id=self.run_id, samples=samples or self.samples,
-            step=self.step if step is _UNSET else step, split=split or self.split, group_fn=self.group_fn,
+            tasks, run_id=self.settings.run_id, samples=samples or self.settings.samples,
+            step=self.settings.step if step is _UNSET else step, split=split or self.settings.split,
+            group_fn=self.settings.group_fn,
         )
         if self._history is None:
             # read once: within this runner a rollout is submitted once, so only earlier runs matter
-            self._history = load_history(self.traces_dir, run_id=self.run_id) if self.skip_finished else {}
+            self._history = load_history(self.traces_dir,
+                                         run_id=self.settings.run_id) if self.settings.skip_finished else {}
         history = self._history
         by_group: dict[str, list[RolloutSpec]] = {}
         for spec in specs:
@@ -241,7 +237,7 @@ class BatchRunner:
                     self._order.append(spec.rollout_id)
                     self.stats.total += 1
                     hist = history.get(spec.rollout_id, History())
-                    final = hist.final(self.retries)
+                    final = hist.final(self.settings.retries)
                     if final is not None:
                         res = RolloutResult.from_row(final, skipped=True)
                         group.final[spec.rollout_id] = res
@@ -250,7 +246,6 @@ class BatchRunner:
                         continue
                     attempt = max(hist.last_attempt, self._last_attempt_on_disk(spec)) + 1
                     self._queue.put(_Item((gnum, spec.sample_index, attempt), spec, attempt, hist.failures))
-                    self._in_queue += 1
                 if group.done:
                     group.reported = True
                     ready.append(group.result())
@@ -271,7 +266,7 @@ class BatchRunner:
         if self.progress is not None and not self._progress_started:
             self._progress_started = True
             self.progress.start()
-        while len(self._workers) < self.concurrency:
+        while len(self._workers) < self.settings.concurrency:
             t = threading.Thread(target=self._worker, name=f"rollout-{len(self._workers)}", daemon=True)
             self._workers.append(t)
             t.start()
@@ -392,7 +387,7 @@ class BatchRunner:
         self._rollouts.flush()
         self._rewards.flush()
 
-    def __enter__(self) -> "BatchRunner":
+    def __enter__(self) -> BatchRunner:
         return self
 
     def __exit__(self, exc_type, *exc: object) -> None:
@@ -416,7 +411,6 @@ class BatchRunner:
                 self._abort(problem)
                 return
             with self._lock:
-                self._in_queue -= 1
                 self._running += 1
                 self.stats.running = self._running
             try:
@@ -433,15 +427,15 @@ class BatchRunner:
             self._after_attempt(item, result)
 
     def _after_attempt(self, item: _Item, result: RolloutResult) -> None:
-        failures = item.failures + (result.state in FAILURES)
-        retry = result.state in FAILURES and failures <= self.retries and not self._cancel.is_set()
+        failures = item.failures + (result.state in RETRY_FAILURES)
+        retry = result.state in RETRY_FAILURES and failures <= self.settings.retries and not self._cancel.is_set()
         ready = None
         with self._lock:
             if retry:
                 self.stats.retried += 1
                 nxt = item.attempt + 1
-                self._queue.put(_Item((item.priority[0], item.priority[1], nxt), item.spec, nxt, failures, item.ran + 1))
-                self._in_queue += 1
+                self._queue.put(_Item((item.priority[0], item.priority[1], nxt), item.spec, nxt, failures,
+                                      item.ran + 1))
             elif result.state != CANCELLED:
                 result.attempts_run = item.ran + 1
                 group = self._groups[item.spec.group_id]
@@ -455,15 +449,15 @@ class BatchRunner:
             self._lock.notify_all()
         if self.progress is not None:
             self.progress.update()
-        if self.on_result is not None and not retry and result.state != CANCELLED:
-            self.on_result(result)
+        if self.settings.on_result is not None and not retry and result.state != CANCELLED:
+            self.settings.on_result(result)
 
     def _count_final(self, r: RolloutResult, *, ran: bool) -> None:
         s = self.stats
         s.finished += 1
         s.ran += ran
         s.skipped += not ran
-        s.failed += r.state in FAILURES
+        s.failed += r.state in RETRY_FAILURES
         s.no_reward += r.state == NO_REWARD
         if r.reward is not None:
             s.reward_sum += r.reward
@@ -481,8 +475,9 @@ class BatchRunner:
             return None
 
     def _run_attempt(self, item: _Item) -> RolloutResult:
-        result, reward = run_attempt(self._settings, item.spec, item.attempt, self._cancel, self._current_model_version())
-        if result.state in FAILURES:
+        result, reward = run_attempt(self._settings, item.spec, item.attempt, self._cancel,
+                                     self._current_model_version())
+        if result.state in RETRY_FAILURES:
             problem = self._health()
             if problem:  # not the harness's fault: recorded as cancelled, so it neither retries now nor counts later
                 result.state, result.error = CANCELLED, f"{problem}; the attempt ended with: {result.error}"
@@ -499,36 +494,15 @@ class BatchRunner:
         return result
 
 
-def run_batch(
-    tasks: Iterable[Task | Mapping[str, Any]],
-    harness: Sequence[str] | str,
-    *,
-    traces_dir: str | Path,
-    run_id: str,
-    proxy: Any = None,
-    samples: int = 1,
-    concurrency: int = 4,
-    timeout: float | None = None,
-    retries: int = 0,
-    reward_cmd: str | None = None,
-    step: int | None = None,
-    split: str = "train",
-    model_version: int | None = None,
-    group_fn: GroupFn | None = None,
-    progress: bool = False,
-    runner: Any = None,
-    **kwargs: Any,
-) -> list[RolloutResult]:
-    """Run tasks x samples to completion and return each rollout's final attempt (submission order).
+def run_batch(tasks: Iterable[Task | Mapping[str, Any]], harness: Sequence[str] | str | None,
+              settings: BatchSettings | None = None, **fields: Any) -> list[RolloutResult]:
+    """Run tasks x samples to completion and return each rollout's final attempt (submission order);
+    ``settings``/``fields`` as for :class:`BatchRunner`.
 
     Ctrl-C cancels: every harness process tree is killed, cancelled attempts are recorded, rows flushed.
     Raises :class:`BatchAborted` if the proxy (or ``health_check``) reports a failure mid-batch.
     """
-    with BatchRunner(
-        harness, traces_dir=traces_dir, proxy=proxy, runner=runner, run_id=run_id, samples=samples,
-        concurrency=concurrency, timeout=timeout, retries=retries, reward_cmd=reward_cmd, step=step, split=split,
-        model_version=model_version, group_fn=group_fn, progress=progress, **kwargs,
-    ) as batch:
+    with BatchRunner(harness, settings, **fields) as batch:
         batch.submit(tasks)
         try:
             results = batch.wait()

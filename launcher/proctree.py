@@ -43,8 +43,10 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+
+from lightning_harness.process import proc_stat
 
 log = logging.getLogger("lightning_harness.launcher")
 
@@ -85,16 +87,6 @@ def _join(procs_file: str) -> Callable[[], None]:
     return join
 
 
-def _stat(pid: int) -> tuple[int, str, int] | None:
-    """``(ppid, state, start time)`` of a live pid from /proc, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[1]), fields[0].decode(), int(fields[19])
-
-
 class ProcessTree:
     """One attempt's processes: spawn into it, list them, end them all (see the module doc).
 
@@ -114,8 +106,10 @@ class ProcessTree:
         with cls._class_lock:
             if cls._mechanism is None:
                 cls._mechanism, why = cls._probe()
-                if cls._mechanism == "scan" and ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0):
-                    why += f"; not a subreaper (errno {ctypes.get_errno()}): orphans go to init, only the scan finds them"
+                libc = ctypes.CDLL(None, use_errno=True)
+                if cls._mechanism == "scan" and libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0):
+                    why += (f"; not a subreaper (errno {ctypes.get_errno()}): orphans go to init, "
+                            "only the scan finds them")
                 log.info("process trees: %s (%s)", cls._mechanism, why)
             return cls._mechanism
 
@@ -146,7 +140,7 @@ class ProcessTree:
         """End trees a killed launcher left behind (``lightning-<pid>-<n>`` with that pid gone)."""
         for d in own.glob("lightning-*-*"):
             pid = d.name.split("-")[1]
-            if pid.isdigit() and _stat(int(pid)) is None:
+            if pid.isdigit() and proc_stat(int(pid)) is None:
                 tree = ProcessTree.__new__(ProcessTree)
                 tree._init_state("cgroup", d, d.name)
                 tree.kill(grace=0.0)
@@ -182,7 +176,7 @@ class ProcessTree:
             kwargs["preexec_fn"] = preexec
         proc = subprocess.Popen(args, env=env, **kwargs)
         self.leader = proc.pid
-        st = _stat(proc.pid)
+        st = proc_stat(proc.pid)
         if st:
             self._known[proc.pid] = st[2]
         return proc
@@ -212,7 +206,7 @@ class ProcessTree:
         table = {}
         for name in os.listdir("/proc"):
             if name.isdigit():
-                st = _stat(int(name))
+                st = proc_stat(int(name))
                 if st and st[1] != "Z":
                     table[int(name)] = st
         live = {p: t for p, t in self._known.items() if p in table and table[p][2] == t}
@@ -285,7 +279,7 @@ class ProcessTree:
                 self.signal(signal.SIGKILL)
             finally:
                 freeze.write_text("0")
-        except FileNotFoundError:  # another thread (kill_all) ended and removed the tree meanwhile
+        except FileNotFoundError:  # the tree was ended and removed meanwhile
             pass
 
     def _reap_adopted(self) -> None:
@@ -316,3 +310,45 @@ class ProcessTree:
             except OSError:
                 time.sleep(0.02)  # EBUSY: the last member is still exiting
         log.warning("could not remove cgroup %s (still busy)", self.cgroup)
+
+
+def start_tree(args, **popen) -> tuple[ProcessTree, subprocess.Popen]:
+    """Start ``args`` in a new tree as a session leader without stdin (``popen`` as for
+    :meth:`ProcessTree.popen`). Raises OSError or SubprocessError, leaving nothing behind, when it
+    cannot start; then pair it with :func:`finish_tree`."""
+    tree = ProcessTree()
+    try:
+        return tree, tree.popen(args, stdin=subprocess.DEVNULL, start_new_session=True, **popen)
+    except BaseException:
+        tree.close()
+        raise
+
+
+def finish_tree(tree: ProcessTree, proc: subprocess.Popen, *, timeout: float | None, kill_grace: float,
+                cancel: threading.Event | None = None) -> tuple[bool, bool, int]:
+    """Wait for the leader; on timeout or ``cancel`` end the tree with ``kill_grace``; then end whatever
+    the leader left running (daemons included) and remove the tree.
+
+    Returns ``(timed_out, cancelled, leftovers)``, leftovers being the processes still running when
+    the leader exited by itself (they are killed)."""
+    deadline = None if not timeout else time.monotonic() + timeout
+    timed_out = cancelled = False
+    try:
+        while True:
+            try:
+                proc.wait(0.1)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            tree.poll()
+            cancelled = cancel is not None and cancel.is_set()
+            timed_out = not cancelled and deadline is not None and time.monotonic() >= deadline
+            if cancelled or timed_out:
+                tree.kill(grace=kill_grace)
+                break
+    finally:
+        leftovers = len(tree.pids())
+        tree.kill(grace=0.0)
+        tree.close()
+        proc.wait()
+    return timed_out, cancelled, leftovers

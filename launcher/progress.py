@@ -7,36 +7,45 @@ plain lines in CI logs, nothing inside the trainer) is this module's concern.
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from statistics import fmean
-from typing import Iterable
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
-from .results import FAILURES, SUCCEEDED, RolloutResult
+from lightning_harness.schemas.states import CANCELLED, NO_REWARD, RETRY_FAILURES, SUCCEEDED, TIMED_OUT
+
+from .results import RolloutResult
 
 
+@dataclass
 class BatchStats:
     """Counters of one batch, updated by the runner's worker threads."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.total = 0
-        self.finished = 0
-        self.running = 0
-        self.failed = 0
-        self.no_reward = 0
-        self.retried = 0
-        self.skipped = 0
-        self.reward_sum = 0.0
-        self.reward_n = 0
-        self.t0 = time.monotonic()
-        self.ran = 0  # rollouts finished by this process (for the rate)
+    total: int = 0
+    finished: int = 0
+    running: int = 0
+    failed: int = 0
+    no_reward: int = 0
+    retried: int = 0
+    skipped: int = 0
+    reward_sum: float = 0.0
+    reward_n: int = 0
+    ran: int = 0  # rollouts finished by this process (for the rate)
+    t0: float = field(default_factory=time.monotonic)
 
     @property
     def mean_reward(self) -> float | None:
@@ -112,12 +121,12 @@ _NUM = re.compile(r"\d+(\.\d+)?s")
 
 def failure_cause(r: RolloutResult) -> str:
     """A short, groupable cause: 'exit code 3', 'timed out', 'no reward: reward file ... not a number'."""
-    if r.state == "timed_out":
+    if r.state == TIMED_OUT:
         return "timed out"
-    if r.state == "cancelled":
+    if r.state == CANCELLED:
         return "cancelled"
     err = (r.error or "").split(";")[0].strip()
-    if r.state == "no_reward":
+    if r.state == NO_REWARD:
         if not err or err.startswith("no reward reported"):
             return "no reward reported"
         return f"no reward: {err}"
@@ -141,7 +150,7 @@ def summary_tables(results: Iterable[RolloutResult]) -> list[Table]:
         t1.add_row(
             task_id, str(len(rs)), str(sum(r.state == SUCCEEDED for r in rs)),
             fmt(fmean(vals) if vals else None), fmt(min(vals) if vals else None), fmt(max(vals) if vals else None),
-            str(sum(r.state == "no_reward" for r in rs)), str(sum(r.state in FAILURES for r in rs)),
+            str(sum(r.state == NO_REWARD for r in rs)), str(sum(r.state in RETRY_FAILURES for r in rs)),
         )
     causes = Counter(failure_cause(r) for r in results if r.state != SUCCEEDED)
     t2 = Table(title="Failures by cause")

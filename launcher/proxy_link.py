@@ -14,8 +14,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lightning_harness.proxy.client import (
-    BUNDLE_NAME, ProxyControl, ProxyError, ProxyProcess, default_confdir, harness_env, read_control_token,
+    BUNDLE_NAME,
+    ProxyControl,
+    ProxyError,
+    ProxyProcess,
+    harness_env,
+    read_control_token,
 )
+from lightning_harness.proxy.config import default_confdir
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,7 @@ class ProxyLink:
     api_key: str | None = None
 
     @classmethod
-    def from_process(cls, proc: ProxyProcess, api_key: str | None = None) -> "ProxyLink":
+    def from_process(cls, proc: ProxyProcess, api_key: str | None = None) -> ProxyLink:
         return cls(proc.forward_url, proc.reverse_url, proc.token, str(proc.ca_bundle), proc.control_token, api_key)
 
     @classmethod
@@ -41,7 +47,7 @@ class ProxyLink:
         ca_bundle: str | os.PathLike | None = None,
         control_token: str | None = None,
         api_key: str | None = None,
-    ) -> "ProxyLink":
+    ) -> ProxyLink:
         """A running proxy: ``reverse_url`` is its reverse listener (where ``/_lh/`` lives).
 
         The forward listener is taken from ``forward_url``, else from the proxy's state
@@ -69,7 +75,8 @@ class ProxyLink:
 
     def env_for(self, rollout_id: str, attempt: int) -> dict[str, str]:
         """Contract 2 for one attempt: its own credential, derived from the token."""
-        return harness_env(rollout_id, attempt, self.token, self.forward_url, self.reverse_url, self.ca_bundle, self.api_key)
+        return harness_env(rollout_id, attempt, self.token, self.forward_url, self.reverse_url, self.ca_bundle,
+                           self.api_key)
 
     def end_attempt(self, rollout_id: str, attempt: int) -> str | None:
         """Revoke the attempt's credential once its harness is gone (before any reward is read), so
@@ -81,7 +88,7 @@ class ProxyLink:
         except (OSError, ProxyError, ValueError) as exc:
             return f"could not end {rollout_id}~{attempt} at the proxy: {exc}"
 
-    def with_host(self, host: str, *, ca_bundle: str | None = None) -> "ProxyLink":
+    def with_host(self, host: str, *, ca_bundle: str | None = None) -> ProxyLink:
         """The same proxy as seen from elsewhere (a pod): host replaced, optionally another CA path."""
 
         def swap(url: str) -> str:
@@ -89,4 +96,5 @@ class ProxyLink:
             netloc = f"{host}:{parts.port}" if parts.port else host
             return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
-        return replace(self, forward_url=swap(self.forward_url), reverse_url=swap(self.reverse_url), ca_bundle=ca_bundle or self.ca_bundle)
+        return replace(self, forward_url=swap(self.forward_url), reverse_url=swap(self.reverse_url),
+                       ca_bundle=ca_bundle or self.ca_bundle)

@@ -3,24 +3,20 @@
 Why: the trainer consumes results as Python objects and the table as Parquet; both come from one
 dataclass so they cannot drift. A rollout is *finished* (skipped by a re-run) when an attempt
 succeeded or ended without reward, or when its failures used up the retry budget; cancelled
-attempts never finish a rollout.
+attempts never finish a rollout (the states and what each counts as: ``schemas/states.py``).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from statistics import fmean
-from typing import Any, Iterable
+from typing import Any
 
 from lightning_harness.schemas import ROLLOUTS, read_table
-
-SUCCEEDED, FAILED, TIMED_OUT, NO_REWARD, CANCELLED = "succeeded", "failed", "timed_out", "no_reward", "cancelled"
-STATES = (SUCCEEDED, FAILED, TIMED_OUT, NO_REWARD, CANCELLED)
-FAILURES = (FAILED, TIMED_OUT)
-COMPLETE = (SUCCEEDED, NO_REWARD)
+from lightning_harness.schemas.states import FINISHED, RETRY_FAILURES, RolloutState
 
 
 @dataclass
@@ -55,7 +51,7 @@ class RolloutResult:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in ROLLOUTS.names}
 
     @classmethod
-    def from_row(cls, row: dict[str, Any], *, skipped: bool = False) -> "RolloutResult":
+    def from_row(cls, row: dict[str, Any], *, skipped: bool = False) -> RolloutResult:
         values = {name: row.get(name) for name in ROLLOUTS.names}
         return cls(**values, skipped=skipped, attempts_run=0)
 
@@ -65,7 +61,7 @@ class RolloutResult:
 
     @property
     def ok(self) -> bool:
-        return self.state == SUCCEEDED
+        return self.state == RolloutState.SUCCEEDED
 
 
 @dataclass
@@ -80,14 +76,9 @@ class GroupResult:
         return [r.reward for r in self.rollouts]
 
     @property
-    def mean_reward(self) -> float | None:
-        vals = [r.reward for r in self.rollouts if r.reward is not None]
-        return fmean(vals) if vals else None
-
-    @property
     def complete(self) -> bool:
         """Every rollout of the group finished with a reward."""
-        return all(r.state == SUCCEEDED for r in self.rollouts)
+        return all(r.state == RolloutState.SUCCEEDED for r in self.rollouts)
 
 
 @dataclass
@@ -102,19 +93,20 @@ class History:
 
     @property
     def failures(self) -> int:
-        return sum(1 for r in self.rows if r["state"] in FAILURES)
+        return sum(1 for r in self.rows if r["state"] in RETRY_FAILURES)
 
     def final(self, retries: int) -> dict[str, Any] | None:
         """The row that finished this rollout, or None if it must (still) run."""
-        done = [r for r in self.rows if r["state"] in COMPLETE]
+        done = [r for r in self.rows if r["state"] in FINISHED]
         if done:
             return max(done, key=lambda r: int(r["attempt"]))
         if self.failures >= retries + 1:
-            return max((r for r in self.rows if r["state"] in FAILURES), key=lambda r: int(r["attempt"]))
+            return max((r for r in self.rows if r["state"] in RETRY_FAILURES), key=lambda r: int(r["attempt"]))
         return None
 
 
-def load_history(traces_dir: str | Path, rollout_ids: Iterable[str] | None = None, *, run_id: str | None = None) -> dict[str, History]:
+def load_history(traces_dir: str | Path, rollout_ids: Iterable[str] | None = None, *,
+                 run_id: str | None = None) -> dict[str, History]:
     """Rows already in ``TRACES/rollouts`` grouped by rollout id (optionally one run, or given ids)."""
     import pyarrow as pa
     import pyarrow.compute as pc

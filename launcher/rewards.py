@@ -1,44 +1,34 @@
-"""Where a rollout's reward comes from, and which report wins when there are several.
+"""Where a rollout's reward comes from: the harness's reward file, the scorer, the rewards table.
 
-Why one module: the rules "a missing reward is recorded as missing, never as 0" and "the verifier
-outranks the harness" live in one place (the ``rollouts`` view in trainer/views.py uses the same
-source lists). The harness may run model-written commands, so what it says about itself is weak:
-
-* verifier rank (:data:`VERIFIER_SOURCES`): ``--reward-cmd`` (``command``, the run's scorer, run
-  after a harness that exited 0) and what the operator POSTs to the control API (``api``);
-* self-report rank (:data:`SELF_SOURCES`): the harness's ``LIGHTNING_REWARD_FILE`` (``file``) and
-  its POST to ``LIGHTNING_REWARD_URL`` (``proxy``). They count only when the run has no
-  ``--reward-cmd`` (a harness that could make the scorer fail must not then score itself) and
-  self-reports are on (``--self-reward``, the default).
-
-The higher rank wins; within a rank the latest report wins. A report that arrives after the launcher
-judged the attempt is not seen here; the view lets only the verifier rank change a judged attempt.
-Anything unparsable or non-finite is an error attached to the rollout, not a number.
+What a reward is and which report wins (the verifier over the harness, the latest within a rank)
+are ``schemas/rewards.py``; the rules "a missing reward is recorded as missing, never as 0" and
+when self-reports count are ``launcher/attempt.py collect_reward``. Anything unparsable or
+non-finite is an error attached to the rollout, not a number.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
-import math
 import os
 import subprocess
+import tempfile
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import pyarrow.parquet as pq
 
+from lightning_harness.schemas.rewards import RewardError, parse_reward, precedence
+
 from .local import open_log, open_regular
-from .proctree import ProcessTree
+from .proctree import finish_tree, start_tree
 
 MAX_REWARD_FILE = 1 << 16  # a reward is a number and a little info; more is not a reward
-
-
-VERIFIER_SOURCES = ("command", "api")  # the run's scorer, the operator: outrank...
-SELF_SOURCES = ("proxy", "file")  # ...what the harness says about itself
 
 
 @dataclass(frozen=True)
@@ -47,37 +37,6 @@ class Reward:
     source: str  # 'command', 'api' (verifier rank); 'file', 'proxy' (self-reports)
     info: Mapping[str, Any] | None = None
     at: dt.datetime | None = None  # when it was reported (file: its mtime); orders reports of one rank
-
-
-class RewardError(ValueError):
-    """A reward was reported but cannot be used (the message says why)."""
-
-
-def parse_reward(text: str | bytes, *, what: str = "reward") -> tuple[float, dict | None]:
-    """A number, or JSON ``{"reward": number, "info": {...}}``; raises :class:`RewardError` otherwise."""
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", errors="replace")
-    text = text.strip()
-    if not text:
-        raise RewardError(f"{what} is empty")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        raise RewardError(f"{what} is not a number or JSON: {text[:120]!r}") from None
-    info = None
-    if isinstance(data, dict):
-        if "reward" not in data:
-            raise RewardError(f"{what} JSON has no 'reward' key: {text[:120]!r}")
-        info = data.get("info")
-        if info is not None and not isinstance(info, dict):
-            info = {"info": info}
-        data = data["reward"]
-    if isinstance(data, bool) or not isinstance(data, (int, float)):
-        raise RewardError(f"{what} must be a number, got {data!r}")
-    value = float(data)
-    if not math.isfinite(value):
-        raise RewardError(f"{what} is not finite: {value}")
-    return value, info
 
 
 def read_reward_file(path: Path) -> Reward | None:
@@ -95,7 +54,7 @@ def read_reward_file(path: Path) -> Reward | None:
         raise RewardError(f"reward file {path} is larger than {MAX_REWARD_FILE} bytes")
     if st.st_nlink != 1:  # a hard link to someone else's file (--run-as: the launcher reads what the harness owns)
         raise RewardError(f"reward file {path} has {st.st_nlink} hard links; not read")
-    at = dt.datetime.fromtimestamp(st.st_mtime, dt.timezone.utc)
+    at = dt.datetime.fromtimestamp(st.st_mtime, dt.UTC)
     value, info = parse_reward(data, what=f"reward file {path}")
     return Reward(value, "file", info, at)
 
@@ -116,27 +75,19 @@ def run_reward_cmd(
     """
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}
     full_env.update(env)
-    stderr = open_log(log_path) if log_path else subprocess.DEVNULL
-    tree = ProcessTree()  # the scorer's leftovers end with it, like a harness's
-    try:
-        proc = tree.popen(
-            command, shell=True, executable="/bin/sh", env=full_env, cwd=cwd, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=stderr, start_new_session=True,
-        )
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            tree.kill(grace=1.0)
-            proc.communicate()
-            raise RewardError(f"reward command timed out after {timeout:g}s") from None
-        finally:
-            tree.kill(grace=0.0)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise RewardError(f"reward command could not start: {exc}") from None
-    finally:
-        tree.close()
-        if log_path:
-            stderr.close()
+    with contextlib.ExitStack() as files:
+        stdout = files.enter_context(tempfile.TemporaryFile())  # a file, not a pipe: nothing to drain while waiting
+        stderr = files.enter_context(open_log(log_path)) if log_path else subprocess.DEVNULL
+        try:  # the scorer's leftovers end with it, like a harness's
+            tree, proc = start_tree(command, shell=True, executable="/bin/sh", env=full_env, cwd=cwd,
+                                    stdout=stdout, stderr=stderr)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise RewardError(f"reward command could not start: {exc}") from None
+        timed_out, _, _ = finish_tree(tree, proc, timeout=timeout, kill_grace=1.0)
+        stdout.seek(0)
+        out = stdout.read()
+    if timed_out:
+        raise RewardError(f"reward command timed out after {timeout:g}s")
     if proc.returncode != 0:
         raise RewardError(f"reward command exited with {proc.returncode}")
     lines = [ln for ln in out.decode("utf-8", errors="replace").splitlines() if ln.strip()]
@@ -158,7 +109,7 @@ class RewardsTable:
         self.base = Path(traces_dir) / "rewards"
         self.flush_fn = flush
         self._seen: set[Path] = set()
-        self._latest: dict[tuple[str, int], dict[str, tuple[Any, Reward]]] = {}  # attempt -> source -> newest
+        self._latest: dict[tuple[str, int], dict[str, Reward]] = {}  # attempt -> source -> newest
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._last_flush_started = float("-inf")
@@ -171,7 +122,8 @@ class RewardsTable:
             if path in self._seen or path.name.startswith("."):
                 continue
             try:
-                rows = pq.read_table(path, columns=["rollout_id", "attempt", "reward", "created_at", "source", "info_json"]).to_pylist()
+                rows = pq.read_table(path, columns=["rollout_id", "attempt", "reward", "created_at", "source",
+                                                    "info_json"]).to_pylist()
             except Exception:  # a foreign or broken file must not stop the batch; skip it
                 self._seen.add(path)
                 continue
@@ -188,10 +140,7 @@ class RewardsTable:
                 info = json.loads(r["info_json"])
             except json.JSONDecodeError:
                 info = {"raw": r["info_json"]}
-        stamp = (r["created_at"] is not None, r["created_at"] or 0)
-        old = by_source.get(source)
-        if old is None or stamp >= old[0]:
-            by_source[source] = (stamp, Reward(float(r["reward"]), source, info, r["created_at"]))
+        by_source[source] = winner(Reward(float(r["reward"]), source, info, r["created_at"]), by_source.get(source))
 
     def _flush(self, ended_mono: float) -> None:
         if self.flush_fn is None:
@@ -207,16 +156,16 @@ class RewardsTable:
 
     def lookup(self, rollout_id: str, attempt: int, *, ended_mono: float | None = None,
                sources: tuple[str, ...] | None = None) -> Reward | None:
-        """Latest report of the attempt among ``sources`` (all when None), after a flush of the proxy."""
+        """The winning report of the attempt among ``sources`` (all when None), after a flush of the proxy."""
         self._flush(time.monotonic() if ended_mono is None else ended_mono)
         with self._lock:
             self._scan()
             by_source = self._latest.get((rollout_id, int(attempt)), {})
             hits = [hit for src, hit in by_source.items() if sources is None or src in sources]
-        return max(hits, key=lambda h: h[0])[1] if hits else None
+        return winner(*hits)
 
 
-def latest(*rewards: Reward | None) -> Reward | None:
-    """The most recent of reports of one rank (a report without a time counts as oldest)."""
+def winner(*rewards: Reward | None) -> Reward | None:
+    """The report that wins by ``schemas.rewards.precedence``, or None when there is none."""
     present = [r for r in rewards if r is not None]
-    return max(present, key=lambda r: (r.at is not None, r.at or 0)) if present else None
+    return max(present, key=lambda r: precedence(r.source, r.at)) if present else None

@@ -24,9 +24,9 @@ import os
 import pwd
 import queue
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 from lightning_harness.schemas import TABLES
 
@@ -61,11 +61,16 @@ class RunAs:
             return spec
         user_part, _, group_part = str(spec).partition(":")
         user, uid = _lookup("user", user_part, pwd.getpwnam, pwd.getpwuid)
-        gid = pwd.getpwuid(uid).pw_gid if not group_part else _lookup("group", group_part, grp.getgrnam, grp.getgrgid)[1]
+        if group_part:
+            gid = _lookup("group", group_part, grp.getgrnam, grp.getgrgid)[1]
+        else:
+            gid = pwd.getpwuid(uid).pw_gid
         if uid == 0 or gid == 0:
-            raise RunAsError(f"--run-as {spec}: refusing to run harnesses as root (user or group): that protects nothing")
+            raise RunAsError(f"--run-as {spec}: refusing to run harnesses as root (user or group): that protects "
+                             f"nothing")
         if os.geteuid() != 0 and (uid, gid) != (os.geteuid(), os.getegid()):
-            raise RunAsError(f"--run-as {spec}: only root can run harnesses as another user (this launcher is uid {os.geteuid()})")
+            raise RunAsError(f"--run-as {spec}: only root can run harnesses as another user (this launcher is uid "
+                             f"{os.geteuid()})")
         return cls(user, uid, gid)
 
     @property
@@ -114,7 +119,7 @@ class UserPool:
     could signal each other, read each other's ``/proc/<pid>/environ`` (their credentials) and folders.
     With fewer users than ``--concurrency`` an attempt waits for a free user."""
 
-    def __init__(self, specs: "str | int | RunAs | Iterable[str | int | RunAs]") -> None:
+    def __init__(self, specs: str | int | RunAs | Iterable[str | int | RunAs]) -> None:
         specs = [specs] if isinstance(specs, (str, int, RunAs)) else list(specs)
         self.users = tuple(RunAs.resolve(s) for s in specs)
         if not self.users:

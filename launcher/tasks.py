@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 #: Columns tried, in order, when no id field is named.
 ID_FIELDS = ("task_id", "id")
@@ -22,10 +23,12 @@ class TaskFileError(ValueError):
 
 @dataclass(frozen=True)
 class Task:
-    """One task row: ``id`` (a string) and every field of the row, id included, in ``fields``."""
+    """One task row: ``id`` (a string) and every field of the row, id included, in ``fields``;
+    ``private``: fields only the reward command sees (launcher/attempt.py keeps them from the harness)."""
 
     id: str
     fields: Mapping[str, Any] = field(default_factory=dict)
+    private: frozenset[str] = frozenset()
 
     def to_json(self) -> str:
         return json.dumps(dict(self.fields), sort_keys=True, default=str)
@@ -101,11 +104,14 @@ def _read_parquet(path: Path) -> list[tuple[str, Any]]:
     return [(f"{path}: row {i}", row) for i, row in enumerate(table.to_pylist(), 1)]
 
 
-def load_tasks(path: str | os.PathLike, *, id_field: str | None = None, limit: int | None = None) -> list[Task]:
+def load_tasks(path: str | os.PathLike, *, id_field: str | None = None, limit: int | None = None,
+               private_fields: Iterable[str] = ()) -> list[Task]:
     """Load and validate a task file (``.jsonl``/``.ndjson``, ``.json`` or ``.parquet``).
 
-    The id comes from ``id_field`` or else the first of ``task_id``/``id`` present. Raises
-    :class:`TaskFileError` naming the file and line for any problem; an empty file is an error too.
+    The id comes from ``id_field`` or else the first of ``task_id``/``id`` present. ``private_fields``
+    are kept from the harness (see :class:`Task`); one that no row has is an error (a typo would
+    otherwise hand the harness the field it was meant to hide). Raises :class:`TaskFileError` naming
+    the file and line for any problem; an empty file is an error too.
     """
     p = Path(path)
     if not p.exists():
@@ -131,4 +137,9 @@ def load_tasks(path: str | os.PathLike, *, id_field: str | None = None, limit: i
             raise TaskFileError(f"{where}: duplicate task id {task.id!r} (first at {seen[task.id]})")
         seen[task.id] = where
         tasks.append(task)
+    private = frozenset(private_fields)
+    if unknown := private.difference(*(t.fields for t in tasks)):
+        raise TaskFileError(f"{p}: private field(s) {sorted(unknown)} are in no task (fields: "
+                            f"{sorted(tasks[0].fields)})")
+    tasks = [Task(t.id, t.fields, private) for t in tasks] if private else tasks
     return tasks[:limit] if limit else tasks

@@ -229,7 +229,8 @@ def stop_reason(choice: dict, stop: Any) -> tuple[str | None, str | None]:
 
 def _usage(usage: Any) -> dict:
     usage = usage if isinstance(usage, dict) else {}
-    return {"input_tokens": int(usage.get("prompt_tokens") or 0), "output_tokens": int(usage.get("completion_tokens") or 0)}
+    return {"input_tokens": int(usage.get("prompt_tokens") or 0),
+            "output_tokens": int(usage.get("completion_tokens") or 0)}
 
 
 def message_id(chat_id: Any) -> str:
@@ -276,7 +277,8 @@ def error_from(status: int, body: Any, text: str | None) -> dict:
 
 # -- event stream ---------------------------------------------------------------------------
 def sse_event(name: str, data: dict) -> bytes:
-    return f"event: {name}\ndata: ".encode() + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {name}\ndata: {payload}\n\n".encode()
 
 
 class EventTranslator:

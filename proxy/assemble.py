@@ -11,6 +11,9 @@ has no ``token_ids`` field; vLLM returns the engine's exact prompt and output to
 sampled tokens' logprobs in ``output[].content[].logprobs`` when ``include`` names
 ``message.output_text.logprobs``. A stream ends with ``response.completed`` (or ``.incomplete`` /
 ``.failed``), whose ``response`` is the whole object, token fields included.
+
+:func:`as_chat` gives a recorded call of any endpoint as the chat exchange the model saw (the
+trainer renders it with the chat template where a span has no token ids).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .anthropic import MESSAGES, MessageAssembler, message_token_fields
+from .anthropic import MESSAGES, MessageAssembler, message_token_fields, to_chat
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
@@ -263,7 +266,8 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
             out["response_logprobs"] = _floats([c.get("logprob") for c in lp["content"] if isinstance(c, dict)])
         elif isinstance(lp.get("token_logprobs"), list):
             out["response_logprobs"] = _floats(lp["token_logprobs"])
-    return _checked(_token_counts(out, obj.get("usage"), "prompt_tokens", "completion_tokens", count_ids=len(choices) == 1), obj)
+    return _checked(_token_counts(out, obj.get("usage"), "prompt_tokens", "completion_tokens",
+                                  count_ids=len(choices) == 1), obj)
 
 
 def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:
@@ -306,6 +310,67 @@ def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:
     elif obj.get("status") == "completed":
         out["finish_reason"] = "stop"
     return _token_counts(out, obj.get("usage"), "input_tokens", "output_tokens", count_ids=True)
+
+
+def as_chat(endpoint: str | None, request: dict, response: dict) -> tuple[dict, dict]:
+    """A recorded call's request and answer as the chat request and completion the model saw.
+
+    Why here: the trainer rebuilds token ids of spans without them by rendering this chat form with
+    the tokenizer's chat template, and this module (with anthropic.py) is what knows each format.
+    A Messages request becomes the chat request the proxy sent upstream (its answer is already a
+    chat completion); a Responses call (told by its ``input``) becomes :func:`responses_to_chat`.
+    """
+    if endpoint == MESSAGES:
+        request = to_chat(request)
+    if "input" in request and "messages" not in request and "prompt" not in request:
+        return responses_to_chat(request, response)
+    return request, response
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text") or "" for p in content or () if isinstance(p, dict))
+
+
+def _function_call(item: dict) -> dict:
+    return {"id": item.get("call_id"), "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments") or ""}}
+
+
+def responses_to_chat(req: dict, resp: dict) -> tuple[dict, dict]:
+    """A Responses API request/response pair as the chat request/completion it renders like:
+    ``instructions`` -> system message; ``input`` messages, ``function_call`` and
+    ``function_call_output`` items -> chat messages, assistant ``tool_calls`` and tool messages;
+    ``output`` -> the assistant message (output text logprobs kept)."""
+    messages: list[dict] = []
+    if req.get("instructions"):
+        messages.append({"role": "system", "content": req["instructions"]})
+    items = req.get("input")
+    for it in [{"role": "user", "content": items}] if isinstance(items, str) else items or ():
+        kind = it.get("type", "message")
+        if kind == "message":
+            messages.append({"role": it.get("role", "user"), "content": _text_of(it.get("content"))})
+        elif kind == "function_call":
+            if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("content"):
+                messages[-1].setdefault("tool_calls", []).append(_function_call(it))
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [_function_call(it)]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": _text_of(it.get("output"))})
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+             for t in req.get("tools") or () if t.get("type") == "function"]
+    text, calls, logprobs = [], [], []
+    for it in resp.get("output") or ():
+        if it.get("type") == "message":
+            for part in it.get("content") or ():
+                text.append(part.get("text") or "")
+                logprobs += [{"logprob": lp.get("logprob")} for lp in part.get("logprobs") or ()]
+        elif it.get("type") == "function_call":
+            calls.append(_function_call(it))
+    msg = {"role": "assistant", "content": "".join(text) or None, **({"tool_calls": calls} if calls else {})}
+    chat_req = {"messages": messages, **({"tools": tools} if tools else {})}
+    return chat_req, {"choices": [{"message": msg, "logprobs": {"content": logprobs} if logprobs else None}]}
 
 
 def _token_counts(out: dict[str, Any], usage: Any, prompt_key: str, completion_key: str, count_ids: bool) -> dict:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
 import shlex
 import sys
+import typing
 import urllib.parse
 
 import click
 
-from .client import BUNDLE_NAME, ProxyControl, ProxyError, control_token_path, default_confdir, harness_env, read_control_token
-from .config import ProxyConfig, parse_model_map
+from ..schemas.rewards import reward_from_object
+from .client import BUNDLE_NAME, ProxyControl, ProxyError, control_token_path, harness_env, read_control_token
+from .config import CONTROL_TOKEN_VAR, MiB, ProxyConfig, default_confdir, flag_names
 from .credentials import InvalidId, check_attempt, check_rollout_id
 
 
@@ -35,44 +38,54 @@ def main() -> None:
     """
 
 
+def proxy_options(*names: str, prefix: str = ""):
+    """Click options for the named :class:`ProxyConfig` options (all when none is named), made from
+    their one declaration. Each defaults to None, "not given", so a ``--config`` file keeps its say;
+    ``prefix`` names them for a command with options of its own (the launcher's ``--proxy-token``)."""
+    hints = typing.get_type_hints(ProxyConfig)
+    chosen = [f for f in dataclasses.fields(ProxyConfig) if not names or f.name in names]
+
+    def decorate(fn):
+        for f in reversed(chosen):
+            flag, off = flag_names(f, prefix)
+            kind, meta = hints[f.name], f.metadata
+            kw: dict = {"help": meta["help"] + _default_text(f), "default": None}
+            if typing.get_origin(kind) in (list, dict):
+                kw.update(multiple=True, default=())
+            elif kind in (int, float):
+                kw["type"] = kind
+            if meta["choices"]:
+                kw["type"] = click.Choice(meta["choices"])
+            if meta["is_file"]:
+                kw["type"] = click.Path(exists=True, dir_okay=False)
+            if meta["envvar"]:
+                kw["envvar"] = meta["envvar"]
+            fn = click.option(f"{flag}/{off}" if off else flag, prefix.replace("-", "_") + f.name, **kw)(fn)
+        return fn
+
+    return decorate
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    value = f.metadata["shown"] or (f.default if f.default is not dataclasses.MISSING else None)
+    if f.metadata["envvar"]:
+        return f" [env {f.metadata['envvar']}" + (f"; default: {value}]" if value else "]")
+    if isinstance(value, bool):
+        value = "on" if value else "off"
+    elif isinstance(value, int) and value >= MiB and value % MiB == 0:
+        value = f"{value // MiB} MiB"
+    elif isinstance(value, float):
+        value = f"{value:g}"
+    return f" [default: {value}]" if value not in (None, "") else ""
+
+
 @main.command()
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="YAML file; keys are the long option names with '_' (flags override it).")
-@click.option("--traces", help="Traces root: spans/ and rewards/ Parquet parts go below it. [default: traces]")
-@click.option("--listen-host", help="Interface both listeners bind to (0.0.0.0 for pods). [default: 127.0.0.1]")
-@click.option("--forward-port", type=int, help="Forward-proxy port (HTTP_PROXY/HTTPS_PROXY). [default: 8080]")
-@click.option("--reverse-port", type=int, help="Reverse-proxy port (OPENAI_BASE_URL) and control API. [default: 8081]")
-@click.option("--token", envvar="LIGHTNING_PROXY_TOKEN", help="Proxy token harnesses must present; without one anyone can write traces. [env LIGHTNING_PROXY_TOKEN]")
-@click.option("--control-token", envvar="LIGHTNING_PROXY_CONTROL_TOKEN", help="Bearer token of the control API, never given to harnesses. [default: generated, written to CONFDIR/control-token-<reverse port> (0600)]")
-@click.option("--confdir", help="mitmproxy confdir holding the CA. [default: ~/.cache/lightning-harness/proxy-conf]")
-@click.option("--upstream", "upstreams", multiple=True, help="Training upstream replica URL (repeat for a pool; each rollout sticks to one).")
-@click.option("--route-host", "route_hosts", multiple=True, help="Host whose calls go to the pool (e.g. api.openai.com; '*' = every host). Repeatable.")
-@click.option("--model-map", "model_map", multiple=True, help="NAME=SERVED: rename the model of routed calls. Repeatable.")
-@click.option("--served-model", help="Model name every routed call is sent with (after --model-map).")
-@click.option("--reverse-target", help="Reverse-mode target when no --upstream is given (e.g. https://api.openai.com).")
-@click.option("--no-intercept", "no_intercept", multiple=True, help="Regex of host:port tunnelled without TLS interception (cert-pinned clients); never recorded. Repeatable.")
-@click.option("--inject-token-ids/--no-inject-token-ids", default=None, help="Ask the pool for token ids and logprobs (and hide them from harnesses that did not ask). [default: on]")
-@click.option("--model-version", type=int, help="Policy version stamped on spans until changed over the control API. [default: 0]")
-@click.option("--ssl-insecure/--no-ssl-insecure", default=None, help="Do not verify upstream TLS certificates (test upstreams only).")
-@click.option("--upstream-ca", type=click.Path(exists=True, dir_okay=False), help="PEM file of extra CAs trusted for upstream TLS.")
-@click.option("--idle-timeout", type=float, help="Seconds without a byte either way before a connection is closed (a hung upstream becomes a 'timeout' error span). [default: 600]")
-@click.option("--max-body-size", type=int, help="Largest model-call request body in bytes; larger ones get 413. [default: 32 MiB]")
-@click.option("--max-decoded-size", type=int, help="Bytes a compressed body (or one SSE event) may expand to; past it: 413 / error span. [default: 64 MiB]")
-@click.option("--max-inflight-bytes", type=int, help="Bytes of large request bodies processed at once; more calls wait their turn. [default: 256 MiB]")
-@click.option("--shutdown-grace", type=float, help="Seconds SIGTERM waits for calls in flight; the rest become 'shutdown' error spans. [default: 5]")
-@click.option("--lean/--full-mitmproxy", "lean", default=None, help="Load only the mitmproxy built-ins a capture proxy needs (faster), or stock DumpMaster's. [default: lean]")
-@click.option("--flush-seconds", type=float, help="Longest time a span waits in memory (what a SIGKILL can lose). [default: 1]")
-@click.option("--flush-rows", type=int, help="Write a part after this many rows. [default: 5000]")
-@click.option("--flush-bytes", type=int, help="Write a part after this many buffered bytes. [default: 16 MiB]")
-@click.option("--compact-seconds", type=float, help="Seconds between compactions of spans/ and rewards/ (many small parts -> a few large ones); 0: never. [default: 60]")
-@click.option("--capture-failure", type=click.Choice(["reject", "serve"]), default=None, help="While spans cannot be written (disk full): 'reject' new model calls with 503 + Retry-After (nothing unrecorded), or 'serve' them and count what is not recorded. [default: reject]")
-@click.option("--max-buffer-bytes", type=int, help="Most bytes of unwritten rows held per table while writes fail; past it new spans are refused/dropped. [default: 256 MiB]")
-def serve(config_path, model_map, **flags) -> None:
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="YAML file; keys are the long option names with '_' (flags override it).")
+@proxy_options()
+def serve(config_path, **flags) -> None:
     """Run the proxy: forward and reverse listeners, capture to Parquet, control API under /_lh/."""
-    try:
-        mm = parse_model_map(model_map) if model_map else None
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    config = _load(config_path, model_map=mm, **flags)
+    config = _load(config_path, **flags)
     _reexec_if_no_mitmproxy()
     _ensure_control_token(config)
     from .server import serve as run_server  # imports mitmproxy
@@ -131,41 +144,42 @@ def _format_env(env: dict[str, str], fmt: str) -> str:
 @main.command()
 @click.argument("rollout_id")
 @click.option("--attempt", type=int, default=0, show_default=True, help="Attempt number of the rollout.")
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="The proxy's YAML config (ports, token, confdir).")
-@click.option("--host", "public_host", default=None, help="Host the harness reaches the proxy at. [default: the listen host, or 127.0.0.1]")
-@click.option("--forward-port", type=int, help="Forward-proxy port. [default: 8080]")
-@click.option("--reverse-port", type=int, help="Reverse-proxy port. [default: 8081]")
-@click.option("--token", envvar="LIGHTNING_PROXY_TOKEN", help="Proxy token. [env LIGHTNING_PROXY_TOKEN]")
-@click.option("--confdir", help="The proxy's confdir (where its CA bundle is).")
-@click.option("--api-key", envvar="OPENAI_API_KEY", help="Key the harness sends upstream. [env OPENAI_API_KEY, else a placeholder]")
-@click.option("--anthropic-api-key", envvar="ANTHROPIC_API_KEY", help="Key Anthropic clients send. [env ANTHROPIC_API_KEY, else a placeholder]")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="The proxy's YAML config (ports, token, confdir).")
+@click.option("--host", "public_host", default=None,
+              help="Host the harness reaches the proxy at. [default: the listen host, or 127.0.0.1]")
+@proxy_options("forward_port", "reverse_port", "token", "confdir")
+@click.option("--api-key", envvar="OPENAI_API_KEY",
+              help="Key the harness sends upstream. [env OPENAI_API_KEY, else a placeholder]")
+@click.option("--anthropic-api-key", envvar="ANTHROPIC_API_KEY",
+              help="Key Anthropic clients send. [env ANTHROPIC_API_KEY, else a placeholder]")
 @click.option("--format", "fmt", type=click.Choice(["export", "json", "dotenv"]), default="export", show_default=True)
-def env(rollout_id, attempt, config_path, public_host, forward_port, reverse_port, token, confdir, api_key,
-        anthropic_api_key, fmt) -> None:
+def env(rollout_id, attempt, config_path, public_host, api_key, anthropic_api_key, fmt, **proxy_flags) -> None:
     """Print the environment that sends an unmodified harness through the proxy.
 
     \b
     eval "$(lightning-proxy env my-rollout --token SECRET)"; python my_agent.py
     """
-    cfg = _load(config_path, forward_port=forward_port, reverse_port=reverse_port, token=token, confdir=confdir)
+    cfg = _load(config_path, **proxy_flags)
     host = public_host or ("127.0.0.1" if cfg.listen_host in ("0.0.0.0", "::") else cfg.listen_host)
     bundle = cfg.resolved_confdir / BUNDLE_NAME
     if not bundle.exists():
         click.echo(f"warning: {bundle} does not exist yet; start `lightning-proxy serve` first", err=True)
     try:  # the harness gets a credential for this attempt only, never the token itself
-        out = harness_env(
-            rollout_id, attempt, cfg.token, f"http://{host}:{cfg.forward_port}", f"http://{host}:{cfg.reverse_port}", bundle, api_key,
-            anthropic_api_key,
-        )
+        out = harness_env(rollout_id, attempt, cfg.token, f"http://{host}:{cfg.forward_port}",
+                          f"http://{host}:{cfg.reverse_port}", bundle, api_key, anthropic_api_key)
     except InvalidId as exc:
         raise click.BadParameter(str(exc)) from None
     click.echo(_format_env(out, fmt))
 
 
 @main.group()
-@click.option("--url", envvar="LIGHTNING_PROXY_URL", default=None, help="Reverse listener URL. [env LIGHTNING_PROXY_URL, default http://127.0.0.1:8081]")
-@click.option("--token", envvar="LIGHTNING_PROXY_CONTROL_TOKEN", help="Control token. [env LIGHTNING_PROXY_CONTROL_TOKEN, else the file `serve` generated in --confdir]")
-@click.option("--confdir", help="The proxy's confdir (holds control-token-<port>). [default: ~/.cache/lightning-harness/proxy-conf]")
+@click.option("--url", envvar="LIGHTNING_PROXY_URL", default=None,
+              help="Reverse listener URL. [env LIGHTNING_PROXY_URL, default http://127.0.0.1:8081]")
+@click.option("--token", envvar=CONTROL_TOKEN_VAR,
+              help="Control token. [env LIGHTNING_PROXY_CONTROL_TOKEN, else the file `serve` generated in --confdir]")
+@click.option("--confdir",
+              help="The proxy's confdir (holds control-token-<port>). [default: ~/.cache/lightning-harness/proxy-conf]")
 @click.pass_context
 def ctl(ctx, url, token, confdir) -> None:
     """Drive a running proxy's control API; prints its JSON answer."""
@@ -257,17 +271,9 @@ def read_rewards_file(path: str) -> list[tuple[str, int, float, dict]]:
                 continue
             try:
                 obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    raise ValueError("not a JSON object")
-                reward = obj.get("reward")
-                if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward \
-                        or reward in (float("inf"), float("-inf")):
-                    raise ValueError(f"reward must be a finite number, got {reward!r}")
-                info = obj.get("info") or {}
-                if not isinstance(info, dict):
-                    raise ValueError("info must be a JSON object")
+                reward, info = reward_from_object(obj)
                 rows.append((check_rollout_id(obj.get("rollout_id")), check_attempt(obj.get("attempt", 0)),
-                             float(reward), info))
+                             reward, info or {}))
             except ValueError as exc:  # InvalidId and JSONDecodeError are ValueErrors
                 bad.append(f"line {n}: {exc}")
     if bad:

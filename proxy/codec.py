@@ -76,7 +76,7 @@ class StreamDecoder:
         # deflate: zlib-wrapped (per RFC) or raw (what some servers send), told by bytes 1-2 in feed
 
     @classmethod
-    def make(cls, coding: str, limit: int | None = None, total: int | None = None) -> "StreamDecoder | None":
+    def make(cls, coding: str, limit: int | None = None, total: int | None = None) -> StreamDecoder | None:
         coding = coding.strip().lower()
         if coding not in ("gzip", "x-gzip", "deflate", "br", "zstd"):
             return None

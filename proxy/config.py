@@ -1,5 +1,9 @@
 """The proxy's configuration: one dataclass, loaded from YAML and overridden by CLI flags.
 
+Each option is declared once (:func:`option`); the YAML keys, the ``serve`` flags
+(``cli.proxy_options``) and the command line ``ProxyProcess`` starts (:func:`option_argv`) all
+derive from that declaration.
+
 Kept free of mitmproxy so ``lightning-proxy env`` and tests can read the same file.
 """
 
@@ -8,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import urllib.parse
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
-
 
 # capture_failure: what the proxy does with new model calls while capture is unhealthy
 CAPTURE_FAILURE_POLICIES = {
@@ -60,58 +64,75 @@ class Upstream:
         return f"{self.scheme}://{self.host}:{self.port}{self.base_path}"
 
 
+def option(default: Any, help: str, *, flag: str | None = None, off: str | None = None, envvar: str | None = None,
+           shown: str | None = None, choices: Iterable[str] | None = None, is_file: bool = False) -> Any:
+    """Declare one proxy option (mitmproxy's ``loader.add_option`` in dataclass form): its default
+    and help. The YAML key is the field name, the ``serve`` flag ``--name-with-dashes`` (or ``flag``;
+    ``off`` names a boolean's negative flag), and :func:`option_argv` writes the command line back.
+    ``envvar``: a secret read from this variable, passed to a child by environment, never argv."""
+    meta = {"help": help, "flag": flag, "off": off, "envvar": envvar, "shown": shown,
+            "choices": tuple(choices) if choices else None, "is_file": is_file}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=type(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+MiB = 1 << 20
+TOKEN_VAR, CONTROL_TOKEN_VAR = "LIGHTNING_PROXY_TOKEN", "LIGHTNING_PROXY_CONTROL_TOKEN"  # secrets travel by environment
+
+
 @dataclass
 class ProxyConfig:
-    """Everything ``lightning-proxy serve`` needs. YAML keys are the field names."""
+    """Everything ``lightning-proxy serve`` needs, each option declared once (:func:`option`)."""
 
-    traces: str = "traces"
-    listen_host: str = "127.0.0.1"
-    forward_port: int = 8080
-    reverse_port: int = 8081
-    token: str | None = None
-    control_token: str | None = None
-    confdir: str | None = None
+    traces: str = option("traces", "Traces root: spans/ and rewards/ Parquet parts go below it.")
+    listen_host: str = option("127.0.0.1", "Interface both listeners bind to (0.0.0.0 for pods).")
+    forward_port: int = option(8080, "Forward-proxy port (HTTP_PROXY/HTTPS_PROXY).")
+    reverse_port: int = option(8081, "Reverse-proxy port (OPENAI_BASE_URL) and control API.")
+    token: str | None = option(None, "Token harnesses must present (else anyone may write traces).", envvar=TOKEN_VAR)
+    control_token: str | None = option(
+        None, "Bearer token of the control API, never given to harnesses ('' leaves it open).",
+        envvar=CONTROL_TOKEN_VAR, shown="generated, written to CONFDIR/control-token-<reverse port> (0600)")
+    confdir: str | None = option(None, "mitmproxy confdir (the CA).", shown="~/.cache/lightning-harness/proxy-conf")
     # routing
-    upstreams: list[Upstream] = field(default_factory=list)
-    route_hosts: list[str] = field(default_factory=list)  # hosts whose model calls go to the pool; "*" = all
-    model_map: dict[str, str] = field(default_factory=dict)  # harness model name -> served name
-    served_model: str | None = None  # map every routed call to this name (after model_map)
-    reverse_target: str | None = None  # reverse mode without a pool: forward here (e.g. https://api.openai.com)
-    # hosts (regexes, mitmproxy ignore_hosts) tunnelled without TLS interception: never recorded
-    no_intercept: list[str] = field(default_factory=list)
-    # rewriting
-    inject_token_ids: bool = True
-    # policy version stamped on spans
-    model_version: int = 0
-    # seconds a connection may be idle (no bytes either way) before mitmproxy closes it; an upstream
-    # that stops answering becomes a 'timeout' error span after this long
-    idle_timeout: float = 600.0
-    # bounds on model calls (hostile input): request body bytes, and bytes a compressed body (request,
-    # response, one read of a compressed stream) or one SSE event may grow to; past them: 413 / error span
-    max_body_size: int = 32 << 20
-    max_decoded_size: int = 64 << 20
-    # bytes of request bodies (64 KiB and up) processed at once; more wait their turn (not refused):
-    # each costs several times its size while in flight
-    max_inflight_bytes: int = 256 << 20
-    # seconds SIGTERM waits for calls in flight before recording the rest as 'shutdown' error spans
-    shutdown_grace: float = 5.0
-    # upstream TLS
-    ssl_insecure: bool = False
-    upstream_ca: str | None = None
-    # mitmproxy with only the built-in addons we need (False: stock DumpMaster)
-    lean: bool = True
+    upstreams: list[Upstream] = option([], "Upstream URL (repeat: a pool; a rollout sticks to one).", flag="--upstream")
+    route_hosts: list[str] = option([], "Host whose calls go to the pool ('*' = all). Repeatable.", flag="--route-host")
+    model_map: dict[str, str] = option({}, "NAME=SERVED: rename the model of routed calls. Repeatable.")
+    served_model: str | None = option(None, "Model name every routed call is sent with (after --model-map).")
+    reverse_target: str | None = option(None, "Reverse-mode target without --upstream (e.g. https://api.openai.com).")
+    no_intercept: list[str] = option(
+        [], "Regex of host:port tunnelled without TLS interception (cert-pinned clients); never recorded. Repeatable.")
+    inject_token_ids: bool = option(True, "Ask the pool for token ids and logprobs (hidden from harnesses not asking).")
+    model_version: int = option(0, "Policy version stamped on spans until changed over the control API.")
+    idle_timeout: float = option(
+        600.0, "Seconds without a byte either way before a connection is closed (a hung upstream becomes a "
+        "'timeout' error span).")
+    # bounds on model calls (hostile input)
+    max_body_size: int = option(32 * MiB, "Largest model-call request body in bytes; larger ones get 413.")
+    max_decoded_size: int = option(
+        64 * MiB, "Bytes a compressed body (or one SSE event) may expand to; past it: 413 / error span.")
+    max_inflight_bytes: int = option(
+        256 * MiB, "Bytes of large request bodies (64 KiB and up, each costs several times its size while in "
+        "flight) processed at once; more calls wait their turn.")
+    shutdown_grace: float = option(5.0, "Seconds SIGTERM waits for calls in flight (the rest: 'shutdown' error spans).")
+    ssl_insecure: bool = option(False, "Do not verify upstream TLS certificates (test upstreams only).")
+    upstream_ca: str | None = option(None, "PEM file of extra CAs trusted for upstream TLS.", is_file=True)
+    lean: bool = option(True, "Load only the mitmproxy built-ins a capture proxy needs (faster), or stock "
+                        "DumpMaster's.", off="--full-mitmproxy")
     # durability
-    flush_seconds: float = 1.0
-    flush_rows: int = 5000
-    flush_bytes: int = 16 << 20
-    fsync: bool = True
-    # seconds between compactions of the proxy's tables (small parts -> few large ones,
-    # schemas/compact.py); 0 = never (another process compacts, e.g. lightning-train)
-    compact_seconds: float = 60.0
-    # what happens to model calls while spans cannot be written (disk full, permissions), see
-    # CAPTURE_FAILURE_POLICIES; and how many bytes of unwritten rows a writer may hold meanwhile
-    capture_failure: str = "reject"
-    max_buffer_bytes: int = 256 << 20
+    flush_seconds: float = option(1.0, "Longest time a span waits in memory (what a SIGKILL can lose).")
+    flush_rows: int = option(5000, "Write a part after this many rows.")
+    flush_bytes: int = option(16 * MiB, "Write a part after this many buffered bytes.")
+    fsync: bool = option(True, "fsync every part before it counts as written.")
+    compact_seconds: float = option(
+        60.0, "Seconds between compactions of spans/ and rewards/ (many small parts -> a few large ones, "
+        "schemas/compact.py); 0: never (another process compacts).")
+    capture_failure: str = option(
+        "reject", "While spans cannot be written (disk full): 'reject' new model calls with 503 + Retry-After "
+        "(nothing unrecorded), or 'serve' them and count what is not recorded.", choices=CAPTURE_FAILURE_POLICIES)
+    max_buffer_bytes: int = option(
+        256 * MiB, "Most bytes of unwritten rows held per table while writes fail; past it new spans are "
+        "refused/dropped.")
 
     @property
     def control_secret(self) -> str | None:
@@ -121,19 +142,18 @@ class ProxyConfig:
 
     @property
     def resolved_confdir(self) -> Path:
-        if self.confdir:
-            return Path(self.confdir).expanduser()
-        from .client import default_confdir
-
-        return default_confdir()
+        return Path(self.confdir).expanduser() if self.confdir else default_confdir()
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> "ProxyConfig":
+    def from_mapping(cls, data: Mapping[str, Any]) -> ProxyConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown proxy config keys {sorted(unknown)}; known: {sorted(known)}")
-        values = dict(data)
+        values = {k: os.fspath(v) if isinstance(v, os.PathLike) else list(v) if isinstance(v, tuple) else v
+                  for k, v in data.items()}  # paths and repeated flags (tuples) as YAML would give them
+        if isinstance(values.get("model_map"), list):  # repeated --model-map NAME=SERVED
+            values["model_map"] = parse_model_map(values["model_map"])
         if "upstreams" in values:
             values["upstreams"] = [parse_upstream(u) for u in values["upstreams"] or []]
         if "model_version" in values:
@@ -145,13 +165,14 @@ class ProxyConfig:
         for key in ("route_hosts", "no_intercept"):
             if isinstance(values.get(key), str):
                 values[key] = [values[key]]
-        if values.get("capture_failure", "reject") not in CAPTURE_FAILURE_POLICIES:
-            raise ValueError(f"capture_failure must be one of {sorted(CAPTURE_FAILURE_POLICIES)}, "
-                             f"got {values['capture_failure']!r}")
+        for f in dataclasses.fields(cls):
+            choices = f.metadata["choices"]
+            if choices and f.name in values and values[f.name] not in choices:
+                raise ValueError(f"{f.name} must be one of {sorted(choices)}, got {values[f.name]!r}")
         return cls(**values)
 
     @classmethod
-    def load(cls, path: str | os.PathLike | None, **overrides: Any) -> "ProxyConfig":
+    def load(cls, path: str | os.PathLike | None, **overrides: Any) -> ProxyConfig:
         """YAML file (optional) then overrides (CLI flags; ``None`` means "not given")."""
         data: dict[str, Any] = {}
         if path:
@@ -160,10 +181,7 @@ class ProxyConfig:
             if not isinstance(loaded, dict):
                 raise ValueError(f"{path}: expected a mapping of options, got {type(loaded).__name__}")
             data.update(loaded)
-        for key, value in overrides.items():
-            if value is None or value == () or value == []:
-                continue
-            data[key] = list(value) if isinstance(value, tuple) else value
+        data.update({key: value for key, value in overrides.items() if value not in (None, (), [])})
         return cls.from_mapping(data)
 
 
@@ -188,11 +206,63 @@ def _checked(u: Upstream) -> Upstream:
     return u
 
 
-def parse_model_map(items: tuple[str, ...] | list[str]) -> dict[str, str]:
+def parse_model_map(items: Iterable[str]) -> dict[str, str]:
+    return parse_pairs(items, "--model-map", "NAME=SERVED", strip=True)
+
+
+def parse_pairs(items: Iterable[str], flag: str, shape: str = "KEY=VALUE", *, strip: bool = False) -> dict[str, str]:
+    """Repeated ``KEY=VALUE`` flags as a dict (split at the first ``=``); an item without one is a
+    ValueError naming the flag. The launcher's ``--env`` and the proxy's ``--model-map`` use it."""
     out = {}
     for item in items:
-        if "=" not in item:
-            raise ValueError(f"--model-map expects NAME=SERVED, got {item!r}")
-        k, v = item.split("=", 1)
-        out[k.strip()] = v.strip()
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{flag} expects {shape}, got {item!r}")
+        out[key.strip() if strip else key] = value.strip() if strip else value
     return out
+
+
+def default_confdir() -> Path:
+    """Where the proxy keeps its CA unless told otherwise (stable, so printed envs stay valid)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lightning-harness" / "proxy-conf"
+
+
+def flag_names(f: dataclasses.Field, prefix: str = "") -> tuple[str, str | None]:
+    """The ``serve`` flag of a declared option (``--upstream``) and, for a boolean, its negative."""
+    flag = "--" + prefix + (f.metadata["flag"] or "--" + f.name.replace("_", "-"))[2:]
+    if f.type != "bool":
+        return flag, None
+    return flag, f.metadata["off"] or "--no-" + flag[2:]
+
+
+def option_argv(config: ProxyConfig) -> tuple[list[str], dict[str, str]]:
+    """The ``serve`` flags that give ``config`` back, and the environment that carries its secrets
+    (argv is readable by every user). Options at their default are left out, so a ``--config``
+    file passed as well keeps its say."""
+    argv: list[str] = []
+    env: dict[str, str] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value == (f.default_factory() if f.default is dataclasses.MISSING else f.default):
+            continue
+        flag, off = flag_names(f)
+        if f.metadata["envvar"] and value:
+            env[f.metadata["envvar"]] = value
+        elif off:
+            argv.append(flag if value else off)
+        elif isinstance(value, dict):
+            argv += [a for k, v in value.items() for a in (flag, f"{k}={v}")]
+        elif isinstance(value, list):
+            argv += [a for item in value for a in (flag, _flag_text(item))]
+        else:
+            argv += [flag, str(value)]
+    return argv, env
+
+
+def _flag_text(item: Any) -> str:
+    if not isinstance(item, Upstream):
+        return str(item)
+    if item.inject_token_ids is not None:
+        raise ValueError(f"upstream {item.display}: a per-upstream inject_token_ids has no flag; use a --config file")
+    return item.url

@@ -37,7 +37,8 @@ _SHAPES = re.compile(
     r"|(?P<google>AIza(?P<google_body>[A-Za-z0-9_\-]{35}))"
     r"|(?P<jwt>(?P<jwt_head>eyJ[A-Za-z0-9_\-]{8,})\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{16,})"
     r")" + _END
-    + r"|(?P<pem>-----BEGIN [A-Z ]{0,20}PRIVATE KEY-----(?:(?!-----)[\s\S]){16,8000}?-----END [A-Z ]{0,20}PRIVATE KEY-----)"
+    + r"|(?P<pem>-----BEGIN [A-Z ]{0,20}PRIVATE KEY-----(?:(?!-----)[\s\S]){16,8000}?-----END [A-Z ]{0,20}PRIVATE "
+      r"KEY-----)"
 )
 # cheap substring hints: the regex above runs only on text that holds one of them
 _HINTS = re.compile(r"sk[-_]|rk_|AKIA|ASIA|gh[pousr]_|github_pat_|xox|AIza|eyJ|PRIVATE KEY")

@@ -28,7 +28,8 @@ from __future__ import annotations
 import json
 import re
 import urllib.parse
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .client import PLACEHOLDER_API_KEY
 from .keyshapes import mask_keys

@@ -35,7 +35,8 @@ log = logging.getLogger("lightning.proxy")
 
 def system_ca_file() -> str | None:
     """The system CA bundle (so a harness trusting our bundle still reaches real HTTPS sites)."""
-    for cand in (ssl.get_default_verify_paths().cafile, "/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"):
+    for cand in (ssl.get_default_verify_paths().cafile, "/etc/ssl/certs/ca-certificates.crt",
+                 "/etc/pki/tls/certs/ca-bundle.crt"):
         if cand and os.path.exists(cand):
             return cand
     try:
@@ -78,7 +79,9 @@ def reverse_spec(config: ProxyConfig) -> str:
     """mitmproxy needs one reverse target; routing picks the real one per request."""
     from .config import parse_upstream
 
-    target = config.upstreams[0] if config.upstreams else (parse_upstream(config.reverse_target) if config.reverse_target else None)
+    target = config.upstreams[0] if config.upstreams else None
+    if target is None and config.reverse_target:
+        target = parse_upstream(config.reverse_target)
     if target is not None:
         return f"{target.scheme}://{target.host}:{target.port}"
     return "http://127.0.0.1:9"  # never contacted: routing answers 502 "no upstream configured"
@@ -141,7 +144,7 @@ class GracefulStop:
         while self.capture.live and time.monotonic() < deadline and not self.hurry.is_set():
             try:
                 await asyncio.wait_for(self.hurry.wait(), 0.05)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         n = self.capture.record_shutdown(time.monotonic() - t0)
         if n:
@@ -226,7 +229,8 @@ async def _serve(config: ProxyConfig) -> int:
         [u.display for u in config.upstreams], config.traces, bundle,
     )
     log.info(
-        'harness environment: eval "$(lightning-proxy env ROLLOUT_ID --forward-port %s --reverse-port %s --confdir %s%s)"',
+        'harness environment: eval "$(lightning-proxy env ROLLOUT_ID --forward-port %s --reverse-port %s --confdir '
+        '%s%s)"',
         config.forward_port, config.reverse_port, confdir, " --token $LIGHTNING_PROXY_TOKEN" if config.token else "",
     )
     if not config.token:

@@ -11,8 +11,7 @@ a sink that keeps parts of an event must copy them (the Responses assembler does
 
 from __future__ import annotations
 
-import json
-from typing import Callable
+from collections.abc import Callable
 
 from . import fastjson
 

@@ -13,8 +13,9 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..schemas import BufferFull, PartWriter
 from ..schemas.compact import PeriodicCompactor
@@ -49,6 +50,7 @@ class Call:
     # request
     request_text: str | None = None
     request_obj: dict | None = None
+    request_fast: bool = False  # orjson read the body: it may write it back (fastjson.loads_exact)
     api_request: dict | None = None  # the harness's request before translation (see ``api``)
     request_error: str | None = None
     model: str | None = None
@@ -76,7 +78,8 @@ class Call:
     response_error: str | None = None
     event_filters: list[Callable[[dict], None]] = field(default_factory=list)
     # hygiene
-    secrets: set[str] = field(default_factory=set)  # values secret for this call (credentials, header keys): never recorded
+    # values secret for this call (credentials, header keys): never recorded
+    secrets: set[str] = field(default_factory=set)
     salvaged: bool = False  # some bytes were not valid UTF-8 (decoded with replacement) or a field was out of range
 
 
@@ -115,6 +118,34 @@ class ProxyState:
         self._seq: dict[tuple[str | None, int], itertools.count] = {}
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._rr = itertools.count()
+        self._later: collections.deque[Callable[[], None]] = collections.deque()
+        self._later_scheduled = False
+
+    # -- work done after the answer has gone out -------------------------------------------
+    def later(self, work: Callable[[], None]) -> None:
+        """Run ``work`` once the current hook has returned and mitmproxy has sent what it was
+        about to send (the next turn of the loop), so that recording a span (validating, redacting,
+        buffering it) is not part of the harness's latency. Outside a running loop: now.
+        Everything that reads what was recorded (:meth:`flush`, :meth:`snapshot`, shutdown) runs
+        the queue first, so nothing is ever missed or reordered."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            work()
+            return
+        self._later.append(work)
+        if not self._later_scheduled:
+            self._later_scheduled = True
+            loop.call_soon(self.run_later)
+
+    def run_later(self) -> None:
+        self._later_scheduled = False
+        while self._later:
+            work = self._later.popleft()
+            try:
+                work()
+            except Exception:  # a bug in one recording must not stop the others
+                log.exception("recording a span failed")
 
     # -- events are created lazily, inside mitmproxy's loop ---------------------------------
     @property
@@ -214,6 +245,7 @@ class ProxyState:
         }
 
     def snapshot(self) -> dict:
+        self.run_later()
         return {
             "paused": self.paused,
             "in_flight": self.in_flight,
@@ -234,6 +266,7 @@ class ProxyState:
 
     def flush(self) -> None:
         """Write what is buffered now; a storage error is not raised but shows in ``snapshot()``."""
+        self.run_later()
         for writer in (self.spans, self.rewards):
             try:
                 writer.flush()
@@ -242,6 +275,7 @@ class ProxyState:
 
     def close(self) -> None:
         """Flush and stop both writers; rows that still cannot be written are reported, not hidden."""
+        self.run_later()
         self.compactor.close()
         for writer in (self.spans, self.rewards):
             try:

@@ -6,6 +6,9 @@ doc string per field; every Parquet file carries ``lightning.schema_version`` an
 ``lightning.table`` in its metadata.
 """
 
+from .checked import finished_parts
+from .compact import CompactReport, compact_store, compact_table
+from .parts import BufferFull, PartWriter, read_table, table_glob
 from .tables import (
     METRICS,
     REWARDS,
@@ -16,9 +19,6 @@ from .tables import (
     TABLES,
     describe,
 )
-from .checked import finished_parts
-from .parts import BufferFull, PartWriter, read_table, table_glob
-from .compact import CompactReport, compact_store, compact_table
 
 __all__ = [
     "METRICS",

@@ -34,8 +34,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -282,12 +282,11 @@ class PeriodicCompactor:
         import threading
 
         self.root, self.tables, self.every_s, self.kw = Path(root), list(tables), every_s, kw
-        self.runs = 0
         self.last_error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="compact", daemon=True)
 
-    def start(self) -> "PeriodicCompactor":
+    def start(self) -> PeriodicCompactor:
         if self.every_s > 0:
             self._thread.start()
         return self
@@ -302,8 +301,6 @@ class PeriodicCompactor:
             log.warning("compacting %s under %s failed (next try in %.0f s): %s",
                         self.tables, self.root, self.every_s, self.last_error)
             return {}
-        finally:
-            self.runs += 1
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):

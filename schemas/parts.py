@@ -14,8 +14,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -208,7 +209,7 @@ class PartWriter:
             self._thread.join(timeout=5)
         self.flush()
 
-    def __enter__(self) -> "PartWriter":
+    def __enter__(self) -> PartWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -297,7 +298,7 @@ class PartWriter:
         return self._write_arrow(enc.table)
 
     def _write_arrow(self, table: pa.Table) -> Path:
-        day = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+        day = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
         folder = self.root / self.table / f"day={day}"
         folder.mkdir(parents=True, exist_ok=True)
         name = f"part-{int(time.time() * 1000)}-{os.getpid()}-{next(_counter):06d}.parquet"

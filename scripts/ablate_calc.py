@@ -44,7 +44,6 @@ import sys
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "calc" / "config.yaml"
 
@@ -143,7 +142,8 @@ def read_run(folder: Path) -> dict:
     # what the merging did: trained samples per rollout and model-generated tokens per sample
     per_rollout, tokens = connect(folder / "traces").execute(
         "SELECT count(*) / count(DISTINCT rollout_id), avg(list_sum(response_mask)) FROM samples").fetchone()
-    return {"curve": curve, "samples_per_rollout": per_rollout or float("nan"), "model_tokens": tokens or float("nan"), "eval_tasks": n_eval, "before": curve[versions[0]], "after": curve[versions[-1]],
+    return {"curve": curve, "samples_per_rollout": per_rollout or float("nan"), "model_tokens": tokens or float("nan"),
+            "eval_tasks": n_eval, "before": curve[versions[0]], "after": curve[versions[-1]],
             "best": max(curve.values()), "final_version": versions[-1],
             "loop_min": state.get("elapsed_s", float("nan")) / 60, "checkpoint": summary["checkpoint"]}
 
@@ -244,7 +244,7 @@ def main() -> None:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("steps"), TimeElapsedColumn(), console=console) as progress:
             tasks = {p[2]: progress.add_task(f"{p[0]} seed {p[1]}", total=None, start=False) for p in todo}
-            for variant, seed, folder, overrides, how in todo:
+            for _, _, folder, overrides, how in todo:
                 progress.start_task(tasks[folder])
                 walls[folder] = run_one(folder, overrides, how == "resume", progress, tasks[folder])
                 (folder / "wall_s.txt").write_text(f"{walls[folder]:.1f}\n")  # for later --report-only

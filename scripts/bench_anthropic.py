@@ -20,12 +20,15 @@ from lightning_harness.proxy.sse import SSERelay
 
 def stream_bytes(n: int) -> list[bytes]:
     head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m", "prompt_token_ids": list(range(200))}
-    out = [b"data: " + json.dumps({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}).encode() + b"\n\n"]
+    out = [b"data: " + json.dumps({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                              "content": ""}}]}).encode() + b"\n\n"]
     for i in range(n):
-        ch = {"index": 0, "delta": {"content": f" w{i}"}, "token_ids": [i], "finish_reason": "length" if i == n - 1 else None,
+        ch = {"index": 0, "delta": {"content": f" w{i}"}, "token_ids": [i],
+              "finish_reason": "length" if i == n - 1 else None,
               "logprobs": {"content": [{"token": f" w{i}", "logprob": -0.5, "bytes": None, "top_logprobs": []}]}}
         out.append(b"data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m",
-                                           "choices": [ch], "usage": {"prompt_tokens": 200, "completion_tokens": i + 1}}).encode() + b"\n\n")
+                                           "choices": [ch], "usage": {"prompt_tokens": 200,
+                                                                      "completion_tokens": i + 1}}).encode() + b"\n\n")
     out.append(b"data: [DONE]\n\n")
     return out
 

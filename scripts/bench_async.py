@@ -53,7 +53,7 @@ with open(os.environ["LIGHTNING_REWARD_FILE"], "w") as fh:
 
 def prepare_model(work: Path) -> Path:
     """An untied tiny Qwen2 (examples/calc/model if committed, else a random one of the same shape)."""
-    from lightning_harness.trainer.update import is_tied, untie_checkpoint
+    from lightning_harness.trainer.checkpoint import is_tied, untie_checkpoint
 
     src = ROOT / "examples" / "calc" / "model"
     if not (src / "config.json").exists():

@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_proxy import rss_mib  # noqa: E402
 
-from lightning_harness.proxy.credentials import InvalidId, attempt_credential  # noqa: E402
 from lightning_harness.proxy.client import ProxyProcess  # noqa: E402
+from lightning_harness.proxy.credentials import InvalidId, attempt_credential  # noqa: E402
 from lightning_harness.schemas import read_table  # noqa: E402
 
 MiB = 1 << 20
@@ -190,7 +190,8 @@ async def soak(p: ProxyProcess, n: int, hostile_share: float, concurrency: int, 
 
 
 def run_soak(a, work: Path, stub) -> dict:
-    p = ProxyProcess(work / "traces-soak", [stub.url], confdir=work / "conf", log_path=work / "proxy-soak.log").start()
+    p = ProxyProcess(work / "traces-soak", upstreams=[stub.url], confdir=work / "conf",
+                     log_path=work / "proxy-soak.log").start()
     try:
         asyncio.run(soak_warmup(p))
         p.control.flush()
@@ -278,7 +279,8 @@ async def sse(p: ProxyProcess, stub_url: str, sizes: list[int], reps: int) -> di
 
 
 def run_memory_and_sse(a, work: Path, stub) -> dict:
-    p = ProxyProcess(work / "traces-mem", [stub.url], confdir=work / "conf", log_path=work / "proxy-mem.log").start()
+    p = ProxyProcess(work / "traces-mem", upstreams=[stub.url], confdir=work / "conf",
+                     log_path=work / "proxy-mem.log").start()
     try:
         asyncio.run(soak_warmup(p))
         mem = asyncio.run(memory(p))
@@ -327,7 +329,7 @@ def run_signals(a, work: Path, stub) -> dict:
         runs = []
         for k in range(a.signals):
             d = work / f"sig-{sig.name}-{k}"
-            p = ProxyProcess(d / "traces", [stub.url], confdir=work / "conf", log_path=d / "proxy.log",
+            p = ProxyProcess(d / "traces", upstreams=[stub.url], confdir=work / "conf", log_path=d / "proxy.log",
                              extra_args=["--shutdown-grace", "1"]).start()
             answered, killed_at = asyncio.run(load_until_signal(p, sig, 1.0 + random.random(), f"{sig.name}-{k}"))
             try:
@@ -350,8 +352,10 @@ def report(res: dict) -> None:
         lost = c["expected"] - s["on_disk"]
         print(f"soak: {c['requests']:,} calls ({c['hostile']} hostile) in {c['seconds']:.1f} s "
               f"({c['requests'] / c['seconds']:.0f} calls/s), proxy exit code {s['stop_rc']}")
-        print(f"  spans expected {c['expected']:,}, on disk {s['on_disk']:,}, lost {lost} -> {'OK' if lost == 0 else 'LOST SPANS'}")
-        print(f"  error kinds on disk: {s['error_kinds']}; salvaged {s['salvaged']}; rejected {s['state'].get('rejected')}")
+        print(f"  spans expected {c['expected']:,}, on disk {s['on_disk']:,}, "
+              f"lost {lost} -> {'OK' if lost == 0 else 'LOST SPANS'}")
+        print(f"  error kinds on disk: {s['error_kinds']}; salvaged {s['salvaged']}; "
+              f"rejected {s['state'].get('rejected')}")
         for kind, st in sorted(s["statuses"].items()):
             print(f"    {kind:22s} answers {st}")
         print(f"  RSS before {s['rss_before_mib']:.1f} MiB, after {s['rss_after_mib']:.1f} MiB "
@@ -363,15 +367,18 @@ def report(res: dict) -> None:
               f"peak {b['peak']:.1f} MiB ({b['peak'] - b['rss_before']:+.1f})")
         for label in ("50MB", "20MB"):
             x = m[label]
-            print(f"{label} bodies x{len(x['status'])}: HTTP {x['status']}, RSS {x['rss_before']:.1f} -> peak {x['peak']:.1f} "
-                  f"({x['peak'] - x['rss_before']:+.1f}) -> {x['rss_after']:.1f} MiB 3 s later ({x['rss_after'] - x['rss_before']:+.1f})")
+            print(f"{label} bodies x{len(x['status'])}: HTTP {x['status']}, "
+                  f"RSS {x['rss_before']:.1f} -> peak {x['peak']:.1f} ({x['peak'] - x['rss_before']:+.1f}) "
+                  f"-> {x['rss_after']:.1f} MiB 3 s later ({x['rss_after'] - x['rss_before']:+.1f})")
     e = res.get("sse")
     if e:
         base_p, base_d = e["proxy"][min(e["proxy"])], e["direct"][min(e["direct"])]
         for mb in sorted(e["proxy"]):
-            print(f"SSE one {mb} MB event: proxy {e['proxy'][mb]:.3f} s (x{e['proxy'][mb] / base_p:.2f} of {min(e['proxy'])} MB), "
+            print(f"SSE one {mb} MB event: "
+                  f"proxy {e['proxy'][mb]:.3f} s (x{e['proxy'][mb] / base_p:.2f} of {min(e['proxy'])} MB), "
                   f"direct {e['direct'][mb]:.3f} s (x{e['direct'][mb] / base_d:.2f})")
-        print(f"  small calls while a {max(e['proxy'])} MB event streamed: {e['bystander_calls']}, worst {e['bystander_max_ms']:.0f} ms")
+        print(f"  small calls while a {max(e['proxy'])} MB event streamed: {e['bystander_calls']}, "
+              f"worst {e['bystander_max_ms']:.0f} ms")
     g = res.get("signals")
     if g:
         for name, runs in g.items():

@@ -44,7 +44,8 @@ def measure(n: int, tmp: Path) -> dict:
     env = {"LIGHTNING_TASK": json.dumps({"escape": True}), "LIGHTNING_OUTPUT_DIR": str(tmp / "out")}
     total = _run(tmp, [sys.executable, str(ESCAPE)], env)
     pids = [int((tmp / "out" / f).read_text().split()[0]) for f in ("setsid.txt", "daemon.txt")]
-    alive = [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split(")")[-1].split()[0]]
+    alive = [p for p in pids if Path(f"/proc/{p}").exists()
+             and "Z" not in Path(f"/proc/{p}/stat").read_text().split(")")[-1].split()[0]]
     return {"mechanism": mech, "attempt_true_ms": round(tree_ms, 2), "cpu_s_while_sleep_3s": round(cpu_s, 3),
             "escape_attempt_s": round(total, 3), "escapees_alive_after": len(alive)}
 
@@ -56,7 +57,8 @@ def main() -> None:
     t0 = time.perf_counter()
     for _ in range(n):
         subprocess.run(["/bin/true"], start_new_session=True)
-    print(json.dumps({"mechanism": "none (subprocess.run)", "attempt_true_ms": round(1000 * (time.perf_counter() - t0) / n, 2)}))
+    print(json.dumps({"mechanism": "none (subprocess.run)",
+                      "attempt_true_ms": round(1000 * (time.perf_counter() - t0) / n, 2)}))
     for mode in ("auto", "scan"):
         ProcessTree._mechanism = None
         if mode == "scan":

@@ -37,7 +37,8 @@ def copies(table: pa.Table, n: int) -> pa.Table:
                                  pc.binary_join_element_wise(t[col], pa.scalar(f"~{i}"), ""))
         if "span_ids" in t.column_names:
             ids = [[f"{s}~{i}" for s in row] for row in t["span_ids"].to_pylist()]
-            t = t.set_column(t.schema.get_field_index("span_ids"), "span_ids", pa.array(ids, t.schema.field("span_ids").type))
+            t = t.set_column(t.schema.get_field_index("span_ids"), "span_ids",
+                             pa.array(ids, t.schema.field("span_ids").type))
         parts.append(t)
     return pa.concat_tables(parts)
 

@@ -41,11 +41,12 @@ def _list(values: np.ndarray, lens: np.ndarray, typ: pa.DataType) -> pa.ListArra
     return arr_cls.from_arrays(pa.array(off), pa.array(values, typ)).cast(pa.list_(typ))
 
 
-def generate(root: Path, n_spans: int, calls: int, system: int, break_rate: float, seed: int = 0, part_rollouts: int = 1000) -> dict:
+def generate(root: Path, n_spans: int, calls: int, system: int, break_rate: float, seed: int = 0,
+             part_rollouts: int = 1000) -> dict:
     """Write synthetic spans + rollouts under root; returns token counts."""
     rng = np.random.default_rng(seed)
     n_roll = max(1, n_spans // calls)
-    t0 = dt.datetime(2026, 11, 30, tzinfo=dt.timezone.utc)
+    t0 = dt.datetime(2026, 11, 30, tzinfo=dt.UTC)
     totals = {"spans": 0, "prompt_tokens": 0, "response_tokens": 0}
     with PartWriter(root, "rollouts", background=False, fsync=False) as rw:
         rw.extend(
@@ -112,8 +113,10 @@ def generate(root: Path, n_spans: int, calls: int, system: int, break_rate: floa
 @click.option("--break-rate", default=0.05, show_default=True, help="Share of calls with a re-tokenised history.")
 @click.option("--threads", default=2, show_default=True, help="DuckDB threads (the target is for 2 cores).")
 @click.option("--repeat", default=3, show_default=True, help="Timed builds; the fastest is reported.")
-@click.option("--dir", "folder", type=click.Path(file_okay=False), default=None, help="Keep the traces here (default: a temp dir).")
-def main(n_spans: int, calls: int, system: int, break_rate: float, threads: int, repeat: int, folder: str | None) -> None:
+@click.option("--dir", "folder", type=click.Path(file_okay=False), default=None,
+              help="Keep the traces here (default: a temp dir).")
+def main(n_spans: int, calls: int, system: int, break_rate: float, threads: int, repeat: int,
+         folder: str | None) -> None:
     """Time build_samples on synthetic traces; print spans/s and tokens/s."""
     from lightning_harness.trainer.samples import build_samples
     from lightning_harness.trainer.views import connect
@@ -126,7 +129,8 @@ def main(n_spans: int, calls: int, system: int, break_rate: float, threads: int,
             totals = generate(root, n_spans, calls, system, break_rate)
             gen_s = time.perf_counter() - t
         size = sum(p.stat().st_size for p in (root / "spans").rglob("*.parquet"))
-        console.print(f"generated {totals['spans']:,} spans, {totals['prompt_tokens'] + totals['response_tokens']:,} tokens "
+        console.print(f"generated {totals['spans']:,} spans, "
+                      f"{totals['prompt_tokens'] + totals['response_tokens']:,} tokens "
                       f"({size / 2**20:.0f} MiB Parquet) in {gen_s:.1f}s")
 
         t = time.perf_counter()
@@ -145,22 +149,28 @@ def main(n_spans: int, calls: int, system: int, break_rate: float, threads: int,
                 del table, con
             build_s, build_cpu, stats = best
         tokens = totals["prompt_tokens"] + totals["response_tokens"]
-        out = Table(title=f"build_samples on {totals['spans']:,} spans ({threads} DuckDB threads, {os.cpu_count()} CPUs)")
+        out = Table(title=f"build_samples on {totals['spans']:,} spans "
+                          f"({threads} DuckDB threads, {os.cpu_count()} CPUs)")
         for col in ("what", "seconds", "spans/s", "tokens/s"):
             out.add_column(col, justify="right" if col != "what" else "left")
-        out.add_row("baseline: pyarrow read of spans", f"{read_s:.2f}", f"{totals['spans'] / read_s:,.0f}", f"{tokens / read_s:,.0f}")
-        out.add_row(f"build_samples (end to end, best of {repeat})", f"{build_s:.2f}", f"{totals['spans'] / build_s:,.0f}", f"{tokens / build_s:,.0f}")
-        out.add_row("  CPU seconds (all threads) of that build", f"{build_cpu:.2f}", f"{totals['spans'] / build_cpu:,.0f}", f"{tokens / build_cpu:,.0f}")
+        out.add_row("baseline: pyarrow read of spans", f"{read_s:.2f}", f"{totals['spans'] / read_s:,.0f}",
+                    f"{tokens / read_s:,.0f}")
+        out.add_row(f"build_samples (end to end, best of {repeat})", f"{build_s:.2f}",
+                    f"{totals['spans'] / build_s:,.0f}", f"{tokens / build_s:,.0f}")
+        out.add_row("  CPU seconds (all threads) of that build", f"{build_cpu:.2f}",
+                    f"{totals['spans'] / build_cpu:,.0f}", f"{tokens / build_cpu:,.0f}")
         console.print(out)
         console.print(f"phases (wall s): {stats['timings_s']}")
         load = os.getloadavg()[0]
-        console.print(f"load average {load:.1f} on {os.cpu_count()} CPUs" + (" [yellow](shared machine: wall times inflated)[/]" if load > os.cpu_count() else ""))
+        shared = " [yellow](shared machine: wall times inflated)[/]" if load > os.cpu_count() else ""
+        console.print(f"load average {load:.1f} on {os.cpu_count()} CPUs{shared}")
         console.print(f"build / read time ratio: {build_s / read_s:.2f}x;  samples: {stats['samples']:,}, "
                       f"samples/rollout {stats['samples_per_rollout']:.2f}, breaks {stats['breaks']}")
         rate = totals["spans"] / build_s
         verdict = "[green]meets[/]" if rate >= 20_000 else "[red]misses[/]"
         console.print(f"target >= 20,000 spans/s: {verdict} ({rate:,.0f} spans/s wall; "
-                      f"{totals['spans'] / build_cpu:,.0f} spans per CPU-second, the figure a loaded machine cannot distort upward)")
+                      f"{totals['spans'] / build_cpu:,.0f} spans per CPU-second, "
+                      "the figure a loaded machine cannot distort upward)")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def _list(values: np.ndarray, lens: np.ndarray, typ: pa.DataType) -> pa.ListArra
 
 
 def _table(cols: dict, schema: pa.Schema, n: int) -> pa.Table:
-    return pa.Table.from_arrays([cols[f.name] if f.name in cols else pa.nulls(n, f.type) for f in schema], schema=schema)
+    return pa.Table.from_arrays([cols[f.name] if f.name in cols else pa.nulls(n, f.type) for f in schema],
+                                schema=schema)
 
 
 class StoreShape:
@@ -53,7 +54,8 @@ class StoreShape:
         self.steps = max(1, n_spans // self.per_step)
 
     def rollout_ids(self, step: int) -> list[str]:
-        return [f"bench-s{step}-t{step * self.groups + g}-{i}" for g in range(self.groups) for i in range(self.group_size)]
+        return [f"bench-s{step}-t{step * self.groups + g}-{i}"
+                for g in range(self.groups) for i in range(self.group_size)]
 
     def group_ids(self, step: int) -> list[str]:
         return [f"t{step * self.groups + g}@{step}" for g in range(self.groups)]
@@ -67,7 +69,8 @@ def _spans_of_step(shape: StoreShape, step: int, rng: np.random.Generator, t0: d
     pl = 32 + seq * 20 + rng.integers(0, 8, n)
     prompt = rng.integers(0, 2000, int(pl.sum()), dtype=np.int32)
     resp = rng.integers(0, 2000, int(rl.sum()), dtype=np.int32)
-    ts = pa.array([t0 + dt.timedelta(seconds=step, milliseconds=int(i)) for i in range(n)], pa.timestamp("us", tz="UTC"))
+    ts = pa.array([t0 + dt.timedelta(seconds=step, milliseconds=int(i)) for i in range(n)],
+                  pa.timestamp("us", tz="UTC"))
     cols = {
         "span_id": pa.array([f"sp-{step}-{i}" for i in range(n)]),
         "rollout_id": pa.array(np.repeat(np.array(rids, dtype=object), shape.calls).tolist()),
@@ -100,7 +103,7 @@ def _rollouts_of_step(shape: StoreShape, step: int, rng: np.random.Generator) ->
 def synthesise(root: Path, shape: StoreShape, spans_per_part: int, seed: int = 0) -> int:
     """Write the store; returns the number of spans."""
     rng = np.random.default_rng(seed)
-    t0 = dt.datetime(2026, 11, 30, tzinfo=dt.timezone.utc)
+    t0 = dt.datetime(2026, 11, 30, tzinfo=dt.UTC)
     spans = PartWriter(root, "spans", background=False, fsync=False)
     rollouts = PartWriter(root, "rollouts", background=False, fsync=False)
     pending: list[pa.Table] = []
@@ -144,7 +147,8 @@ def measure(root: Path, shape: StoreShape, repeat: int) -> dict[str, float]:
 
     out["samples_s"], out["samples_cpu_s"] = _timed(samples, repeat)
     out["samples_rows"] = built["t"].num_rows
-    out["count_s"], out["count_cpu_s"] = _timed(lambda: connect(root).sql("SELECT count(*) FROM spans").fetchall(), repeat)
+    out["count_s"], out["count_cpu_s"] = _timed(lambda: connect(root).sql("SELECT count(*) FROM spans").fetchall(),
+                                                repeat)
     out["groupby_s"], out["groupby_cpu_s"] = _timed(lambda: connect(root).sql(
         "SELECT model_version, count(*), avg(latency_ms) FROM spans GROUP BY model_version").fetchall(), repeat)
     out["count"] = connect(root).sql("SELECT count(*) FROM spans").fetchall()[0][0]
@@ -162,7 +166,8 @@ def measure(root: Path, shape: StoreShape, repeat: int) -> dict[str, float]:
 @click.option("--groups", default=8, show_default=True, help="Groups per step (one update's samples).")
 @click.option("--spans-per-part", default=128, show_default=True, help="Spans per part as written (one flush).")
 @click.option("--repeat", default=3, show_default=True, help="Timed runs per figure; the fastest is shown.")
-@click.option("--dir", "folder", type=click.Path(file_okay=False), default=None, help="Build the store here (default: a temp dir).")
+@click.option("--dir", "folder", type=click.Path(file_okay=False), default=None,
+              help="Build the store here (default: a temp dir).")
 def main(n_spans, quick, calls, group_size, groups, spans_per_part, repeat, folder) -> None:
     """Synthesise a long run's store, then time samples and queries before and after compaction."""
     console = Console()
@@ -171,7 +176,8 @@ def main(n_spans, quick, calls, group_size, groups, spans_per_part, repeat, fold
         root = Path(folder or tmp)
         t = time.perf_counter()
         total = synthesise(root, shape, spans_per_part)
-        console.print(f"synthesised {total:,} spans, {shape.steps:,} steps in {time.perf_counter() - t:.1f}s under {root}")
+        console.print(f"synthesised {total:,} spans, {shape.steps:,} steps "
+                      f"in {time.perf_counter() - t:.1f}s under {root}")
         before = measure(root, shape, repeat)
         t = time.perf_counter()
         reports = compact_store(root, grace_s=0)

@@ -46,8 +46,10 @@ QWEN2_1_5B = {"vocab": 151936, "hidden": 1536, "layers": 28, "heads": 12, "kv_he
 def load_update_module():
     """``trainer/update.py`` of this checkout as ``lightning_harness.trainer.update``, whether or not
     the package is installed (its imports: torch, pyarrow, numpy, yaml; click only if present)."""
-    for name, init in (("lightning_harness", ROOT / "lightning_harness"), ("lightning_harness.trainer", ROOT / "trainer")):
-        spec = importlib.util.spec_from_file_location(name, init / "__init__.py", submodule_search_locations=[str(init)])
+    for name, init in (("lightning_harness", ROOT / "lightning_harness"),
+                       ("lightning_harness.trainer", ROOT / "trainer")):
+        spec = importlib.util.spec_from_file_location(name, init / "__init__.py",
+                                                      submodule_search_locations=[str(init)])
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -162,10 +164,12 @@ def quick(args) -> None:
     tokens = args.samples * args.tokens
     print(f"CPU, Qwen2 shape {QUICK}, {args.samples} x {args.tokens} tokens (1/8 prompt), "
           f"chunk {args.chunk}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'path':<18}{'logprob-step peak':>18}{'update s':>10}{'CPU s':>7}{'tokens/s':>10}{'loss':>14}{'grad_norm':>14}")
+    print(f"{'path':<18}{'logprob-step peak':>18}{'update s':>10}{'CPU s':>7}{'tokens/s':>10}"
+          f"{'loss':>14}{'grad_norm':>14}")
     for path, r in results.items():
         name = "old (full logits)" if path == "old" else "new (chunked)"
-        print(f"{name:<18}{r['peak'] / 2**20:>15.0f} MiB{r['update_s']:>10.2f}{r['cpu_s']:>7.1f}{tokens / r['update_s']:>10.0f}"
+        print(f"{name:<18}{r['peak'] / 2**20:>15.0f} MiB{r['update_s']:>10.2f}{r['cpu_s']:>7.1f}"
+              f"{tokens / r['update_s']:>10.0f}"
               f"{r['loss']:>14.6g}{r['grad_norm']:>14.6g}")
     old, new = results["old"], results["new"]
     print(f"peak memory old/new: {old['peak'] / max(new['peak'], 1):.1f}x (target >= 4x); "
@@ -181,8 +185,9 @@ def gpu(args, device: str = "cuda", shape: dict = QWEN2_1_5B) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else "none (dry run on CPU)"
     print(f"GPU {name}, torch {torch.__version__}, Qwen2 shape {shape} ({n_params / 1e9:.2f}B parameters, "
-          f"built in {time.perf_counter() - t_start:.0f}s), fp32 weights{' + bf16 autocast' if device == 'cuda' else ''}, "
-          f"body checkpointing, chunk {args.chunk}; MFU vs {H200_BF16_DENSE_FLOPS / 1e12:.0f} TFLOP/s (H200 bf16 dense)\n"
+          f"built in {time.perf_counter() - t_start:.0f}s), "
+          f"fp32 weights{' + bf16 autocast' if device == 'cuda' else ''}, body checkpointing, chunk {args.chunk}; "
+          f"MFU vs {H200_BF16_DENSE_FLOPS / 1e12:.0f} TFLOP/s (H200 bf16 dense)\n"
           f"{'tokens':>7} {'path':<18}{'logprob-step peak':>18}{'max alloc':>10}{'update max alloc':>17}"
           f"{'update s':>9}{'tokens/s':>10}{'MFU':>7}{'loss':>12}", flush=True)
     for tokens in args.gpu_tokens:
@@ -202,7 +207,8 @@ def gpu(args, device: str = "cuda", shape: dict = QWEN2_1_5B) -> None:
                   f"{r['update_max'] / 2**30:>13.1f} GiB{r['update_s']:>9.2f}{tokens / r['update_s']:>10.0f}"
                   f"{mfu:>7.1%}{r['loss']:>12.5g}", flush=True)
         if len(peaks) == 2:
-            print(f"{tokens:>7} peak memory old/new: {peaks['old (full logits)'] / peaks['new (chunked)']:.1f}x", flush=True)
+            print(f"{tokens:>7} peak memory old/new: {peaks['old (full logits)'] / peaks['new (chunked)']:.1f}x",
+                  flush=True)
     print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
 
 

@@ -14,8 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lightning_harness.schemas import PartWriter, finished_parts
-from lightning_harness.schemas import checked
+from lightning_harness.schemas import PartWriter, checked, finished_parts
 
 
 def rows(n: int, poison: bool) -> list[dict]:

@@ -40,8 +40,8 @@ import tiny_model as tm
 
 SWE_DIR = tm.ROOT / "examples" / "swe"
 sys.path.insert(0, str(SWE_DIR))
-import generate as swe_tasks
-import reward as swe_reward  # the sandboxed hidden-test scorer: these folders hold model-written code
+import generate as swe_tasks  # noqa: E402
+import reward as swe_reward  # noqa: E402 (the sandboxed hidden-test scorer: these folders hold model-written code)
 
 console = Console(stderr=True)
 SPECIALS = tm.SPECIALS + ["<tool_call>", "</tool_call>"]
@@ -73,7 +73,8 @@ def run_sandboxed(command: str, folder: Path, timeout: float = 10.0) -> tuple[in
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
             "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
             "--ro-bind", str(prefix.resolve()), str(prefix),
-            "--ro-bind", str(Path(sys.base_prefix).resolve()), sys.base_prefix, "--bind", str(folder), "/repo", "--chdir", "/repo",
+            "--ro-bind", str(Path(sys.base_prefix).resolve()), sys.base_prefix, "--bind", str(folder), "/repo",
+            "--chdir", "/repo",
             "--setenv", "PATH", f"{prefix}/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
             "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--", "bash", "-c", command]
     try:
@@ -103,11 +104,10 @@ def _span(old: str, new: str) -> tuple[str, str]:
     s = 0
     while s < min(len(old), len(new)) - p and old[-1 - s] == new[-1 - s]:
         s += 1
-    word = lambda c: not c.isspace()
     a, end = p, len(old) - s
-    while a > 0 and word(old[a - 1]):
+    while a > 0 and not old[a - 1].isspace():
         a -= 1
-    while end < len(old) and word(old[end]):
+    while end < len(old) and not old[end].isspace():
         end += 1
     while end == a and end < len(old):  # a pure insertion: take the next word along
         end += 1
@@ -214,7 +214,8 @@ def load_trajectories(paths: list[Path]) -> list[dict]:
         messages = [{k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "tool_call_id")}
                     for m in req["messages"] + [row["reply"]]]
         episodes.append({"task_id": row.get("task_id"), "messages": messages, "tools": req.get("tools"),
-                         "reward": row.get("reward"), "kinds": [kinds[key].get(i) for i in range(row["call_index"] + 1)]})
+                         "reward": row.get("reward"),
+                         "kinds": [kinds[key].get(i) for i in range(row["call_index"] + 1)]})
     return episodes
 
 
@@ -361,11 +362,13 @@ def edit_conversation(task: dict, addressed: bool = True) -> list[dict]:
 
     name = module_name(task)
     buggy = task["files"][name]
-    steps = [(f"cat -n {name}", observation(0, cat_n(buggy))), (swe_solver.edit_command(name, buggy, task["solution"], addressed), "")]
+    fix = swe_solver.edit_command(name, buggy, task["solution"], addressed)
+    steps = [(f"cat -n {name}", observation(0, cat_n(buggy))), (fix, "")]
     return conversation(task, steps)[:-1]
 
 
-_PARTS = re.compile(r"sed -i '(?P<line>\d*)(?:s/(?P<span>[^/]*)/(?P<repl>[^/]*)/|a\\\\(?P<added>.*?))' (?P<file>[\w.]+)")
+_PARTS = re.compile(r"sed -i '(?P<line>\d*)(?:s/(?P<span>[^/]*)/(?P<repl>[^/]*)/|a\\\\(?P<added>.*?))' "
+                    r"(?P<file>[\w.]+)")
 
 
 def _segments(tok, turn_ids: list[int]) -> dict[str, list[int]]:
@@ -420,7 +423,8 @@ def teacher_forced(model, tok, tasks: list[dict], addressed: bool = True) -> dic
             stats["edit"].append(all(right[k] for k in segs["edit"]))
             stats["turn"].append(all(right))
             stats["p_turn"].append(math.exp(logp))
-    return {k: round(sum(v) / max(1, len(v)), 4) for k, v in stats.items()} | {"n": len(tasks), "n_sed_address": len(stats["line"]), "n_sed_span": len(stats["span"])}
+    return ({k: round(sum(v) / max(1, len(v)), 4) for k, v in stats.items()}
+            | {"n": len(tasks), "n_sed_address": len(stats["line"]), "n_sed_span": len(stats["span"])})
 
 
 def tf_report(model, tok, seed: int, addressed: bool = True, n: int = 84) -> dict:
@@ -490,7 +494,8 @@ def agent_rollouts(model, tok, tasks: list[dict], step_limit: int, temperature: 
                 break
             outs = []
             for i in range(0, len(keep), 16):
-                outs += tm.sample_turn(model, tok, [p for _, p in keep[i:i + 16]], max_new_tokens, temperature, generator)
+                outs += tm.sample_turn(model, tok, [p for _, p in keep[i:i + 16]], max_new_tokens, temperature,
+                                       generator)
             for (s, _), out in zip(keep, outs):
                 s["calls"] += 1
                 s["submitted"] = False
@@ -498,7 +503,8 @@ def agent_rollouts(model, tok, tasks: list[dict], step_limit: int, temperature: 
                 step_episode(s, parse_reply(text))
         for s in states:
             s["reward"] = swe_reward.score(s["task"], s["folder"])[0]
-    return [{"task_id": s["task"]["id"], "reward": s["reward"], "calls": s["calls"], "submitted": s.get("submitted", False),
+    return [{"task_id": s["task"]["id"], "reward": s["reward"], "calls": s["calls"],
+             "submitted": s.get("submitted", False),
              "messages": s["messages"]} for s in states]
 
 
@@ -551,10 +557,12 @@ def served_tokenizer(tok, config):
               help="no loss on the solver's deliberate wrong edits (they stay in the context)")
 @click.option("--edit-weight", default=1.0, show_default=True, help="loss weight of the fix turn's tokens")
 @click.option("--edit-form", type=click.Choice(["line", "unaddressed"]), default="line", show_default=True,
-              help="unaddressed: rewrite the solver's sed edits without line numbers where the span allows (solver.py --edit-form)")
+              help="unaddressed: rewrite the solver's sed edits without line numbers where the span allows "
+                   "(solver.py --edit-form)")
 @click.option("--init", type=click.Path(path_type=Path, exists=True), default=None,
               help="continue SFT from this built model (its tokenizer and weights) instead of a fresh one")
-@click.option("--renames", default=0, show_default=True, help="copies of each episode with the project renamed (made-up names)")
+@click.option("--renames", default=0, show_default=True,
+              help="copies of each episode with the project renamed (made-up names)")
 @click.option("--max-tokens", default=0, show_default=True, help="drop SFT conversations longer than this (0: max-len)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--p-wrong", default=0.5, show_default=True, help="share of tasks that also get a noisy episode")
@@ -569,7 +577,8 @@ def served_tokenizer(tok, config):
 @click.option("--eval-tasks", default=84, show_default=True, help="held-out tasks evaluated (first N)")
 @click.option("--eval-split", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
               help="train: the same episodes on train tasks (what was learnt vs what generalises)")
-@click.option("--eval-shard", default="0/1", show_default=True, help="i/n: evaluate every n-th task from i (parallel runs)")
+@click.option("--eval-shard", default="0/1", show_default=True,
+              help="i/n: evaluate every n-th task from i (parallel runs)")
 @click.option("--eval-samples", default=1, show_default=True, help="sampled episodes per held-out task")
 @click.option("--step-limit", default=8, show_default=True, help="model calls per episode")
 @click.option("--threads", default=1, show_default=True)
@@ -580,9 +589,13 @@ def served_tokenizer(tok, config):
 @click.option("--eval/--no-eval", "run_eval", default=True, help="measure held-out success after the build")
 @click.option("--eval-only", is_flag=True, help="skip the build: evaluate the model in --out")
 @click.option("--tf-only", is_flag=True, help="skip the build: teacher-forced fix-turn accuracy of the model in --out")
-@click.option("--tf-every", default=0, show_default=True, help="log teacher-forced accuracy every N SFT steps (0: at snapshots only)")
-@click.option("--snapshots", default="", help="comma-separated SFT steps at which to also save OUT-stepN (pick a warm start by its held-out success)")
-def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, max_tokens, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_split, eval_shard, eval_samples,
+@click.option("--tf-every", default=0, show_default=True,
+              help="log teacher-forced accuracy every N SFT steps (0: at snapshots only)")
+@click.option("--snapshots", default="",
+              help="comma-separated SFT steps at which to also save OUT-stepN "
+                   "(pick a warm start by its held-out success)")
+def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, max_tokens, seed, p_wrong, vocab, layers,
+         hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_split, eval_shard, eval_samples,
          step_limit, threads, workers, episodes_file, device, run_eval, eval_only, tf_only, tf_every, snapshots):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
@@ -594,7 +607,8 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, m
     if eval_only or tf_only:
         model, tok = Qwen2ForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
         built = json.loads((out / "build_info.json").read_text()) if (out / "build_info.json").exists() else {}
-        result = tf_report(model, tok, seed, built.get("edit_form", "line") == "line") if tf_only else evaluate(model, tok, evals, eval_samples, step_limit, seed, max_len)
+        result = (tf_report(model, tok, seed, built.get("edit_form", "line") == "line") if tf_only
+                  else evaluate(model, tok, evals, eval_samples, step_limit, seed, max_len))
         print(json.dumps(result))
         return
     t0 = time.monotonic()
@@ -606,7 +620,8 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, m
         if renames:
             projects = {t["id"]: t["project"] for t in read_tasks("train")}
             rng = random.Random(f"rename-{seed}")
-            episodes += [rename_project(e, projects[e["task_id"]], made_up_name(rng)) for _ in range(renames) for e in episodes]
+            episodes += [rename_project(e, projects[e["task_id"]], made_up_name(rng))
+                         for _ in range(renames) for e in episodes]
     elif episodes_file and episodes_file.exists():
         episodes = [json.loads(line) for line in episodes_file.read_text().splitlines()]
     else:
@@ -617,7 +632,8 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, m
                   f"{sum(e['reward'] or 0 for e in episodes) / len(episodes):.3f}")
     tok = AutoTokenizer.from_pretrained(init) if init else make_tokenizer(episodes, vocab, max_len)
     if not init:
-        tok = served_tokenizer(tok, tm.model_config(tok, layers=layers, hidden=hidden, heads=hidden // 64, max_positions=max_len))
+        config = tm.model_config(tok, layers=layers, hidden=hidden, heads=hidden // 64, max_positions=max_len)
+        tok = served_tokenizer(tok, config)
     samples = [weighted_sample(tok, e, edit_weight, mask_wrong) for e in episodes]
     samples = [s for s in samples if len(s[0]) <= (max_tokens or max_len)]
     heads = hidden // 64
@@ -647,12 +663,14 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, m
               if trajectories else "imitation")
     info = {"seed": seed, "source": source, "p_wrong": p_wrong,
             "episodes": len(samples), "vocab": len(tok), "layers": layers, "hidden": hidden, "heads": heads,
-            "max_len": max_len, "steps": done, "planned_steps": steps, "minutes_budget": minutes, "device": device, "lr": lr, "batch": batch, "sft_seconds": round(sft_s),
+            "max_len": max_len, "steps": done, "planned_steps": steps, "minutes_budget": minutes, "device": device,
+            "lr": lr, "batch": batch, "sft_seconds": round(sft_s),
             "params": sum(p.numel() for p in model.parameters()), "untied_after_sft": True,
-            "init": init and {"model": str(init), "steps": json.loads((init / "build_info.json").read_text()).get("steps")
+            "init": init and {"model": str(init),
+                              "steps": json.loads((init / "build_info.json").read_text()).get("steps")
                               if (init / "build_info.json").exists() else None},
-            "mask_wrong": mask_wrong, "edit_weight": edit_weight, "edit_form": edit_form, "max_tokens": max_tokens, "renames": renames,
-            "teacher_forced": tf_report(model, tok, seed, edit_form == "line"),
+            "mask_wrong": mask_wrong, "edit_weight": edit_weight, "edit_form": edit_form, "max_tokens": max_tokens,
+            "renames": renames, "teacher_forced": tf_report(model, tok, seed, edit_form == "line"),
             "teacher_forced_curve": curve}
     (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
     console.print(f"SFT {sft_s:.0f}s, wrote {out}")

@@ -60,7 +60,8 @@ def corpus(seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     blobs = [base64.b64encode(rng.randbytes(3000)).decode() for _ in range(20)]
     blobs += [base64.urlsafe_b64encode(rng.randbytes(3000)).decode() for _ in range(20)]
-    ids = [uuid.UUID(int=rng.getrandbits(128)).hex for _ in range(200)] + [str(uuid.UUID(int=rng.getrandbits(128))) for _ in range(200)]
+    ids = ([uuid.UUID(int=rng.getrandbits(128)).hex for _ in range(200)]
+           + [str(uuid.UUID(int=rng.getrandbits(128))) for _ in range(200)])
     ids += [rng.randbytes(32).hex() for _ in range(200)]
     texts = WORDS + blobs + ["data:image/png;base64," + b for b in blobs[:5]] + [" ".join(ids)]
     return texts
@@ -135,6 +136,7 @@ def calc_traces(n: int, out: Path) -> Path:
 
     sys.path.insert(0, str(ROOT / "tests"))
     from fixtures_proxy import StubServer
+
     from lightning_harness.proxy.client import ProxyProcess
 
     out.mkdir(parents=True, exist_ok=True)
@@ -162,14 +164,16 @@ def timing(red: Redactor) -> None:
                        "prompt_token_ids": list(range(2000))})
     for n in (5, 200):
         for ascii_only in (False, True):
-            msgs = [{"role": "user", "content": f"Ünïcode prose about api key rotation, line {i}. " * 20} for i in range(n)]
+            msgs = [{"role": "user",
+                     "content": f"Ünïcode prose about api key rotation, line {i}. " * 20} for i in range(n)]
             body = json.dumps({"model": "m", "messages": msgs}, ensure_ascii=ascii_only)
             t0, reps = time.process_time(), 40
             for _ in range(reps):
                 red.scrub_row({"request_json": body, "response_json": resp, "path": "/v1/chat/completions"},
                               {"sk-real-" + "Q7fGh2KpX9vLm4Ns8TbW1cYd"})  # (split: no key in this file)
             ms = (time.process_time() - t0) / reps * 1000
-            print(f"scrub_row: {len(body):>8,} B request ({'ASCII-escaped' if ascii_only else 'UTF-8'}): {ms:.2f} ms CPU")
+            encoding = "ASCII-escaped" if ascii_only else "UTF-8"
+            print(f"scrub_row: {len(body):>8,} B request ({encoding}): {ms:.2f} ms CPU")
 
 
 def main(argv: list[str] | None = None) -> int:

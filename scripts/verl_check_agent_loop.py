@@ -102,7 +102,8 @@ def main(path: str) -> dict:
     batch.batch["token_level_scores"] = reward
     batch.batch["token_level_rewards"] = reward
     adv_fn = core_algos.get_adv_estimator_fn(cfg.algorithm.adv_estimator)  # compute_advantage, registry branch
-    adv, ret = adv_fn(token_level_rewards=batch.batch["token_level_rewards"], response_mask=batch.batch["response_mask"],
+    adv, ret = adv_fn(token_level_rewards=batch.batch["token_level_rewards"],
+                      response_mask=batch.batch["response_mask"],
                       config=cfg.algorithm, index=batch.non_tensor_batch["uid"])
     batch.batch["advantages"], batch.batch["returns"] = adv, ret
 

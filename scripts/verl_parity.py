@@ -50,7 +50,8 @@ def check_advantages(rng, diffs):
     tlr = np.zeros((B, T), np.float32)
     tlr[np.arange(B), lens - 1] = rewards  # outcome reward on the last response token
     for norm in (True, False):
-        v, _ = compute_grpo_outcome_advantage(torch.tensor(tlr), torch.tensor(mask), index, norm_adv_by_std_in_grpo=norm)
+        v, _ = compute_grpo_outcome_advantage(torch.tensor(tlr), torch.tensor(mask), index,
+                                              norm_adv_by_std_in_grpo=norm)
         ours, _ = group_advantages(rewards.astype(np.float64), index, method="grpo", norm_by_std=norm)
         key = "grpo" if norm else "grpo_no_std"
         diffs[key] = max(diffs.get(key, 0.0), float(np.abs(v.numpy() - ours[:, None] * mask).max()))
@@ -60,7 +61,8 @@ def check_advantages(rng, diffs):
 
 
 def _splits(rng, n):
-    cuts = np.sort(rng.choice(np.arange(1, n), size=min(n - 1, int(rng.integers(0, 4))), replace=False)) if n > 1 else []
+    cuts = np.sort(rng.choice(np.arange(1, n), size=min(n - 1, int(rng.integers(0, 4))),
+                              replace=False)) if n > 1 else []
     return np.split(rng.permutation(n), cuts)
 
 
@@ -89,7 +91,8 @@ def check_aggregation(rng, diffs):
     # rollout mode vs verl seq-mean-token-mean over rollout-concatenated rows
     w = torch.tensor(loss_weights(rid, tokens, "rollout"), dtype=torch.float64)
     ours = aggregate_loss(loss, M, w, n_units(rid, tokens, "rollout"), "rollout")
-    split = sum(aggregate_loss(loss[p], M[p], w[p], n_units(rid, tokens, "rollout"), "rollout") for p in _splits(rng, S))
+    split = sum(aggregate_loss(loss[p], M[p], w[p], n_units(rid, tokens, "rollout"), "rollout")
+                for p in _splits(rng, S))
     L = max(int(mask[rid == r].size) for r in range(n_roll))
     cat_loss = torch.zeros((n_roll, L), dtype=torch.float64)
     cat_mask = torch.zeros((n_roll, L), dtype=torch.float64)

@@ -38,7 +38,8 @@ def client_env(env: dict[str, str], **extra: str) -> dict[str, str]:
 def run_client(cmd: list[str], env: dict[str, str], timeout: float = 180, cwd: str | os.PathLike | None = None) -> dict:
     """Run a client program; it must exit 0 and print one JSON object on its last stdout line."""
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd, start_new_session=True)
-    assert p.returncode == 0, f"{cmd[:3]} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
+    assert p.returncode == 0, \
+        f"{cmd[:3]} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
     lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
     assert lines, f"{cmd[:3]} printed nothing; stderr:\n{p.stderr[-3000:]}"
     return json.loads(lines[-1])
@@ -57,7 +58,8 @@ def _node_major() -> str:
 def _direct_env() -> dict[str, str]:
     """The test process may itself run inside a harness environment: installers must reach their
     registry directly."""
-    return {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
+    return {k: v for k,
+            v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
 
 
 def install_once(kind: str, key: str, ready: str, build) -> Path:

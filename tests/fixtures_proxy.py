@@ -20,7 +20,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import free_port
 
 STUB = Path(__file__).parent / "support" / "stub_upstream.py"
@@ -134,7 +133,7 @@ def make_proxy(tmp_path, proxy_confdir, stub_upstream):
         kw.setdefault("route_hosts", ["api.openai.com"])
         kw.setdefault("confdir", proxy_confdir)
         kw.setdefault("log_path", tmp_path / f"proxy-{len(started)}.log")
-        p = ProxyProcess(**kw)
+        p = ProxyProcess(kw.pop("traces_dir"), **kw)
         started.append(p)
         return p.start()
 
@@ -156,7 +155,8 @@ def read_spans(p) -> list[dict]:
 
     p.control.flush()
     rows = read_table(p.traces_dir, "spans").to_pylist()
-    return sorted(rows, key=lambda r: (r["rollout_id"] or "", r["attempt"] or 0, r["seq"] if r["seq"] is not None else -1))
+    return sorted(rows,
+                  key=lambda r: (r["rollout_id"] or "", r["attempt"] or 0, r["seq"] if r["seq"] is not None else -1))
 
 
 def assert_engine_logprobs(lps: list[float], *, last_may_be_missing: bool = False) -> None:

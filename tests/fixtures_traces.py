@@ -11,14 +11,15 @@ import datetime as dt
 import itertools
 import json
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pytest
 
 from lightning_harness.schemas import PartWriter
 
-T0 = dt.datetime(2026, 11, 30, 3, 0, tzinfo=dt.timezone.utc)
+T0 = dt.datetime(2026, 11, 30, 3, 0, tzinfo=dt.UTC)
 _clock = itertools.count()
 
 
@@ -120,7 +121,8 @@ def reward(rollout_id: str, value: float, *, attempt: int = 0, at_s: float = 0.0
     }
 
 
-def write_traces(root: str | Path, spans: Iterable[dict] = (), rollouts: Iterable[dict] = (), rewards: Iterable[dict] = ()) -> Path:
+def write_traces(root: str | Path, spans: Iterable[dict] = (), rollouts: Iterable[dict] = (),
+                 rewards: Iterable[dict] = ()) -> Path:
     """Write the rows as real Parquet parts (one part per table per call)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

@@ -20,14 +20,15 @@ ROOT = Path(__file__).resolve().parents[1]
 VERL_PY = Path(os.environ.get("LIGHTNING_VERL_PYTHON") or ROOT / ".venv-verl" / "bin" / "python")
 needs_verl = pytest.mark.skipif(
     not VERL_PY.exists(),
-    reason=f"verl environment not found at {VERL_PY} (build it with scripts/setup_envs.sh verl or set LIGHTNING_VERL_PYTHON)")
+    reason=f"verl environment not found at {VERL_PY} "
+           "(build it with scripts/setup_envs.sh verl or set LIGHTNING_VERL_PYTHON)")
 
 
 def run_in_verl(script: str | Path, *args: str | Path, cwd: str | Path) -> dict:
     """Run ``script`` under verl's Python; it must exit 0 and print ``RESULT <json>``; returns the json."""
     res = subprocess.run([str(VERL_PY), str(script), *map(str, args)], capture_output=True, text=True,
                          timeout=600, cwd=cwd)
-    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     assert res.returncode == 0 and lines, res.stderr[-4000:]
     return json.loads(lines[-1][7:])
 

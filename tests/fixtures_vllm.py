@@ -64,3 +64,31 @@ def vllm_engine(tmp_path_factory, tiny_model_dir):
         yield engine
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def served(request, tiny_model_dir, tmp_path_factory):
+    """(engine, model_dir) for loop tests. vLLM does not refresh a tied output head on
+    reload_weights, so a tied test model gets its own engine serving an untied copy."""
+    from lightning_harness.launcher.engine import VLLMEngine
+    from lightning_harness.trainer.checkpoint import is_tied, untie_checkpoint
+
+    if not is_tied(tiny_model_dir):
+        yield request.getfixturevalue("vllm_engine"), tiny_model_dir
+        return
+    d = untie_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("untied") / "model")
+    engine = VLLMEngine.start(d, "calc-tiny", max_model_len=512, log_path=d.parent / "vllm.log")
+    try:
+        yield engine, d
+    finally:
+        engine.stop()
+
+
+@pytest.fixture
+def restore_engine(served):
+    """The served engine, given back unpaused and with its original weights (tests share it)."""
+    engine, model_dir = served
+    yield engine
+    if engine.is_paused():
+        engine.resume()
+    engine.reload_weights(model_dir)

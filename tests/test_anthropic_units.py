@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from lightning_harness.proxy.anthropic import (
     EventStream,
     EventTranslator,
@@ -25,7 +26,8 @@ def test_request_translation():
     chat = to_chat(_req(
         system=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], stop_sequences=["\n"], top_k=5,
         metadata={"user_id": "u"}, thinking={"type": "enabled", "budget_tokens": 10}, seed=3, stream=True,
-        tools=[{"name": "t", "input_schema": {"type": "object"}}], tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        tools=[{"name": "t", "input_schema": {"type": "object"}}], tool_choice={"type": "any",
+                                                                                "disable_parallel_tool_use": True},
         messages=[{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
                   {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
                                                     {"type": "text", "text": "ok"},
@@ -38,8 +40,10 @@ def test_request_translation():
             {"id": "c1", "type": "function", "function": {"name": "t", "arguments": '{"é": 1}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "r"}]
     assert chat["tools"] == [{"type": "function", "function": {"name": "t", "parameters": {"type": "object"}}}]
-    assert (chat["tool_choice"], chat["parallel_tool_calls"], chat["stop"], chat["top_k"]) == ("required", False, ["\n"], 5)
-    assert chat["seed"] == 3 and "metadata" not in chat and "thinking" not in chat  # extensions pass, Messages-only fields not
+    assert (chat["tool_choice"], chat["parallel_tool_calls"], chat["stop"], chat["top_k"]) == ("required", False,
+                                                                                               ["\n"], 5)
+    # extensions pass, Messages-only fields do not
+    assert chat["seed"] == 3 and "metadata" not in chat and "thinking" not in chat
     assert chat["stream"] is True and chat["stream_options"]["include_usage"] is True
 
 
@@ -48,7 +52,8 @@ def test_request_translation():
     (_req(max_tokens=True), "max_tokens"), (_req(messages="hi"), "messages"),
     (_req(messages=[{"role": "system", "content": "x"}]), "role"),
     (_req(messages=[{"role": "user", "content": [{"type": "document"}]}]), "document"),
-    (_req(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b", "input": {}}]}]), "tool_use"),
+    (_req(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b", "input": {}}]}]),
+     "tool_use"),
     (_req(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "custom tools"),
     (_req(tool_choice={"type": "sometimes"}), "tool_choice"), (_req(system=5), "system"),
     (_req(stop_sequences=[1]), "stop_sequences"),
@@ -66,7 +71,8 @@ def test_answer_translation():
                     {"id": "d", "function": {"name": "t", "arguments": '{"a": '}}]}}]}
     msg = to_message(chat, "asked", ["END"])
     assert msg["id"] == "msg_chatcmpl-1" and (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "END")
-    assert msg["content"] == [{"type": "text", "text": "hi"}, {"type": "tool_use", "id": "c", "name": "t", "input": {"a": 1}},
+    assert msg["content"] == [{"type": "text", "text": "hi"},
+                              {"type": "tool_use", "id": "c", "name": "t", "input": {"a": 1}},
                               {"type": "tool_use", "id": "d", "name": "t", "input": {}}]
     assert msg["usage"] == {"input_tokens": 5, "output_tokens": 2}
 
@@ -86,21 +92,26 @@ def _parse(raw: bytes) -> list[tuple[str, dict]]:
 def test_event_stream_from_chunks_split_anywhere():
     chunks = [{"id": "x", "model": "m", "usage": {"prompt_tokens": 7, "completion_tokens": 0},
                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-              {"choices": [{"index": 0, "delta": {"content": "he"}}]}, {"choices": [{"index": 0, "delta": {"content": "y"}}]},
-              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c", "function": {"name": "t", "arguments": '{"a"'}}]}}]},
+              {"choices": [{"index": 0, "delta": {"content": "he"}}]},
+              {"choices": [{"index": 0, "delta": {"content": "y"}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c",
+                                                                  "function": {"name": "t", "arguments": '{"a"'}}]}}]},
               {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}]},
-              {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}]
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
+               "usage": {"prompt_tokens": 7, "completion_tokens": 4}}]
     raw = b"".join(_sse(c) for c in chunks) + b"data: [DONE]\n\n"
     stream = EventStream(lambda b: b, EventTranslator("asked"))
     out = b"".join(bytes(x) if not isinstance(x, list) else b"".join(x) for x in
                    [stream(raw[i:i + 7]) for i in range(0, len(raw), 7)] + [stream(b"")])
     events = _parse(out)
-    assert [e for e, _ in events] == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
+    assert [e for e, _ in events] == ["message_start", "content_block_start", "content_block_delta",
+                                      "content_block_delta",
                                       "content_block_stop", "content_block_start", "content_block_delta",
                                       "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
     assert events[0][1]["message"]["model"] == "asked" and events[0][1]["message"]["usage"]["input_tokens"] == 7
     assert events[5][1]["content_block"] == {"type": "tool_use", "id": "c", "name": "t", "input": {}}
-    assert "".join(d["delta"]["partial_json"] for e, d in events if d.get("delta", {}).get("type") == "input_json_delta") == '{"a": 1}'
+    assert "".join(d["delta"]["partial_json"] for e,
+                   d in events if d.get("delta", {}).get("type") == "input_json_delta") == '{"a": 1}'
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use" and events[-2][1]["usage"]["output_tokens"] == 4
     # the native assembler folds the events it produced back into the message
     asm = MessageAssembler()
@@ -120,7 +131,8 @@ def test_stream_cut_short_ends_with_an_error_event():
 def test_error_shapes():
     assert error_from(400, {"error": {"message": "bad", "type": "BadRequestError"}}, None) == {
         "type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}
-    assert error_from(503, {"object": "error", "message": "busy"}, None)["error"] == {"type": "overloaded_error", "message": "busy"}
+    assert error_from(503, {"object": "error", "message": "busy"}, None)["error"] == {"type": "overloaded_error",
+                                                                                      "message": "busy"}
     assert error_from(502, None, "gateway down")["error"] == {"type": "api_error", "message": "gateway down"}
     native = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow"}}
     assert error_from(429, native, None) is native

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from fixtures_proxy import assert_engine_logprobs, read_spans
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -52,7 +51,8 @@ def test_messages_conversation_captured_exactly_and_samples_have_no_drift(
     messages, texts = [], []
     for k, turn in enumerate(["2+3=", "and 1+1=", "and 4+4="]):
         messages.append({"role": "user", "content": turn})
-        kw = dict(model="claude-hosted", max_tokens=6, system="calc", messages=messages, extra_body={**extra, "temperature": 1.0})
+        kw = dict(model="claude-hosted", max_tokens=6, system="calc", messages=messages,
+                  extra_body={**extra, "temperature": 1.0})
         if k == 1:  # one turn streamed, event by event
             with client.messages.stream(**kw) as s:
                 types = [ev.type for ev in s]
@@ -98,7 +98,8 @@ def test_tool_use_and_tool_result_history_through_vllm(vllm_proxy, vllm_engine, 
     until ``max_tokens``; tool_use answers are tested against the stub upstream.)"""
     client = anthropic_from_env(vllm_proxy.env_for("tool"))
     history = [{"role": "user", "content": "2+3="},
-               {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "calc", "input": {"expr": "2+3"}}]},
+               {"role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_1", "name": "calc", "input": {"expr": "2+3"}}]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "5"},
                                             {"type": "text", "text": "so?"}]}]
     kw = dict(model="claude-hosted", max_tokens=5, tools=[CALC], tool_choice={"type": "none"}, messages=history)

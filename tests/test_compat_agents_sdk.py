@@ -5,7 +5,6 @@ calls are captured with the engine's exact token ids and logprobs."""
 from __future__ import annotations
 
 import pytest
-
 from fixtures_compat import COMPAT, client_env, run_client
 from fixtures_proxy import assert_engine_logprobs, read_spans
 

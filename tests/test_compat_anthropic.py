@@ -10,7 +10,6 @@ import json
 
 import httpx
 import pytest
-
 from fixtures_proxy import read_spans
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,7 +28,8 @@ def _tool_stub_request(stub_server) -> dict:
 
 
 @pytest.mark.parametrize("hosted", [False, True], ids=["reverse", "forward-hosted"])
-def test_create_is_answered_as_a_message_with_tokens_in_the_span(anthropic_proxy, stub_server, anthropic_from_env, hosted):
+def test_create_is_answered_as_a_message_with_tokens_in_the_span(anthropic_proxy, stub_server, anthropic_from_env,
+                                                                 hosted):
     client = anthropic_from_env(anthropic_proxy.env_for("a-create"), hosted=hosted)
     msg = client.messages.create(model="claude-hosted-large", max_tokens=4, system="Be brief.",
                                  messages=[{"role": "user", "content": "hi"}])
@@ -106,7 +106,8 @@ def test_malformed_messages_get_an_anthropic_400_and_an_error_span(anthropic_pro
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
     assert "video" in err.value.body["error"]["message"]
     base = anthropic_proxy.env_for("a-bad")["ANTHROPIC_BASE_URL"]
-    r = httpx.post(base + "/v1/messages", content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(base + "/v1/messages", content=b"{not json", headers={"content-type": "application/json"},
+                   timeout=30)
     assert r.status_code == 400 and r.json()["type"] == "error"
     spans = read_spans(anthropic_proxy)
     assert [s["error_kind"] for s in spans] == ["malformed_request", "malformed_request"]
@@ -144,7 +145,8 @@ def test_node_anthropic_sdk_reverse_mode(anthropic_proxy, node_anthropic_app, ho
     assert out["baseURL"] == env["ANTHROPIC_BASE_URL"] and out["model"] == "claude-hosted-large"
     if how == "tools":
         (use,) = out["content"]
-        assert use["type"] == "tool_use" and use["input"] == {"arg": "w0 w1 w2 w3 "} and out["stop_reason"] == "tool_use"
+        assert use["type"] == "tool_use" and use["input"] == {"arg": "w0 w1 w2 w3 "}
+        assert out["stop_reason"] == "tool_use"
     else:
         assert out["content"] == [{"type": "text", "text": "w0 w1 w2 w3 "}] and out["stop_reason"] == "max_tokens"
         assert out["usage"]["output_tokens"] == 4

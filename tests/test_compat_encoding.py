@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from fixtures_compat import client_env, python_client, run_client
 from fixtures_proxy import StubServer, read_spans
 
@@ -35,13 +34,16 @@ def compressing_stub(request, tmp_path):
 def test_compressed_upstream(make_proxy, compressing_stub, stream):
     p = make_proxy(upstreams=[compressing_stub.url])
     env = client_env(p.env_for("enc"))
-    args = ["requests", env["OPENAI_BASE_URL"] + "/chat/completions", "policy", "--gzip"] + (["--stream"] if stream else [])
+    args = ["requests", env["OPENAI_BASE_URL"] + "/chat/completions", "policy",
+            "--gzip"] + (["--stream"] if stream else [])
     out = run_client(python_client("http_client.py", *args), env)
     assert out["status"] == 200
     # the client asked for gzip only: it never gets brotli (requests here cannot decode br)
     assert out["content_encoding"] in (None, "gzip")
     if stream:
-        assert out["done"] and "".join(e["choices"][0]["delta"].get("content") or "" for e in out["events"] if e["choices"]) == "w0 w1 w2 "
+        assert out["done"]
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in out["events"] if e["choices"])
+        assert text == "w0 w1 w2 "
         assert not any("token_ids" in json.dumps(e) for e in out["events"])
     else:
         assert out["body"]["choices"][0]["message"]["content"] == "w0 w1 w2 "

@@ -8,9 +8,9 @@ import os
 import subprocess
 
 import pytest
-
 from fixtures_compat import PASS_THROUGH
 from fixtures_proxy import read_spans
+
 from lightning_harness.proxy.locate import proxy_python
 
 pytestmark = pytest.mark.timeout(300)

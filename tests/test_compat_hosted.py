@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from fixtures_compat import client_env, python_client, run_client
 from fixtures_proxy import read_spans
 
@@ -23,7 +22,8 @@ def hosted_proxy(make_proxy):
 
 @pytest.mark.parametrize("how", ["json", "stream"])
 def test_hosted_model_name_is_mapped_and_mapped_back(hosted_proxy, stub_server, how):
-    out = run_client(python_client("openai_hosted.py", HOSTED, "hosted-large", how), client_env(hosted_proxy.env_for("hosted")))
+    out = run_client(python_client("openai_hosted.py", HOSTED, "hosted-large", how),
+                     client_env(hosted_proxy.env_for("hosted")))
     assert out["content"] == "w0 w1 w2 w3 "
     # the harness gets back the model name it asked for, not the served one
     assert (out["model"] if how == "json" else out["models"]) == ("hosted-large" if how == "json" else ["hosted-large"])
@@ -38,7 +38,8 @@ def test_hosted_model_name_is_mapped_and_mapped_back(hosted_proxy, stub_server, 
 
 @pytest.mark.parametrize("how", ["tools", "tools-stream"])
 def test_agent_tools_and_include_usage(hosted_proxy, how):
-    out = run_client(python_client("openai_hosted.py", HOSTED, "hosted-large", how), client_env(hosted_proxy.env_for("agent")))
+    out = run_client(python_client("openai_hosted.py", HOSTED, "hosted-large", how),
+                     client_env(hosted_proxy.env_for("agent")))
     (call,) = out["tool_calls"]
     assert call["id"] == "call_stub_0" and call["name"] == "get_weather"
     assert json.loads(call["arguments"]) == {"arg": "w0 w1 w2 w3 "}
@@ -50,7 +51,8 @@ def test_agent_tools_and_include_usage(hosted_proxy, how):
     assert req["tools"][0]["function"]["name"] == "get_weather" and req["tool_choice"] == "auto"
     resp = json.loads(span["response_json"])
     tc = resp["choices"][0]["message"]["tool_calls"][0]
-    assert tc["function"]["name"] == "get_weather" and json.loads(tc["function"]["arguments"]) == {"arg": "w0 w1 w2 w3 "}
+    assert tc["function"]["name"] == "get_weather"
+    assert json.loads(tc["function"]["arguments"]) == {"arg": "w0 w1 w2 w3 "}
     assert span["finish_reason"] == "tool_calls" and span["response_token_ids"] == [100, 101, 102, 103]
     assert span["completion_tokens"] == 4 and span["prompt_tokens"] is not None
     assert span["response_logprobs"] == pytest.approx([-0.01, -0.02, -0.03, -0.04])

@@ -8,7 +8,6 @@ import json
 import subprocess
 
 import pytest
-
 from fixtures_compat import client_env, python_client, run_client
 from fixtures_proxy import read_spans
 
@@ -92,8 +91,11 @@ def test_python_http_libraries_forward_tls(lib, tls_proxy):
     out = run_client(python_client("http_client.py", lib, "https://api.openai.com/v1/chat/completions", "policy"), cenv)
     assert out["status"] == 200 and out["body"]["choices"][0]["message"]["content"] == "w0 w1 w2 "
     assert "prompt_token_ids" not in out["body"]
-    out = run_client(python_client("http_client.py", lib, "https://api.openai.com/v1/chat/completions", "policy", "--stream"), cenv)
-    assert out["done"] and "".join(e["choices"][0]["delta"].get("content") or "" for e in out["events"] if e["choices"]) == "w0 w1 w2 "
+    out = run_client(python_client("http_client.py", lib, "https://api.openai.com/v1/chat/completions", "policy",
+                                   "--stream"), cenv)
+    assert out["done"]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in out["events"] if e["choices"])
+    assert text == "w0 w1 w2 "
     assert not any("token_ids" in json.dumps(e) for e in out["events"])
     s1, s2 = read_spans(tls_proxy)
     assert (s1["rollout_id"], s1["scheme"], s1["host"]) == (f"{lib}-1", "https", "api.openai.com")

@@ -7,7 +7,6 @@ Node's fetch ignores HTTP(S)_PROXY, so Node harnesses are captured through OPENA
 from __future__ import annotations
 
 import pytest
-
 from fixtures_compat import client_env, run_client
 from fixtures_proxy import read_spans
 
@@ -62,6 +61,7 @@ def test_node_openai_tls_upstream_and_extra_ca(make_proxy, node_app, stub_tls_se
 def test_node_openai_compressing_upstream(make_proxy, node_app, tmp_path, coding):
     """Node's fetch accepts gzip/deflate/br; a compressing upstream still yields a valid body and stream."""
     from fixtures_proxy import StubServer
+
     from lightning_harness.proxy.locate import proxy_python
 
     srv = StubServer(tmp_path, python=proxy_python() if coding == "br" else None)  # br: needs `brotli`

@@ -62,7 +62,8 @@ def test_capture_then_late_rewards_then_update_then_serve(make_proxy, vllm_engin
     assert json.loads(_cli(*ctl, "rewards", graded)) == {"posted": 6}
     p.control.flush()
     rewards = read_table(traces, "rewards").to_pylist()
-    assert sorted((r["rollout_id"], r["reward"]) for r in rewards) == [(rid, float(k % 2)) for k, rid in enumerate(conversations)]
+    assert sorted((r["rollout_id"], r["reward"]) for r in rewards) == [(rid, float(k % 2))
+                                                                       for k, rid in enumerate(conversations)]
 
     # the stored traces -> samples -> one update -> a checkpoint
     stats = json.loads(_cli(BIN / "lightning-train", "build", traces, "--tokenizer", tiny_model_dir,

@@ -13,15 +13,21 @@ import subprocess
 import sys
 import threading
 import urllib.parse
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-
 from fixtures_proxy import read_rewards, read_spans
+
 from lightning_harness.proxy.client import ProxyControl, ProxyError, harness_env
 from lightning_harness.proxy.credentials import (
-    MAX_ATTEMPT, InvalidId, Revocations, attempt_credential, check_rollout_id, parse_user,
+    MAX_ATTEMPT,
+    InvalidId,
+    Revocations,
+    attempt_credential,
+    check_rollout_id,
+    parse_user,
 )
 from lightning_harness.proxy.locate import proxy_python
 
@@ -83,7 +89,8 @@ def recorder():
 def test_id_rules_name_themselves():
     assert parse_user("run-1.a_b~7") == ("run-1.a_b", 7)
     assert parse_user("plain") == ("plain", 0)
-    for bad in ("a\r\nb", "a\x00", "x" * 256, "", "a b", "a/b", "a~b~1", "a~-1", f"a~{MAX_ATTEMPT + 1}", "a~" + "9" * 30):
+    for bad in ("a\r\nb", "a\x00", "x" * 256, "", "a b", "a/b", "a~b~1", "a~-1", f"a~{MAX_ATTEMPT + 1}",
+                "a~" + "9" * 30):
         with pytest.raises(InvalidId, match=r"rollout id is 1\.\.255 characters|attempt is an integer"):
             parse_user(bad)
     with pytest.raises(InvalidId, match=r"\\r\\n"):  # messages escape what they quote
@@ -91,7 +98,8 @@ def test_id_rules_name_themselves():
     # credentials: bound to rollout~attempt, different per attempt, url-safe, 192 bits
     c = attempt_credential("tok", "r", 0)
     assert len(c) == 32 and c == attempt_credential("tok", "r", 0)
-    assert len({c, attempt_credential("tok", "r", 1), attempt_credential("tok", "r2", 0), attempt_credential("tok2", "r", 0)}) == 4
+    assert len({c, attempt_credential("tok", "r", 1), attempt_credential("tok", "r2", 0),
+                attempt_credential("tok2", "r", 0)}) == 4
     assert urllib.parse.quote(c, safe="") == c
 
 
@@ -120,8 +128,8 @@ def test_harness_credential_cannot_drive_the_control_api(proxy):
     cred = credential_of(env)
     for bearer in (cred, f"atk~0:{cred}"):
         c = ProxyControl(proxy.reverse_url, bearer)
-        for call in (c.pause, c.resume, c.state, c.flush, lambda: c.set_model_version(99),
-                     lambda: c.reward("victim", 0, 1.0), lambda: c.end("victim", 0), lambda: c.drain(0.1)):
+        for call in (c.pause, c.resume, c.state, c.flush, partial(c.set_model_version, 99),
+                     partial(c.reward, "victim", 0, 1.0), partial(c.end, "victim", 0), partial(c.drain, 0.1)):
             with pytest.raises(ProxyError, match="401"):
                 call()
     h = {"Authorization": f"Bearer {cred}"}
@@ -175,7 +183,8 @@ def test_ended_attempt_is_refused_everywhere_even_in_an_open_tunnel(proxy):
         assert fwd.post("http://lightning.proxy/reward", json={"reward": 1.0}).status_code == 407
         nxt = proxy.env_for("ending", 3)  # the retry gets a fresh credential
         assert rev.post(nxt["OPENAI_BASE_URL"] + "/chat/completions", json=BODY).status_code == 200
-    assert sorted((s["rollout_id"], s["attempt"]) for s in read_spans(proxy)) == [("ending", 2), ("ending", 2), ("ending", 3)]
+    assert sorted((s["rollout_id"], s["attempt"]) for s in read_spans(proxy)) == [("ending", 2), ("ending", 2),
+                                                                                  ("ending", 3)]
     assert read_rewards(proxy) == []
 
 
@@ -251,7 +260,8 @@ def test_bad_ids_get_400_naming_the_rule_and_forge_no_log_line(proxy, stub_serve
         for user in (u for u in bad_users if len(u) < 1000):
             r = c.post(f"{proxy.reverse_url}/lh/{urllib.parse.quote(user)}/whatever/v1/chat/completions", json=BODY)
             assert r.status_code == 400, (user[:20], r.status_code)
-            assert "rollout id is 1..255 characters of [A-Za-z0-9._-]" in r.text or "attempt is an integer 0..2147483647" in r.text
+            assert ("rollout id is 1..255 characters of [A-Za-z0-9._-]" in r.text
+                    or "attempt is an integer 0..2147483647" in r.text)
             r = c.post(f"{proxy.reverse_url}/lh/{urllib.parse.quote(user)}/whatever/reward", json={"reward": 1})
             assert r.status_code == 400
     with httpx.Client(proxy=proxy.forward_url, trust_env=False, timeout=60) as c:
@@ -271,7 +281,8 @@ def test_bad_ids_get_400_naming_the_rule_and_forge_no_log_line(proxy, stub_serve
         for v in (2**63, -1, 1.5, "7"):
             r = c.post(proxy.reverse_url + "/_lh/model_version", json={"version": v}, headers=ctl)
             assert r.status_code == 400 and "model version is an integer 0..9223372036854775807" in r.text
-        assert c.post(proxy.reverse_url + "/_lh/model_version", json={"version": 2**63 - 1}, headers=ctl).status_code == 200
+        assert c.post(proxy.reverse_url + "/_lh/model_version", json={"version": 2**63 - 1},
+                      headers=ctl).status_code == 200
     assert proxy.control.state()["rewards_captured"] == 0
     assert len(stub_server.requests()) == before
     proxy.stop()
@@ -354,7 +365,8 @@ def test_serve_generates_a_separate_control_token_that_ctl_reads(tmp_path, stub_
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([proxy_python(), "-m", "lightning_harness.proxy", "serve", "--traces", str(tmp_path / "t"),
                              "--upstream", stub_upstream, "--forward-port", str(fwd), "--reverse-port", str(rev),
-                             "--confdir", str(conf)], env=base, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                             "--confdir", str(conf)], env=base, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     try:
         path = conf / f"control-token-{rev}"
         url = f"http://127.0.0.1:{rev}"

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from fixtures_proxy import StubServer, read_spans
 
 pytestmark = pytest.mark.timeout(300)
@@ -137,7 +136,8 @@ def test_gzip_bomb_gets_413_with_bounded_memory(proxy, stub_server):
     assert _post(_url(proxy, "warm"), json=BODY).status_code == 200
     before = _rss_mib(proxy.pid)
     Path(f"/proc/{proxy.pid}/clear_refs").write_text("5")  # VmHWM restarts from the current RSS
-    r = _post(_url(proxy, "bomb"), content=bomb, headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    r = _post(_url(proxy, "bomb"), content=bomb,
+              headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
     assert r.status_code == 413 and "max_decoded_size" in r.json()["error"]["message"]
     peak = _hwm_mib(proxy.pid)
     assert peak - before < 32, f"RSS peak {peak:.0f} MiB vs {before:.0f} MiB before"  # measured first, never held
@@ -149,7 +149,8 @@ def test_gzip_bomb_gets_413_with_bounded_memory(proxy, stub_server):
 def test_compressed_request_is_forwarded_decoded(proxy, stub_server, coding):
     data = json.dumps({**BODY, "max_tokens": 2}).encode()
     blob = gzip.compress(data) if coding == "gzip" else zlib.compress(data)
-    r = _post(_url(proxy, f"zip-{coding}"), content=blob, headers={"Content-Type": "application/json", "Content-Encoding": coding})
+    r = _post(_url(proxy, f"zip-{coding}"), content=blob,
+              headers={"Content-Type": "application/json", "Content-Encoding": coding})
     assert r.status_code == 200, r.text
     (span,) = _spans_of(proxy, f"zip-{coding}")
     assert span["error_kind"] is None and json.loads(span["request_json"])["max_tokens"] == 2

@@ -14,8 +14,8 @@ import time
 
 import httpx
 import pytest
-
 from fixtures_proxy import read_spans
+
 from lightning_harness.proxy.client import ProxyError
 from lightning_harness.proxy.health import CaptureUnhealthy, require_capture
 from lightning_harness.schemas import read_table

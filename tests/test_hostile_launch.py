@@ -50,7 +50,8 @@ def mechanism(request, monkeypatch):
 def _job(tmp_path, task: dict, timeout=None) -> AttemptJob:
     out = tmp_path / "out"
     env = {"LIGHTNING_TASK": json.dumps(task), "LIGHTNING_OUTPUT_DIR": str(out)}
-    return AttemptJob("r-t-0", 0, [sys.executable, str(ESCAPE)], env, tmp_path, tmp_path / "harness.log", timeout=timeout)
+    return AttemptJob("r-t-0", 0, [sys.executable, str(ESCAPE)], env, tmp_path, tmp_path / "harness.log",
+                      timeout=timeout)
 
 
 def _escapees(out: Path) -> dict[str, int]:
@@ -75,7 +76,8 @@ def test_setsid_and_double_forked_children_end_when_the_harness_exits(tmp_path, 
 
 def test_timeout_ends_the_whole_tree(tmp_path, mechanism):
     t0 = time.monotonic()
-    out = LocalRunner(kill_grace=0.5).run(_job(tmp_path, {"escape": True, "then": "hang"}, timeout=3), threading.Event())
+    out = LocalRunner(kill_grace=0.5).run(_job(tmp_path, {"escape": True, "then": "hang"}, timeout=3),
+                                          threading.Event())
     assert out.timed_out and "process tree killed" in out.error
     assert time.monotonic() - t0 < 30
     _assert_stopped(tmp_path / "out", _escapees(tmp_path / "out"))
@@ -84,9 +86,11 @@ def test_timeout_ends_the_whole_tree(tmp_path, mechanism):
 def test_cancel_ends_the_whole_tree(tmp_path, mechanism):
     cancel, result = threading.Event(), {}
     runner = LocalRunner(kill_grace=0.5)
-    th = threading.Thread(target=lambda: result.update(out=runner.run(_job(tmp_path, {"escape": True, "then": "hang"}), cancel)))
+    job = _job(tmp_path, {"escape": True, "then": "hang"})
+    th = threading.Thread(target=lambda: result.update(out=runner.run(job, cancel)))
     th.start()
-    wait_for(lambda: "READY" in (tmp_path / "harness.log").read_text() if (tmp_path / "harness.log").exists() else False, 30)
+    log = tmp_path / "harness.log"
+    wait_for(lambda: "READY" in log.read_text() if log.exists() else False, 30)
     pids = _escapees(tmp_path / "out")
     assert all(pid_alive(p) for p in pids.values())
     cancel.set()
@@ -99,7 +103,8 @@ def test_processes_moved_to_other_cgroups_end_too_and_no_cgroup_is_left_behind(t
     """A root harness nests a cgroup in its own, and moves a process out of its tree altogether."""
     if mechanism != "cgroup":
         pytest.skip("cgroup only (the harness moves processes between cgroups)")
-    out = LocalRunner(kill_grace=0.5).run(_job(tmp_path, {"escape": True, "nest": True, "jump": True}), threading.Event())
+    out = LocalRunner(kill_grace=0.5).run(_job(tmp_path, {"escape": True, "nest": True, "jump": True}),
+                                          threading.Event())
     assert out.exit_code == 0, (tmp_path / "harness.log").read_text()
     pids = _escapees(tmp_path / "out")
     for name in ("nested", "jumped"):
@@ -158,7 +163,8 @@ def view(traces) -> dict[str, tuple]:
     return {r[0]: r[1:] for r in con.sql("SELECT task_id, state, reward, reward_source FROM rollouts").fetchall()}
 
 
-def test_the_verifier_outranks_a_self_report_and_a_late_one_changes_nothing(tmp_path, write_tasks, stub_upstream, proxy_confdir, rows):
+def test_the_verifier_outranks_a_self_report_and_a_late_one_changes_nothing(tmp_path, write_tasks, stub_upstream,
+                                                                            proxy_confdir, rows):
     # the harness claims 1.0 now, and leaves a process that claims 0.9 after it exited (and after scoring)
     tasks = write_tasks([{"id": "cheat", "claim": 1.0, "late": 0.9, "late_delay": 1.0}])
     traces = tmp_path / "traces"
@@ -174,7 +180,8 @@ def test_the_verifier_outranks_a_self_report_and_a_late_one_changes_nothing(tmp_
     assert sources == ["command", "proxy"]  # the claim is kept as data, it just does not count
 
 
-def test_self_reports_after_judging_never_change_the_reward_but_the_operator_can(tmp_path, write_tasks, stub_upstream, proxy_confdir, make_proxy):
+def test_self_reports_after_judging_never_change_the_reward_but_the_operator_can(tmp_path, write_tasks, stub_upstream,
+                                                                                 proxy_confdir, make_proxy):
     """Direct posts to a running proxy: a harness's (its reward URL) and the operator's (control API)."""
     from lightning_harness.launcher.batch import run_batch
 
@@ -210,7 +217,8 @@ def proxy_post_self_report(proxy, rollout_id: str, attempt: int, value: float) -
         pass  # a proxy that revokes a judged attempt's credential refuses it: fine, it must not count either way
 
 
-def test_a_harness_cannot_use_the_control_api_to_pose_as_the_verifier(tmp_path, write_tasks, stub_upstream, proxy_confdir, rows):
+def test_a_harness_cannot_use_the_control_api_to_pose_as_the_verifier(tmp_path, write_tasks, stub_upstream,
+                                                                      proxy_confdir, rows):
     """The proxy the launcher starts has a control token of its own, which no harness gets."""
     tasks = write_tasks([{"id": "forger", "forge": 1.0}])
     traces = tmp_path / "traces"
@@ -222,7 +230,8 @@ def test_a_harness_cannot_use_the_control_api_to_pose_as_the_verifier(tmp_path, 
     assert view(traces) == {"forger": ("no_reward", None, None)}
 
 
-def test_no_self_reward_gives_no_reward_instead_of_the_harness_claim(tmp_path, write_tasks, stub_upstream, proxy_confdir, rows):
+def test_no_self_reward_gives_no_reward_instead_of_the_harness_claim(tmp_path, write_tasks, stub_upstream,
+                                                                     proxy_confdir, rows):
     tasks = write_tasks([{"id": "claims", "claim": 1.0}, {"id": "silent"}])
     traces = tmp_path / "traces"
     res = launch(tasks, traces, stub_upstream, proxy_confdir, "--no-self-reward", "--", sys.executable, ESCAPE)
@@ -266,7 +275,8 @@ def test_the_view_ranks_hand_written_reports(tmp_path):
                  reward("S", 0.4, at_s=1), reward("S", 0.6, at_s=2, source="file"),  # same rank: the latest
                  unlabelled, reward("U", 0.1, at_s=-1, source="command")],
     )
-    got = {r[0]: r[1:] for r in connect(tmp_path).sql("SELECT rollout_id, state, reward, reward_source FROM rollouts").fetchall()}
+    got = {r[0]: r[1:]
+           for r in connect(tmp_path).sql("SELECT rollout_id, state, reward, reward_source FROM rollouts").fetchall()}
     assert got == {"J": ("succeeded", 0.3, "file"), "Q": ("no_reward", None, None), "P": ("succeeded", 0.2, "api"),
                    "S": ("succeeded", 0.6, "file"), "U": ("succeeded", 0.1, "command")}
 
@@ -283,7 +293,8 @@ def test_a_killed_launchers_trees_are_ended_by_the_next_one(tmp_path):
     gone.wait()  # a pid that no longer runs: the "killed launcher"
     stale = own / f"lightning-{gone.pid}-0"
     stale.mkdir()
-    sleeper = subprocess.Popen(["sleep", "300"], preexec_fn=proctree._join(str(stale / "cgroup.procs")), start_new_session=True)
+    sleeper = subprocess.Popen(["sleep", "300"], preexec_fn=proctree._join(str(stale / "cgroup.procs")),
+                               start_new_session=True)
     try:
         assert (stale / "cgroup.procs").read_text().split() == [str(sleeper.pid)]
         ProcessTree._reap_stale(own)

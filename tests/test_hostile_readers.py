@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fixtures_traces import reward, rollout, span, write_traces
+
 from lightning_harness.launcher.batch import BatchAborted, run_batch
 from lightning_harness.launcher.tasks import tasks_from_rows
 from lightning_harness.trainer.views import connect
@@ -57,7 +57,8 @@ def test_lightning_sql_skips_a_truncated_part_with_one_warning(damaged):
     p = _run("lightning-sql", root, "SELECT 1 AS one", "--format", "json")
     assert json.loads(p.stdout) == [{"one": 1}]
     _one_warning(p.stderr, bad)
-    p = _run("lightning-sql", root, "SELECT rollout_id, response_len FROM calls ORDER BY rollout_id", "--format", "json")
+    p = _run("lightning-sql", root, "SELECT rollout_id, response_len FROM calls ORDER BY rollout_id", "--format",
+             "json")
     assert [(r["rollout_id"], r["response_len"]) for r in json.loads(p.stdout)] == [("a", 2), ("b", 1)]
     _one_warning(p.stderr, bad)
 

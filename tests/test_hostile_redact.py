@@ -14,8 +14,8 @@ import urllib.parse
 import urllib.request
 
 import pytest
-
 from fixtures_proxy import read_rewards, read_spans
+
 from lightning_harness.proxy.redact import MASK, Redactor, decode_escapes, spellings
 
 KEY = "sk-real-Q7fGh2KpX9vLm4Ns8TbW1cYd"  # the harness's OPENAI_API_KEY
@@ -77,7 +77,8 @@ def test_known_secrets_leave_no_trace_in_any_column(proxy, openai_from_env, stub
         ([{"role": "user", "content": f"curl -u {BASIC_USER}:{BASIC_PW} ... header Basic {basic}"},
           {"role": "user", "content": json.dumps({"password": BASIC_PW})}],  # escaped twice on the wire
          {"Authorization": f"Basic {basic}"}),
-        ([{"role": "user", "content": f"env: HTTPS_PROXY={proxy.env_for('sec')['HTTPS_PROXY']} token {proxy.token}"}], {}),
+        ([{"role": "user", "content": f"env: HTTPS_PROXY={proxy.env_for('sec')['HTTPS_PROXY']} token {proxy.token}"}],
+         {}),
     ]
     for messages, headers in cases:
         client.chat.completions.create(model="m", messages=messages, extra_headers=headers)
@@ -113,7 +114,8 @@ def test_forward_https_key_in_the_tunnel_and_in_the_prompt(proxy, openai_from_en
     env = proxy.env_for("fwd-tls", api_key=GATEWAY_KEY)
     env["OPENAI_BASE_URL"] = "https://api.openai.com/v1"
     client = openai_from_env(env)
-    stream = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": f"k={GATEWAY_KEY}"}], stream=True)
+    stream = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": f"k={GATEWAY_KEY}"}],
+                                            stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     (span,) = read_spans(proxy)
     assert span["scheme"] == "https" and span["mode"] == "forward"
@@ -128,7 +130,8 @@ def test_ordinary_words_stay_byte_identical(proxy):
         "model": "m",
         "tools": [TOOL_SCHEMA],
         "messages": [{"role": "user", "content": "; ".join(INNOCENT)},
-                     {"role": "user", "content": json.dumps({"cookie_policy": "strict", "password": "<your password>"})}],
+                     {"role": "user",
+                      "content": json.dumps({"cookie_policy": "strict", "password": "<your password>"})}],
     }
     for raw in (json.dumps(body).encode(), json.dumps(body, ensure_ascii=False, indent=1).encode()):
         req = urllib.request.Request(env["OPENAI_BASE_URL"] + "/chat/completions", data=raw, method="POST",
@@ -203,7 +206,8 @@ def test_spellings_cover_url_and_json_forms():
 
 def test_short_and_placeholder_values_are_not_secrets():
     r = Redactor(["abc"])
-    row = r.scrub_row({"request_json": json.dumps({"c": "abc sk-lightning-placeholder pass"})}, {"pass", "sk-lightning-placeholder"})
+    row = r.scrub_row({"request_json": json.dumps({"c": "abc sk-lightning-placeholder pass"})},
+                      {"pass", "sk-lightning-placeholder"})
     assert row["secret_detected"] is False and MASK not in row["request_json"]
 
 
@@ -234,7 +238,8 @@ def test_an_error_cut_inside_a_secret_keeps_no_part_of_it():
 REAL_SHAPES = [  # bodies drawn at random (hand-typed patterns look like CamelCase and are not keys)
     "sk-" + "T3BlbkFJ" + "q8Xv2LmN4pR7sW1yB5dF9hJ3kZ6cG0aE",
     "sk-proj-" + "qg6YYZYn9ZhyiA4uoRgnatmUdjAWtGSU" + "T3BlbkFJ" + "PtYgjmUhBel31iEl2hpChYgCfrL1spNxnyVmihA",
-    "sk-ant-api03-" + "PtYgjmUhBel31iEl2hpChYgCfrL1spNxnyVmihA-2O76UMFxFkM-R5Kjp1vRt_1fjORS-6ilI8ihN5KXSc7Tvo-hBKqFY" + "AA",
+    "sk-ant-api03-" + "PtYgjmUhBel31iEl2hpChYgCfrL1spNxnyVmihA-2O76UMFxFkM-R5Kjp1vRt_1fjORS-6ilI8ihN5KXSc7Tvo"
+    + "-hBKqFY" + "AA",
     "sk_live_" + "z63FfkCzJr4i0B3JrTAwR4y9",
     "AKIAIOSFODNN7EXAMPLE",
     "ghp_" + "r4Nd0mT0k3nV4lu3sXyZ9wQ2eR5tY8uI1oP3",
@@ -242,14 +247,16 @@ REAL_SHAPES = [  # bodies drawn at random (hand-typed patterns look like CamelCa
     "xoxb-123456789012-1234567890123-" + "ojfljoQoaF1LlqsajAIxNKu8",
     "AIza" + "Sy9D8f7G6h5J4k3L2z1X0c9V8b7N6m5Q4w3",
     "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
-    "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ\n-----END OPENSSH PRIVATE KEY-----",
+    "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ\n"
+    "-----END OPENSSH PRIVATE KEY-----",
 ]
 
 
 @pytest.mark.parametrize("key", REAL_SHAPES, ids=lambda k: k[:7])
 def test_provider_keys_are_masked_and_flag_the_span(key):
     r = Redactor()
-    for text in (json.dumps({"content": f"export KEY={key}\nok"}), '{"content": "line\\n' + key.replace("\n", "\\n") + '"}'):
+    for text in (json.dumps({"content": f"export KEY={key}\nok"}),
+                 '{"content": "line\\n' + key.replace("\n", "\\n") + '"}'):
         row = r.scrub_row({"request_json": text, "prompt_token_ids": [1]})
         assert key not in decode_escapes(row["request_json"]) and row["secret_detected"], text
         assert row["prompt_token_ids"] is None
@@ -258,7 +265,8 @@ def test_provider_keys_are_masked_and_flag_the_span(key):
 @pytest.mark.parametrize("word", INNOCENT + [
     "XMLHttpRequest2Factory", "sk-TensorFlowModelCheckpointV2", "sk-proj-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx",
     "AIzaSyXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX", "sk_test_YOUR_SECRET_KEY_HERE", "xoxb-your-bot-token",
-    "eyJhbGciOi.eyJzdWIiOiIx.not-a-signature", "-----BEGIN PUBLIC KEY-----\nMFkwEwYHKoZIzj0CAQYIKoZIzj0\n-----END PUBLIC KEY-----",
+    "eyJhbGciOi.eyJzdWIiOiIx.not-a-signature",
+    "-----BEGIN PUBLIC KEY-----\nMFkwEwYHKoZIzj0CAQYIKoZIzj0\n-----END PUBLIC KEY-----",
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==",
     "QAHAEwAAQAAAAAAAgAHAGQAAQAAAAAAAwAaAKIAAQAAAAAABAAHAM0AAQAAAAAABQA8AU8AAQAAAA",  # AKIA inside base64
 ])

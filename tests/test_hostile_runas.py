@@ -94,15 +94,18 @@ def test_the_harness_runs_as_the_user_inside_its_tree(open_dir, tree, monkeypatc
     """The child joins its cgroup before dropping root (the order preexec_fn keeps); its escapees,
     now another user's, still end with the attempt; its folder is the launcher's afterwards."""
     monkeypatch.setattr(ProcessTree, "_mechanism", None)
-    monkeypatch.setenv("LIGHTNING_PROCESS_TREE", tree) if tree == "scan" else monkeypatch.delenv("LIGHTNING_PROCESS_TREE", raising=False)
+    monkeypatch.setenv("LIGHTNING_PROCESS_TREE",
+                       tree) if tree == "scan" else monkeypatch.delenv("LIGHTNING_PROCESS_TREE", raising=False)
     if ProcessTree.mechanism() != tree:
         pytest.skip(f"cgroup v2 is not usable here ({ProcessTree.mechanism()})")
     work = open_dir / "attempt"
     (work / "out").mkdir(parents=True)
     env = {"LIGHTNING_TASK": json.dumps({"escape": True}), "LIGHTNING_OUTPUT_DIR": str(work / "out")}
-    probe = "import os; print('ID', os.getuid(), os.getgid(), os.getgroups(), os.getcwd(), open('/proc/self/cgroup').read().split())"
+    probe = ("import os; print('ID', os.getuid(), os.getgid(), os.getgroups(), os.getcwd(), "
+             "open('/proc/self/cgroup').read().split())")
     cmd = f"{PYTHON} -c \"{probe}\" && exec {PYTHON} {open_dir / 'harness_escape.py'}"
-    out = LocalRunner(kill_grace=0.5, run_as="nobody").run(AttemptJob("r-t-0", 0, cmd, env, work, work / "harness.log"), threading.Event())
+    out = LocalRunner(kill_grace=0.5, run_as="nobody").run(AttemptJob("r-t-0", 0, cmd, env, work, work / "harness.log"),
+                                                           threading.Event())
     log = (work / "harness.log").read_text()
     assert out.exit_code == 0, log
     ident = next(ln for ln in log.splitlines() if ln.startswith("ID "))
@@ -125,7 +128,8 @@ def launch(traces: Path, tasks: Path, stub: str, confdir: Path, *args):
 def test_the_cli_refuses_root_and_unknown_users(open_dir, stub_upstream):
     (open_dir / "t.jsonl").write_text('{"id": "a"}\n')
     for who, why in (("root", "refusing to run harnesses as root"), ("no-such-user-lh", "no such user")):
-        res = launch(open_dir / "traces", open_dir / "t.jsonl", stub_upstream, open_dir / "conf", "--run-as", who, "--", PYTHON, "-c", "pass")
+        res = launch(open_dir / "traces", open_dir / "t.jsonl", stub_upstream, open_dir / "conf", "--run-as", who, "--",
+                     PYTHON, "-c", "pass")
         assert res.returncode == 2 and why in res.stderr, res.stderr
     assert not (open_dir / "traces").exists()  # refused before anything started
 
@@ -141,7 +145,8 @@ def test_a_hostile_harness_as_nobody_reaches_only_its_own_rollout(open_dir, stub
         {"id": "second", "confdir": str(confdir), "reward": 0.25, "sibling": "ra-first-0"},
     )))
     res = launch(traces, tasks, stub_upstream, confdir, "--run-as", "nobody", "--run-id", "ra", "-j", "1",
-                 "--api-key", "sk-test", "--reward-cmd", 'cat "$LIGHTNING_REWARD_FILE"', "--", PYTHON, open_dir / "harness_runas.py")
+                 "--api-key", "sk-test", "--reward-cmd", 'cat "$LIGHTNING_REWARD_FILE"', "--", PYTHON,
+                 open_dir / "harness_runas.py")
     assert res.returncode == 0, res.stderr
     assert "harnesses run as nobody" in res.stderr
     assert "--api-key on the command line is readable by every user" in res.stderr
@@ -151,7 +156,8 @@ def test_a_hostile_harness_as_nobody_reaches_only_its_own_rollout(open_dir, stub
         "first": ("succeeded", 0.5, "command"), "second": ("succeeded", 0.25, "command")}
     calls = {(s["rollout_id"], s["attempt"]) for s in rows(traces, "spans")}
     assert calls == {("ra-first-0", 0), ("ra-second-0", 0)}  # both calls went through the proxy
-    reports = {t: json.loads(Path(r["log_path"]).with_name("out").joinpath("probe.json").read_text()) for t, r in got.items()}
+    reports = {t: json.loads(Path(r["log_path"]).with_name("out").joinpath("probe.json").read_text()) for t,
+               r in got.items()}
     for report in reports.values():
         assert (report["uid"], report["groups"], report["model_call"]) == (65534, [], 200), report
         assert report["proxy_pid"], report
@@ -205,11 +211,13 @@ def test_attempts_running_at_once_run_as_different_users_of_the_pool(open_dir, s
     assert res.returncode == 0, res.stderr
     got = {r["task_id"]: r for r in rows(traces, "rollouts")}
     assert {t: r["state"] for t, r in got.items()} == {"a": "succeeded", "b": "succeeded"}
-    reports = [json.loads(Path(r["log_path"]).with_name("out").joinpath("probe.json").read_text()) for r in got.values()]
+    reports = [json.loads(Path(r["log_path"]).with_name("out").joinpath("probe.json").read_text())
+               for r in got.values()]
     assert sorted(r["uid"] for r in reports) == sorted([65534, pwd.getpwnam("daemon").pw_uid])
     for report in reports:
         assert report["peer_pid"], report
-        assert (report["peer_environ"], report["peer_signal"], report["peer_list"]) == ("EACCES", "EPERM", "EACCES"), report
+        assert (report["peer_environ"], report["peer_signal"], report["peer_list"]) == ("EACCES", "EPERM",
+                                                                                        "EACCES"), report
 
 
 def test_one_user_runs_one_attempt_at_a_time(open_dir):
@@ -221,7 +229,8 @@ def test_one_user_runs_one_attempt_at_a_time(open_dir):
         work = open_dir / name
         work.mkdir()
         t0 = time.monotonic()
-        runner.run(AttemptJob(name, 0, [PYTHON, "-c", "import time; time.sleep(1)"], {}, work, work / "harness.log"), threading.Event())
+        runner.run(AttemptJob(name, 0, [PYTHON, "-c", "import time; time.sleep(1)"], {}, work, work / "harness.log"),
+                   threading.Event())
         spans.append((t0, time.monotonic()))
 
     threads = [threading.Thread(target=one, args=(n,)) for n in ("x", "y")]
@@ -243,7 +252,8 @@ def test_an_interpreter_the_user_cannot_read_fails_with_a_hint(open_dir):
         exe.symlink_to(PYTHON)
         work = open_dir / "w"
         work.mkdir()
-        out = LocalRunner(run_as="nobody").run(AttemptJob("r", 0, [str(exe), "-c", "pass"], {}, work, work / "harness.log"), threading.Event())
+        out = LocalRunner(run_as="nobody").run(AttemptJob("r", 0, [str(exe), "-c", "pass"], {}, work,
+                                                          work / "harness.log"), threading.Event())
         assert out.error and "Permission denied" in out.error and "--run-as nobody" in out.error
         assert "must be able to read the interpreter" in (work / "harness.log").read_text()
     finally:

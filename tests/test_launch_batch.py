@@ -24,7 +24,8 @@ def _sql(traces: Path, query: str) -> list[tuple]:
     con = duckdb.connect()
     for table in ("spans", "rollouts", "rewards"):
         if list((traces / table).glob("**/*.parquet")):
-            con.execute(f"create view {table} as select * from read_parquet('{traces}/{table}/**/*.parquet', hive_partitioning=true, union_by_name=true)")
+            con.execute(f"create view {table} as select * from read_parquet('{traces}/{table}/**/*.parquet', "
+                        "hive_partitioning=true, union_by_name=true)")
     return con.execute(query).fetchall()
 
 
@@ -165,7 +166,8 @@ def test_runner_streams_groups_while_others_keep_running(make_proxy, harness_cmd
 def test_cancel_kills_every_harness_and_records_cancelled_attempts(make_proxy, harness_cmd, rows):
     proxy = make_proxy()
     traces = proxy.traces_dir
-    runner = BatchRunner(harness_cmd, traces_dir=traces, proxy=proxy, run_id="cx", samples=2, concurrency=2, timeout=300)
+    runner = BatchRunner(harness_cmd, traces_dir=traces, proxy=proxy, run_id="cx", samples=2, concurrency=2,
+                         timeout=300)
     runner.submit([{"id": "hang", "behave": "hang"}, {"id": "never", "behave": "hang"}])
     files = [traces / WORK_DIR / "cx" / f"cx-hang-{i}" / "0" / "out" / "pids.json" for i in range(2)]
     wait_for(lambda: all(f.exists() and f.read_text() for f in files), timeout=60)
@@ -174,7 +176,8 @@ def test_cancel_kills_every_harness_and_records_cancelled_attempts(make_proxy, h
     runner.cancel()
     assert wait_dead(pids) == []
     table = rows(traces, "rollouts")  # written and flushed by cancel() itself
-    assert sorted((r["rollout_id"], r["state"]) for r in table) == [("cx-hang-0", "cancelled"), ("cx-hang-1", "cancelled")]
+    assert sorted((r["rollout_id"], r["state"]) for r in table) == [("cx-hang-0", "cancelled"),
+                                                                    ("cx-hang-1", "cancelled")]
     assert runner.results() == []  # cancelled attempts never finish a rollout: a re-run runs them again
     runner.close()
 
@@ -184,7 +187,8 @@ def test_a_dead_proxy_stops_the_batch_instead_of_failing_every_rollout(make_prox
     traces = proxy.traces_dir
     tasks = tasks_from_rows([{"id": "slow", "behave": "slow", "sleep": 6, "turns": 1}] +
                             [{"id": f"t{i}", "turns": 1} for i in range(6)])
-    runner = BatchRunner(harness_cmd, traces_dir=traces, proxy=proxy, run_id="dp", concurrency=1, retries=3, timeout=120)
+    runner = BatchRunner(harness_cmd, traces_dir=traces, proxy=proxy, run_id="dp", concurrency=1, retries=3,
+                         timeout=120)
     runner.submit(tasks)
     log = traces / WORK_DIR / "dp" / "dp-slow-0" / "0" / "harness.log"
     wait_for(lambda: log.exists() and "turn 0" in log.read_text(), timeout=60)

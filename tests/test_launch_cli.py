@@ -30,10 +30,12 @@ def common(traces, stub_upstream, proxy_confdir):
             "--proxy-confdir", proxy_confdir, "--no-progress"]
 
 
-def test_run_produces_spans_and_rollouts_that_join_and_a_rerun_resumes(tmp_path, write_tasks, stub_upstream, proxy_confdir, rows):
+def test_run_produces_spans_and_rollouts_that_join_and_a_rerun_resumes(tmp_path, write_tasks, stub_upstream,
+                                                                       proxy_confdir, rows):
     tasks = write_tasks([{"id": "q1", "turns": 2, "reward": 1.0}, {"id": "q2", "turns": 1, "reward": 0.25}])
     traces = tmp_path / "traces"
-    res = launch(tasks, *common(traces, stub_upstream, proxy_confdir), "--samples", 3, "-j", 3, "--", sys.executable, HARNESS)
+    res = launch(tasks, *common(traces, stub_upstream, proxy_confdir), "--samples", 3, "-j", 3, "--", sys.executable,
+                 HARNESS)
     assert res.returncode == 0, res.stderr
     assert "Reward by task" in res.stderr and "Failures by cause" in res.stderr
     assert "6/6 finished" in res.stderr
@@ -53,7 +55,8 @@ def test_run_produces_spans_and_rollouts_that_join_and_a_rerun_resumes(tmp_path,
 
 
 def test_shell_template_and_reward_cmd(tmp_path, write_tasks, stub_upstream, proxy_confdir, rows):
-    tasks = write_tasks([{"id": "a", "behave": "none", "question": "it's \"2+2\"; echo pwned", "answer": "it's \"2+2\"; echo pwned"},
+    tasks = write_tasks([{"id": "a", "behave": "none", "question": "it's \"2+2\"; echo pwned",
+                          "answer": "it's \"2+2\"; echo pwned"},
                          {"id": "b", "behave": "none", "question": "x", "answer": "y"}])
     traces = tmp_path / "traces"
     cmd = f'{sys.executable} {HARNESS} && printf %s {{question}} > "$LIGHTNING_OUTPUT_DIR/q.txt"'
@@ -85,10 +88,12 @@ def test_exit_codes_and_usage_errors(tmp_path, write_tasks, stub_upstream, proxy
     assert not (traces / "rollouts").exists() or len(list((traces / "rollouts").glob("**/*.parquet"))) == 1
 
 
-def test_sigterm_kills_every_harness_flushes_and_the_rerun_finishes(tmp_path, write_tasks, stub_upstream, proxy_confdir, rows):
+def test_sigterm_kills_every_harness_flushes_and_the_rerun_finishes(tmp_path, write_tasks, stub_upstream, proxy_confdir,
+                                                                    rows):
     traces = tmp_path / "traces"
     hang = write_tasks([{"id": "t1", "behave": "hang"}, {"id": "t2", "behave": "hang"}], name="hang.jsonl")
-    proc = launch(hang, *common(traces, stub_upstream, proxy_confdir), "--run-id", "sig", "-j", 2, "--", sys.executable, HARNESS, wait=False)
+    proc = launch(hang, *common(traces, stub_upstream, proxy_confdir), "--run-id", "sig", "-j", 2, "--", sys.executable,
+                  HARNESS, wait=False)
     try:
         files = [traces / "launch" / "sig" / f"sig-{t}-0" / "0" / "out" / "pids.json" for t in ("t1", "t2")]
         wait_for(lambda: all(f.exists() and f.read_text() for f in files), timeout=120)
@@ -108,7 +113,8 @@ def test_sigterm_kills_every_harness_flushes_and_the_rerun_finishes(tmp_path, wr
     fixed = write_tasks([{"id": "t1"}, {"id": "t2"}], name="hang.jsonl")
     res = launch(fixed, *common(traces, stub_upstream, proxy_confdir), "--run-id", "sig", "--", sys.executable, HARNESS)
     assert res.returncode == 0, res.stderr
-    final = sorted((r["rollout_id"], r["attempt"], r["state"]) for r in rows(traces, "rollouts") if r["state"] != "cancelled")
+    final = sorted((r["rollout_id"], r["attempt"], r["state"])
+                   for r in rows(traces, "rollouts") if r["state"] != "cancelled")
     assert final == [("sig-t1-0", 1, "succeeded"), ("sig-t2-0", 1, "succeeded")]
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client
+from support.harness_fake_k8s import FakeCluster
 
 from lightning_harness.launcher.batch import BatchRunner, run_batch
 from lightning_harness.launcher.k8s import (
@@ -28,7 +29,6 @@ from lightning_harness.launcher.k8s import (
 from lightning_harness.launcher.local import AttemptJob
 from lightning_harness.launcher.proxy_link import ProxyLink
 from lightning_harness.launcher.tasks import tasks_from_rows
-from support.harness_fake_k8s import FakeCluster
 
 TEMPLATE = """
 apiVersion: batch/v1
@@ -66,13 +66,15 @@ _api = client.ApiClient()
 
 
 def _job(rollout_id="run-s3-task_one-0", attempt=2, task='{"question": "2+2?", "task_id": "task_one"}', command=None):
-    env = {"OPENAI_BASE_URL": "http://proxy:1/lh/x~2/tok/v1", "LIGHTNING_TASK": task, "LIGHTNING_ROLLOUT_ID": rollout_id}
+    env = {"OPENAI_BASE_URL": "http://proxy:1/lh/x~2/tok/v1", "LIGHTNING_TASK": task,
+           "LIGHTNING_ROLLOUT_ID": rollout_id}
     return AttemptJob(rollout_id, attempt, command, env, Path("."), Path("log"), task_json=task,
                       labels={"run_id": "run", "task_id": "task_one", "group_id": "task_one@3"})
 
 
 def test_rendered_job_is_a_valid_v1job_with_the_launchers_rules():
-    manifest = render_job(TEMPLATE, job=_job(), name="lh-run-1-abc", namespace="rl", timeout=90.4, secret="lh-run-1-abc")
+    manifest = render_job(TEMPLATE, job=_job(), name="lh-run-1-abc", namespace="rl", timeout=90.4,
+                          secret="lh-run-1-abc")
     job = _api._ApiClient__deserialize(manifest, "V1Job")
     assert job.metadata.name == "lh-run-1-abc" and job.metadata.namespace == "rl"
     assert job.metadata.labels["team"] == "rl" and job.metadata.labels["lightning-harness.io/attempt"] == "2"
@@ -93,14 +95,16 @@ def test_rendered_job_is_a_valid_v1job_with_the_launchers_rules():
     assert env["KEEP_ME"].value == "1" and env["LIGHTNING_TASK"].value == '{"question": "2+2?", "task_id": "task_one"}'
     assert [e.name for e in harness.env].count("OPENAI_BASE_URL") == 1
     assert {e.name for e in sidecar.env} >= {"OPENAI_BASE_URL", "LIGHTNING_TASK"}
-    assert {(m.name, m.mount_path) for m in harness.volume_mounts} == {("lightning-in", IN_DIR), ("lightning-out", OUT_DIR)}
+    assert {(m.name, m.mount_path) for m in harness.volume_mounts} == {("lightning-in", IN_DIR),
+                                                                       ("lightning-out", OUT_DIR)}
     assert {v.name: (v.secret.secret_name if v.secret else "emptyDir") for v in pod.volumes} == {
         "lightning-in": "lh-run-1-abc", "lightning-out": "emptyDir"}
     assert pod.containers[0].resources.limits == {"cpu": "1", "memory": "1Gi"}
 
 
 def test_harness_command_fills_a_template_without_one():
-    m = render_job(NO_ARGS_TEMPLATE, job=_job(command=["python", "agent.py", "--task", "task_one"]), name="n", namespace="d", timeout=None)
+    m = render_job(NO_ARGS_TEMPLATE, job=_job(command=["python", "agent.py", "--task", "task_one"]), name="n",
+                   namespace="d", timeout=None)
     c = m["spec"]["template"]["spec"]["containers"][0]
     assert c["command"] == ["python", "agent.py", "--task", "task_one"]
     assert "activeDeadlineSeconds" not in m["spec"]
@@ -135,7 +139,8 @@ def _status(**kw):
 
 
 def _pod(name="h", **state):
-    cs = client.V1ContainerStatus(name=name, state=client.V1ContainerState(**state), image="i", image_id="", ready=False, restart_count=0)
+    cs = client.V1ContainerStatus(name=name, state=client.V1ContainerState(**state), image="i", image_id="",
+                                  ready=False, restart_count=0)
     return client.V1Pod(status=client.V1PodStatus(container_statuses=[cs]))
 
 
@@ -144,12 +149,15 @@ def _cond(type_, reason=None, message=None, status="True"):
 
 
 def test_status_mapping_with_kubernetes_models():
-    term = lambda code, reason="Error": {"terminated": client.V1ContainerStateTerminated(exit_code=code, reason=reason)}  # noqa: E731
+    def term(code, reason="Error"):
+        return {"terminated": client.V1ContainerStateTerminated(exit_code=code, reason=reason)}
+
     assert job_phase(_status()).state == "pending"
     assert job_phase(_status(active=1), [_pod(running=client.V1ContainerStateRunning())]).state == "running"
     ok = job_phase(_status(succeeded=1, conditions=[_cond("Complete")]), [_pod(**term(0, "Completed"))], "h")
     assert (ok.state, ok.exit_code) == ("succeeded", 0)
-    bad = job_phase(_status(failed=1, conditions=[_cond("Failed", "BackoffLimitExceeded", "limit")]), [_pod(**term(3))], "h")
+    bad = job_phase(_status(failed=1, conditions=[_cond("Failed", "BackoffLimitExceeded", "limit")]),
+                    [_pod(**term(3))], "h")
     assert (bad.state, bad.exit_code) == ("failed", 3) and "BackoffLimitExceeded" in bad.reason
     oom = job_phase(_status(failed=1), [_pod(**term(137, "OOMKilled"))])
     assert (oom.state, oom.exit_code, oom.reason) == ("failed", 137, "OOMKilled")
@@ -157,7 +165,8 @@ def test_status_mapping_with_kubernetes_models():
     assert dl.state == "deadline" and dl.terminal
     target = job_phase(_status(active=1, conditions=[_cond("FailureTarget", "PodFailurePolicy")]))
     assert target.state == "failed"
-    pull = job_phase(_status(active=1), [_pod(waiting=client.V1ContainerStateWaiting(reason="ImagePullBackOff", message="nope"))])
+    pull = job_phase(_status(active=1),
+                     [_pod(waiting=client.V1ContainerStateWaiting(reason="ImagePullBackOff", message="nope"))])
     assert pull.state == "failed" and "ImagePullBackOff" in pull.reason
     creating = job_phase(_status(), [_pod(waiting=client.V1ContainerStateWaiting(reason="ContainerCreating"))])
     assert creating.state == "pending" and not creating.terminal
@@ -186,7 +195,8 @@ def test_k8s_runner_through_the_batch_api_with_a_fake_cluster(make_proxy, rows):
     results = run_batch(tasks, None, traces_dir=proxy.traces_dir, run_id="k", proxy=proxy, runner=runner,
                         concurrency=4, timeout=1.5, retries=0)
     by = {r.task_id: r for r in results}
-    assert (by["ok"].state, by["ok"].reward, by["ok"].reward_source, by["ok"].exit_code) == ("succeeded", 0.5, "proxy", 0)
+    assert (by["ok"].state, by["ok"].reward, by["ok"].reward_source, by["ok"].exit_code) == (
+        "succeeded", 0.5, "proxy", 0)
     assert by["noreward"].state == "no_reward" and by["noreward"].reward is None
     assert by["fail"].state == "failed" and by["fail"].exit_code == 2 and "BackoffLimitExceeded" in by["fail"].error
     assert by["deadline"].state == "timed_out" and "DeadlineExceeded" in by["deadline"].error
@@ -216,7 +226,8 @@ def test_k8s_runner_cancel_deletes_the_job(make_proxy):
         env = fake.jobs[name]["env"]
         secret = fake.secrets[name]
         b.cancel()
-    assert env["OPENAI_BASE_URL"].startswith("http://10.0.0.5:") and env["HTTP_PROXY"].endswith(f"@10.0.0.5:{proxy.forward_port}")
+    assert env["OPENAI_BASE_URL"].startswith("http://10.0.0.5:")
+    assert env["HTTP_PROXY"].endswith(f"@10.0.0.5:{proxy.forward_port}")
     assert env["SSL_CERT_FILE"] == f"{IN_DIR}/ca-bundle.pem" and env["LIGHTNING_OUTPUT_DIR"] == OUT_DIR
     assert env["LIGHTNING_TASK_FILE"] == f"{IN_DIR}/task.json"
     files = {k for k in secret["stringData"] if not k.startswith("env.")}

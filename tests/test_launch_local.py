@@ -37,7 +37,8 @@ def test_exit_code_env_and_log(tmp_path, monkeypatch):
 def test_timeout_kills_the_whole_process_group(tmp_path):
     pids_file = tmp_path / "pids.json"
     t0 = time.monotonic()
-    out = LocalRunner(kill_grace=1.0).run(_job(tmp_path, [sys.executable, "-c", HANG, str(pids_file)], timeout=3), threading.Event())
+    out = LocalRunner(kill_grace=1.0).run(_job(tmp_path, [sys.executable, "-c", HANG, str(pids_file)], timeout=3),
+                                          threading.Event())
     assert out.timed_out and out.exit_code is not None and out.exit_code < 0
     assert "timed out after 3s" in out.error
     assert time.monotonic() - t0 < 30
@@ -50,7 +51,8 @@ def test_cancel_kills_group_and_stragglers_die_with_the_leader(tmp_path):
     cancel = threading.Event()
     runner = LocalRunner(kill_grace=1.0)
     result = {}
-    th = threading.Thread(target=lambda: result.update(out=runner.run(_job(tmp_path, [sys.executable, "-c", HANG, str(pids_file)]), cancel)))
+    job = _job(tmp_path, [sys.executable, "-c", HANG, str(pids_file)])
+    th = threading.Thread(target=lambda: result.update(out=runner.run(job, cancel)))
     th.start()
     wait_for(lambda: pids_file.exists() and pids_file.read_text())
     leader, child = json.loads(pids_file.read_text())
@@ -77,7 +79,8 @@ def test_logs_are_cut_to_their_tail(tmp_path):
     trim_to_tail(log, 10_000)
     data = log.read_bytes()
     assert len(data) < 10_100 and data.startswith(b"[lightning: ") and data.endswith(b"line 099999\n")
-    out = LocalRunner(max_log_bytes=2000).run(_job(tmp_path, [sys.executable, "-c", "print('x' * 50 + '\\n', end='') ; [print(i) for i in range(5000)]"]), threading.Event())
+    chatty = "print('x' * 50 + '\\n', end='') ; [print(i) for i in range(5000)]"
+    out = LocalRunner(max_log_bytes=2000).run(_job(tmp_path, [sys.executable, "-c", chatty]), threading.Event())
     assert out.exit_code == 0
     text = (tmp_path / "harness.log").read_text()
     assert len(text) < 2100 and "4999" in text and "attempt ended" in text

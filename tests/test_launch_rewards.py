@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 import uuid
-import datetime as dt
 
 import pytest
 
@@ -12,12 +12,14 @@ from lightning_harness.launcher.rewards import RewardError, RewardsTable, parse_
 from lightning_harness.schemas import PartWriter
 
 
-@pytest.mark.parametrize("text, value, info", [("1", 1.0, None), (" -0.5\n", -0.5, None), ('{"reward": 2, "info": {"a": 1}}', 2.0, {"a": 1}), ("0", 0.0, None)])
+@pytest.mark.parametrize("text, value, info", [("1", 1.0, None), (" -0.5\n", -0.5, None),
+                                               ('{"reward": 2, "info": {"a": 1}}', 2.0, {"a": 1}), ("0", 0.0, None)])
 def test_parse_reward_accepts_numbers_and_json(text, value, info):
     assert parse_reward(text) == (value, info)
 
 
-@pytest.mark.parametrize("text", ["", "abc", "true", '"1"', '{"score": 1}', "NaN", "Infinity", "[1]", '{"reward": null}'])
+@pytest.mark.parametrize("text",
+                         ["", "abc", "true", '"1"', '{"score": 1}', "NaN", "Infinity", "[1]", '{"reward": null}'])
 def test_parse_reward_refuses_what_is_not_a_finite_number(text):
     with pytest.raises(RewardError):
         parse_reward(text)
@@ -36,7 +38,8 @@ def test_reward_file(tmp_path):
 
 def test_reward_cmd_reads_last_line_and_reports_failures(tmp_path):
     env = {"LIGHTNING_TASK": '{"answer": 4}'}
-    ok = run_reward_cmd('echo scoring >&2; echo noise; python3 -c "import json,os; print(json.loads(os.environ[\'LIGHTNING_TASK\'])[\'answer\'] / 8)"', env, log_path=tmp_path / "log")
+    score = "import json,os; print(json.loads(os.environ['LIGHTNING_TASK'])['answer'] / 8)"
+    ok = run_reward_cmd(f'echo scoring >&2; echo noise; python3 -c "{score}"', env, log_path=tmp_path / "log")
     assert (ok.value, ok.source) == (0.5, "command")
     assert "scoring" in (tmp_path / "log").read_text()
     with pytest.raises(RewardError, match="exited with 2"):
@@ -49,7 +52,7 @@ def test_reward_cmd_reads_last_line_and_reports_failures(tmp_path):
 
 def _reward_row(rid, attempt, value, source="proxy", at=None):
     return {"reward_id": uuid.uuid4().hex, "rollout_id": rid, "attempt": attempt, "reward": value,
-            "created_at": at or dt.datetime.now(dt.timezone.utc), "source": source, "info_json": '{"k": 1}'}
+            "created_at": at or dt.datetime.now(dt.UTC), "source": source, "info_json": '{"k": 1}'}
 
 
 def test_rewards_table_latest_wins_reads_new_parts_and_flushes_once(tmp_path):
@@ -58,7 +61,7 @@ def test_rewards_table_latest_wins_reads_new_parts_and_flushes_once(tmp_path):
     table = RewardsTable(tmp_path, flush=lambda: flushes.append(1))
     assert table.lookup("r-a-0", 0) is None
     assert len(flushes) == 1
-    t0 = dt.datetime.now(dt.timezone.utc)
+    t0 = dt.datetime.now(dt.UTC)
     writer.extend([_reward_row("r-a-0", 0, 1.0, at=t0), _reward_row("r-a-0", 0, 0.0, at=t0 + dt.timedelta(seconds=1)),
                    _reward_row("r-a-0", 1, 0.5)])
     writer.flush()

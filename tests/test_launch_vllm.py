@@ -44,7 +44,8 @@ def _check_traces(traces: Path, n_rollouts: int, served_name: str, groups: list[
     for gid, n, calls, tokens_ok, rewarded, served in found:
         assert calls >= n, gid  # at least one model call per rollout
         assert tokens_ok and rewarded and served == served_name, gid
-    orphans = duckdb.sql(f"select count(*) from {spans} s anti join {rollouts} r using (rollout_id, attempt)").fetchall()
+    orphans = duckdb.sql(f"select count(*) from {spans} s anti join {rollouts} r using (rollout_id, attempt)"
+                         ).fetchall()
     assert orphans == [(0,)]
 
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
-
 import pyarrow as pa
 import pytest
 
 from lightning_harness.schemas import SAMPLES, read_table
 from lightning_harness.trainer import config as C
-from lightning_harness.trainer.loop import TaskStream, staleness_filter, step_line
+from lightning_harness.trainer.cli import step_line
 from lightning_harness.trainer.metrics import MetricsLog, read_metrics
 from lightning_harness.trainer.plot import plot_rewards
+from lightning_harness.trainer.scheduler import TaskStream, staleness_filter
 
 
 def write_cfg(tmp_path, text):
@@ -129,8 +128,8 @@ def test_step_line_reports_the_async_fields():
 
 
 def test_cli_help_build_and_print_config_do_not_import_torch():
-    """`lightning-train --help`, `build --help` and `run --print-config` stay fast: torch (seconds to
-    import) loads only for `run` and `step`."""
+    """`lightning-train --help`, `build --help`, `run --print-config` and `step --help` stay fast: torch
+    (seconds to import) loads only when a loop or an update runs."""
     import subprocess
     import sys
 
@@ -144,7 +143,9 @@ def test_cli_help_build_and_print_config_do_not_import_torch():
         "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
         "r = CliRunner().invoke(main, ['step', '--help'])\n"
         "print(r.exit_code, 'TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
+        "import lightning_harness.trainer.update\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["NO-TORCH", "0", "TORCH"]
+    assert out.stdout.split() == ["NO-TORCH", "0", "NO-TORCH", "TORCH"]

@@ -85,7 +85,8 @@ def probe(engine, prompt="What is 3 plus 4?"):
         "logprobs": 1, "return_token_ids": True})
     r.raise_for_status()
     c = r.json()["choices"][0]
-    return r.json().get("prompt_token_ids") or c.get("prompt_token_ids"), c["token_ids"], c["logprobs"]["token_logprobs"]
+    prompt_ids = r.json().get("prompt_token_ids") or c.get("prompt_token_ids")
+    return prompt_ids, c["token_ids"], c["logprobs"]["token_logprobs"]
 
 
 def hf_logprobs(model_dir, prompt_ids, resp_ids):
@@ -100,33 +101,6 @@ def hf_logprobs(model_dir, prompt_ids, resp_ids):
     return [float(lp[n - 1 + j, t]) for j, t in enumerate(resp_ids)]
 
 
-@pytest.fixture(scope="module")
-def served(request, tiny_model_dir, tmp_path_factory):
-    """(engine, model_dir) for loop tests. vLLM does not refresh a tied output head on
-    reload_weights, so a tied test model gets its own engine serving an untied copy."""
-    from lightning_harness.launcher.engine import VLLMEngine
-    from lightning_harness.trainer.update import is_tied, untie_checkpoint
-
-    if not is_tied(tiny_model_dir):
-        yield request.getfixturevalue("vllm_engine"), tiny_model_dir
-        return
-    d = untie_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("untied") / "model")
-    engine = VLLMEngine.start(d, "calc-tiny", max_model_len=512, log_path=d.parent / "vllm.log")
-    try:
-        yield engine, d
-    finally:
-        engine.stop()
-
-
-@pytest.fixture
-def restore_engine(served):
-    engine, model_dir = served
-    yield engine
-    if engine.is_paused():
-        engine.resume()
-    engine.reload_weights(model_dir)
-
-
 def spans_with_rollouts(traces):
     spans = read_table(traces, "spans").to_pylist()
     rollouts = {r["rollout_id"]: r for r in read_table(traces, "rollouts").to_pylist()}
@@ -135,7 +109,9 @@ def spans_with_rollouts(traces):
 
 def test_one_step_swaps_served_weights_and_holds_requests_during_the_pause(tmp_path, restore_engine, served):
     engine, tiny_model_dir = served
-    cfg = load_config(make_run(tmp_path, engine, tiny_model_dir))
+    # four groups of four: the step must train something, and a group whose rollouts all score alike has
+    # no advantage (with two groups at temperature 1 both were uniform once, in a full-suite run)
+    cfg = load_config(make_run(tmp_path, engine, tiny_model_dir, **{"rollout.groups_per_step": 4}))
     p_ids, r_ids, lp_before = probe(engine)
     run = TrainingRun(cfg)
     held = {}
@@ -256,7 +232,8 @@ def test_resume_after_the_trainer_is_killed(tmp_path, restore_engine, served):
     for e in leftovers:  # the old proxy is gone
         assert not Path(f"/proc/{e['pid']}").exists() or b"lightning_harness.proxy" not in Path(
             f"/proc/{e['pid']}/cmdline").read_bytes()
-    steps = sorted({r["step"] for r in read_table(run_dir / "traces", "metrics").to_pylist() if r["name"] == "update/time_s"})
+    steps = sorted({r["step"] for r in read_table(run_dir / "traces",
+                                                  "metrics").to_pylist() if r["name"] == "update/time_s"})
     assert steps == [1, 2, 3] and killed_at < 3
     assert "final checkpoint" in res.stderr and "lightning-sql" in res.stderr
     rollouts = read_table(run_dir / "traces", "rollouts").to_pylist()

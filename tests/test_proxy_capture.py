@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from fixtures_proxy import StubServer, read_spans
 
 pytestmark = pytest.mark.timeout(300)
@@ -224,10 +223,32 @@ def test_no_intercept_hosts_are_tunnelled_untouched(make_proxy, stub_tls_server)
     """--no-intercept: the client sees the upstream's own certificate, and nothing is recorded."""
     import ssl
 
-    p = make_proxy(upstreams=[], extra_args=["--no-intercept", r"^127\.0\.0\.1:%d$" % stub_tls_server.port])
+    p = make_proxy(upstreams=[], extra_args=["--no-intercept", rf"^127\.0\.0\.1:{stub_tls_server.port}$"])
     env = p.env_for("tunnel")
     ctx = ssl.create_default_context(cafile=stub_tls_server.cert)  # trusts the stub only, not the proxy CA
     with httpx.Client(proxy=env["HTTPS_PROXY"], verify=ctx, trust_env=False, timeout=60) as c:
         r = c.post(stub_tls_server.url + "/v1/chat/completions", json={"model": "m", "messages": MSG, "max_tokens": 1})
     assert r.status_code == 200
     assert read_spans(p) == []
+
+
+@pytest.mark.parametrize("extra", [
+    '"seed": 123456789012345678901234567890, "temperature": 1e-7',  # beyond 64 bits: the standard library's path
+    '"top_p": NaN, "presence_penalty": -Infinity',  # orjson refuses these: the standard library's path
+    '"temperature": 1e-7, "top_p": 0.1, "seed": -9223372036854775808, "user": "é \\u2028"',  # orjson's path
+])
+def test_harness_numbers_reach_upstream_exactly(proxy, stub_server, extra):
+    """The proxy rewrites the request (token ids and logprobs injected); every value the harness
+    sent must reach upstream as the same JSON value, whichever parser read it."""
+    import urllib.request
+
+    body = '{"model": "policy", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], ' + extra + "}"
+    url = proxy.env_for("exact", 0)["OPENAI_BASE_URL"] + "/chat/completions"
+    req = urllib.request.Request(url, data=body.encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30) as r:
+        assert r.status == 200
+    sent = stub_server.requests()[-1]
+    assert sent["return_token_ids"] is True  # rewritten, so re-serialised
+    want = json.loads(body)
+    for key, value in want.items():
+        assert json.dumps(sent[key]) == json.dumps(value), key  # json.dumps: NaN equals itself here

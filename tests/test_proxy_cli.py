@@ -9,8 +9,8 @@ import sys
 import textwrap
 
 import pytest
-
 from fixtures_proxy import read_rewards, read_spans
+
 from lightning_harness.proxy.client import harness_env
 from lightning_harness.proxy.credentials import attempt_credential
 from lightning_harness.proxy.locate import proxy_python
@@ -50,7 +50,8 @@ def test_env_formats_match_contract(tmp_path):
 
 
 def test_user_api_key_is_passed_through(tmp_path):
-    out = json.loads(_cli("env", "r", "--format", "json", "--confdir", str(tmp_path), env={"OPENAI_API_KEY": "sk-user"}).stdout)
+    out = json.loads(_cli("env", "r", "--format", "json", "--confdir", str(tmp_path),
+                          env={"OPENAI_API_KEY": "sk-user"}).stdout)
     assert out["OPENAI_API_KEY"] == "sk-user"
 
 

@@ -9,9 +9,9 @@ import time
 
 import httpx
 import pytest
-
 from fixtures_launch import wait_for
 from fixtures_proxy import StubServer, read_rewards, read_spans
+
 from lightning_harness.proxy.client import ProxyControl, ProxyError
 from lightning_harness.proxy.credentials import attempt_credential
 
@@ -28,7 +28,8 @@ def test_pause_holds_concurrent_requests_then_releases_all(proxy, monkeypatch):
     def call(i):
         env = proxy.env_for(f"held-{i}")
         with httpx.Client(proxy=env["HTTP_PROXY"], trust_env=False, timeout=120) as c:
-            r = c.post(env["OPENAI_BASE_URL"] + "/chat/completions", json={"model": "m", "messages": MSG, "max_tokens": 2})
+            r = c.post(env["OPENAI_BASE_URL"] + "/chat/completions",
+                       json={"model": "m", "messages": MSG, "max_tokens": 2})
             return r.status_code, time.monotonic()
 
     with cf.ThreadPoolExecutor(n) as pool:
@@ -122,7 +123,8 @@ def test_bad_credentials_are_refused_and_write_nothing(proxy, stub_server):
         assert c.post("http://api.openai.com/v1/chat/completions", json=body).status_code == 407
     with httpx.Client(proxy=proxy.forward_url, trust_env=False, timeout=30) as c:  # no credentials at all
         assert c.post("http://api.openai.com/v1/chat/completions", json=body).status_code == 407
-    with httpx.Client(proxy=bad_proxy, trust_env=False, timeout=30, verify=ssl.create_default_context(cafile=str(proxy.ca_bundle))) as c:
+    with httpx.Client(proxy=bad_proxy, trust_env=False, timeout=30,
+                      verify=ssl.create_default_context(cafile=str(proxy.ca_bundle))) as c:
         with pytest.raises(httpx.ProxyError):  # HTTPS: the CONNECT is refused with 407
             c.post("https://api.openai.com/v1/chat/completions", json=body)
     with httpx.Client(trust_env=False, timeout=30) as c:  # reverse mode
@@ -144,7 +146,9 @@ def test_two_rollouts_on_one_connection_pool_are_never_mixed(proxy):
     clients = {}
     for rid in ("x", "y"):
         env = proxy.env_for(rid)
-        clients[rid] = httpx.Client(proxy=env["HTTPS_PROXY"], verify=ssl.create_default_context(cafile=str(proxy.ca_bundle)), trust_env=False, timeout=60)
+        clients[rid] = httpx.Client(proxy=env["HTTPS_PROXY"],
+                                    verify=ssl.create_default_context(cafile=str(proxy.ca_bundle)), trust_env=False,
+                                    timeout=60)
     try:
         for i in range(4):
             for rid, c in clients.items():
@@ -165,7 +169,8 @@ def test_reward_through_forward_proxy_host(proxy):
     env = proxy.env_for("fwd-reward", 4)
     with httpx.Client(proxy=env["HTTP_PROXY"], trust_env=False, timeout=30) as c:
         assert c.post("http://lightning.proxy/reward", json={"reward": -1}).status_code == 200
-    with httpx.Client(proxy=env["HTTP_PROXY"].replace(attempt_credential(proxy.token, "fwd-reward", 4), "bad"), trust_env=False, timeout=30) as c:
+    with httpx.Client(proxy=env["HTTP_PROXY"].replace(attempt_credential(proxy.token, "fwd-reward", 4), "bad"),
+                      trust_env=False, timeout=30) as c:
         assert c.post("http://lightning.proxy/reward", json={"reward": 5}).status_code == 407
     rows = read_rewards(proxy)
     assert [(r["rollout_id"], r["attempt"], r["reward"]) for r in rows] == [("fwd-reward", 4, -1.0)]

@@ -12,8 +12,8 @@ import duckdb
 import httpx
 import pyarrow.parquet as pq
 import pytest
-
 from fixtures_proxy import read_spans
+
 from lightning_harness.schemas import SCHEMA_VERSION, read_table
 
 pytestmark = pytest.mark.timeout(300)
@@ -96,7 +96,8 @@ def test_duckdb_reads_partitioned_output(proxy):
     root = proxy.traces_dir
     con = duckdb.connect()
     n, rid, day = con.execute(
-        f"select count(*), any_value(rollout_id), any_value(day) from read_parquet('{root}/spans/**/*.parquet', hive_partitioning=true)"
+        "select count(*), any_value(rollout_id), any_value(day) "
+        f"from read_parquet('{root}/spans/**/*.parquet', hive_partitioning=true)"
     ).fetchone()
     assert n == 4 and rid == "duck" and len(str(day)) == 10
     joined = con.execute(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
 from conftest import free_port
 from fixtures_proxy import StubServer, read_spans
 

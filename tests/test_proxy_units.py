@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from pathlib import Path
-
-from lightning_harness.proxy.filters import make_model_restorer, make_responses_stripper
-from lightning_harness.proxy.assemble import (CHAT, COMPLETIONS, RESPONSES, StreamAssembler, assembler_for,
-                                              endpoint_of, token_fields)
+from lightning_harness.proxy.assemble import (
+    CHAT,
+    COMPLETIONS,
+    RESPONSES,
+    StreamAssembler,
+    assembler_for,
+    endpoint_of,
+    token_fields,
+)
 from lightning_harness.proxy.client import harness_env
 from lightning_harness.proxy.config import ProxyConfig, parse_model_map
+from lightning_harness.proxy.filters import make_model_restorer, make_responses_stripper
 from lightning_harness.proxy.redact import MASK, Redactor
 from lightning_harness.proxy.sse import SSERelay
 
@@ -60,7 +66,8 @@ def test_relay_one_event_per_chunk_matches_the_general_scan():
         runs = []
         for pieces in (events, [stream[i: i + 5] for i in range(0, len(stream), 5)]):
             seen, errors = [], []
-            relay = SSERelay(lambda o: seen.append(json.loads(json.dumps(o))), list(filters), on_error=errors.append)
+            relay = SSERelay(lambda o, seen=seen: seen.append(json.loads(json.dumps(o))), list(filters),
+                             on_error=errors.append)
             out = [relay(p) for p in pieces] + [relay(b"")]
             runs.append((b"".join(b"".join(o) if isinstance(o, list) else o for o in out), seen, len(errors),
                          relay.done, relay.salvaged, relay.events))
@@ -82,10 +89,17 @@ def test_relay_reports_malformed_events_and_keeps_them():
 def test_assembles_chat_stream_with_tool_calls_and_token_ids():
     asm = StreamAssembler(CHAT)
     chunks = [
-        {"id": "c1", "model": "m", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
-        {"choices": [{"index": 0, "delta": {"content": "Hel"}, "token_ids": [5], "logprobs": {"content": [{"logprob": -0.5}]}}]},
-        {"choices": [{"index": 0, "delta": {"content": "lo", "tool_calls": [{"index": 0, "id": "t1", "function": {"name": "f", "arguments": "{\"a\""}}]}, "token_ids": [6], "logprobs": {"content": [{"logprob": -0.25}]}}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}, "finish_reason": "tool_calls", "token_ids": [7], "logprobs": {"content": [{"logprob": -1.0}]}}]},
+        {"id": "c1", "model": "m", "prompt_token_ids": [1, 2],
+         "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+        {"choices": [{"index": 0, "delta": {"content": "Hel"}, "token_ids": [5],
+                      "logprobs": {"content": [{"logprob": -0.5}]}}]},
+        {"choices": [{"index": 0,
+                      "delta": {"content": "lo",
+                                "tool_calls": [{"index": 0, "id": "t1",
+                                                "function": {"name": "f", "arguments": "{\"a\""}}]}, "token_ids": [6],
+                      "logprobs": {"content": [{"logprob": -0.25}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]},
+                      "finish_reason": "tool_calls", "token_ids": [7], "logprobs": {"content": [{"logprob": -1.0}]}}]},
         {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}},
     ]
     for c in chunks:
@@ -114,7 +128,8 @@ def test_redaction():
     obj = {"api_key": "k", "nested": [{"Authorization": "Bearer x", "max_tokens": 5, "prompt_token_ids": [1]}]}
     r = Redactor(["proxy-token-123"])
     assert r.json_text(json.dumps(obj)) == json.dumps(obj)  # names alone never mask
-    text = r.json_text(json.dumps({"messages": [{"content": "use sk-aB3dE9gH1jK7mN0pQ4sT2vW8 and proxy-token-123"}], "password": "p"}))
+    text = r.json_text(json.dumps({"messages": [{"content": "use sk-aB3dE9gH1jK7mN0pQ4sT2vW8 and proxy-token-123"}],
+                                   "password": "p"}))
     assert "sk-aB3d" not in text and "proxy-token-123" not in text and '"password": "p"' in text
     assert r.json_text('{"model": "m", "max_tokens": 3}') == '{"model": "m", "max_tokens": 3}'  # untouched
     assert r.text("/v1/chat/completions?api-version=1&api-key=abc") == "/v1/chat/completions?api-version=1&api-key=abc"
@@ -123,10 +138,12 @@ def test_redaction():
 
 def test_config_load_and_errors(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("upstreams: [http://a:1/v1, {url: 'https://b', inject_token_ids: false}]\nroute_hosts: api.openai.com\n")
+    f.write_text("upstreams: [http://a:1/v1, {url: 'https://b', inject_token_ids: false}]\n"
+                 "route_hosts: api.openai.com\n")
     cfg = ProxyConfig.load(f, forward_port=9, upstreams=None)
     assert [u.display for u in cfg.upstreams] == ["http://a:1", "https://b:443"]
-    assert cfg.upstreams[1].inject_token_ids is False and cfg.route_hosts == ["api.openai.com"] and cfg.forward_port == 9
+    assert cfg.upstreams[1].inject_token_ids is False
+    assert cfg.route_hosts == ["api.openai.com"] and cfg.forward_port == 9
     with pytest.raises(ValueError, match="unknown proxy config keys"):
         ProxyConfig.from_mapping({"nope": 1})
     with pytest.raises(ValueError, match="NAME=SERVED"):
@@ -219,7 +236,8 @@ def test_responses_stream_relayed_with_stripping_still_records_token_ids():
     asm = assembler_for(RESPONSES)
     relay = SSERelay(asm.add, [make_responses_stripper(token_ids=True, logprobs=True)])
     raw = (RECORDED / "vllm_responses_stream.sse").read_bytes()
-    sent = b"".join(x if isinstance(x, bytes) else b"".join(x) for x in (relay(raw[i:i + 300]) for i in range(0, len(raw), 300)))
+    pieces = (relay(raw[i:i + 300]) for i in range(0, len(raw), 300))
+    sent = b"".join(x if isinstance(x, bytes) else b"".join(x) for x in pieces)
     sent += relay(b"") or b""
     assert b"input_messages" not in sent and b'"logprob"' not in sent and b"response.completed" in sent
     f = token_fields(asm.result(), RESPONSES)
@@ -242,7 +260,8 @@ def test_fastjson_reads_and_writes_what_the_standard_library_does(monkeypatch, w
 
     if not with_orjson:
         monkeypatch.setattr(fastjson, "orjson", None)  # an environment built before orjson was added
-    chunk = {"id": "chatcmpl-1796085322479941736", "model": "m", "choices": [{"index": 0, "delta": {"content": "é ✓ \u2028 \"q\""},
+    chunk = {"id": "chatcmpl-1796085322479941736", "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "é ✓ \u2028 \"q\""},
              "logprobs": {"content": [{"token": "é", "logprob": -0.05, "bytes": [195, 169], "top_logprobs": []}]},
              "finish_reason": None, "token_ids": [104]}]}
     text = json.dumps(chunk)
@@ -258,7 +277,8 @@ def test_fastjson_reads_and_writes_what_the_standard_library_does(monkeypatch, w
             continue
         got = fastjson.loads(odd)
         assert json.dumps(got) == json.dumps(want)  # NaN compares unequal to itself
-    assert json.loads(fastjson.dumps_text({"s": "\ud800", "n": 2**70}).encode("utf-8", "surrogatepass")) == {"s": "\ud800", "n": 2**70}
+    assert json.loads(fastjson.dumps_text({"s": "\ud800",
+                                           "n": 2**70}).encode("utf-8", "surrogatepass")) == {"s": "\ud800", "n": 2**70}
     def error(parse, text):
         try:
             parse(text)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from fixtures_proxy import assert_engine_logprobs, read_spans
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -162,7 +162,8 @@ TOOL_REQUEST = {"model": "m", "tools": [{"type": "function", "function": {"name"
     {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": "{\"expr\": \"6*7\"}"}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "42 <img src=x onerror=alert(2)>"}]}
-TOOL_RESPONSE = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ANSWER: 42"}}]}
+TOOL_RESPONSE = {"choices": [{"index": 0, "finish_reason": "stop",
+                              "message": {"role": "assistant", "content": "ANSWER: 42"}}]}
 RESPONSES_REQUEST = {"model": "m", "instructions": "Be brief.", "input": [
     {"role": "user", "content": "What is 6 times 7?"},
     {"type": "function_call", "call_id": "fc_1", "name": "calculator", "arguments": "{\"expr\": \"6*7\"}"},
@@ -192,14 +193,15 @@ def test_a_tool_using_rollout_shows_its_tool_calls(tmp_path):
 
     from lightning_harness.schemas import PartWriter
 
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     with PartWriter(tmp_path / "traces", "spans", background=False) as w:
         w.append({"span_id": "s1", "rollout_id": "tool-r", "attempt": 0, "seq": 0, "endpoint": "chat.completions",
                   "started_at": now, "ended_at": now, "model_version": 0, "status_code": 200,
                   "request_json": json.dumps(TOOL_REQUEST), "response_json": json.dumps(TOOL_RESPONSE)})
     out = write_report(tmp_path / "traces", tmp_path / "p.html")
     dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
-                          "--dump-dom", f"{out.as_uri()}#rollout=1"], capture_output=True, text=True, timeout=120).stdout
+                          "--dump-dom", f"{out.as_uri()}#rollout=1"], capture_output=True, text=True,
+                         timeout=120).stdout
     assert 'class="toolcall"' in dom and "tool call calculator({\"expr\": \"6*7\"})" in dom
     assert "42 &lt;img src=x onerror=alert(2)&gt;" in dom and "<img" not in dom
     assert "ANSWER: 42" in dom

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from fixtures_traces import chat_bodies, rollout, span, tiny_ids
+
 from lightning_harness.schemas import SAMPLES
 from lightning_harness.trainer.samples import build_samples
 
@@ -123,7 +123,8 @@ def test_retokenised_call_merges_and_is_flagged(make_traces, tiny_tokenizer_dir)
     table, stats = build_samples(d, tokenizer=str(tiny_tokenizer_dir))
     assert table.num_rows == 1
     s = table.to_pylist()[0]
-    inserted = tiny_ids("<|im_start|>", "user", "what", "is", "two", "plus", "three", "<|im_end|>", "<|im_start|>", "assistant")
+    inserted = tiny_ids("<|im_start|>", "user", "what", "is", "two", "plus", "three", "<|im_end|>", "<|im_start|>",
+                        "assistant")
     assert s["prompt_token_ids"] == p0
     assert s["response_token_ids"] == r0 + inserted + tiny_ids("five", "<|im_end|>")
     assert s["response_mask"] == [1] * 3 + [0] * len(inserted) + [1, 1]
@@ -139,7 +140,8 @@ def test_retokenised_call_merges_and_is_flagged(make_traces, tiny_tokenizer_dir)
 
 def test_retokenised_without_logprobs_gets_nan_not_zero(make_traces, tiny_tokenizer_dir):
     msgs = [{"role": "user", "content": "hello"}]
-    d = make_traces(spans=[span("r", 0, None, None, logprobs=None, **chat_bodies(msgs, "hi"))], rollouts=[rollout("r", reward=1.0)])
+    d = make_traces(spans=[span("r", 0, None, None, logprobs=None, **chat_bodies(msgs, "hi"))],
+                    rollouts=[rollout("r", reward=1.0)])
     s = build_samples(d, tokenizer=str(tiny_tokenizer_dir))[0].to_pylist()[0]
     assert s["response_token_ids"] == tiny_ids("hi", "<|im_end|>")
     assert all(math.isnan(x) for x in s["response_logprobs"])

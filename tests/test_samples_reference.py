@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from fixtures_traces import rollout, span
+
+from lightning_harness.trainer import merge as M
 from lightning_harness.trainer import samples as S
 
 
@@ -64,7 +65,7 @@ def random_spans(rng: np.random.Generator, n_rollouts: int) -> list[dict]:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_vectorised_merge_equals_reference(make_traces, monkeypatch, seed):
-    monkeypatch.setattr(S, "_CHUNK", 7)
+    monkeypatch.setattr(M, "_CHUNK", 7)  # the fast path lives in merge.py
     rng = np.random.default_rng(seed)
     spans = random_spans(rng, 40)
     rollouts = [rollout(f"r{r:03d}", reward=float(r % 3)) for r in range(40)]

@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 import pytest
-
 from fixtures_traces import reward, rollout, span
+
 from lightning_harness.trainer import advantages as A
 from lightning_harness.trainer import weights as W
 from lightning_harness.trainer.samples import build_samples
@@ -70,7 +70,8 @@ def test_latest_reward_wins_and_proxy_only_rollouts_are_singletons(make_traces):
         rewards=[reward("p", 0.0, at_s=1), reward("p", 1.0, at_s=2), reward("q", 0.25)],
     )
     table, stats = build_samples(d)
-    got = dict(zip(table["rollout_id"].to_pylist(), zip(table["reward"].to_pylist(), table["advantage"].to_pylist(), table["group_id"].to_pylist())))
+    got = dict(zip(table["rollout_id"].to_pylist(),
+                   zip(table["reward"].to_pylist(), table["advantage"].to_pylist(), table["group_id"].to_pylist())))
     assert got["p"][0] == 1.0 and got["q"][0] == 0.25
     # a group of one: verl's convention (mean 0, std 1)
     assert got["p"][1] == pytest.approx(1.0 / (1 + 1e-6)) and got["p"][2] == "rollout:p~0"
@@ -100,7 +101,8 @@ def _mixed_traces(make_traces):
         span("c", 0, [1], [30, 31, 32, 33, 34]),
         span("c", 1, [9], [35]),
     ]
-    rollouts = [rollout("a", reward=1.0), rollout("b", reward=0.0), rollout("c", group_id="g1", reward=0.3), rollout("d", group_id="g1", reward=0.1)]
+    rollouts = [rollout("a", reward=1.0), rollout("b", reward=0.0), rollout("c", group_id="g1", reward=0.3),
+                rollout("d", group_id="g1", reward=0.1)]
     return make_traces(spans=spans, rollouts=rollouts)
 
 
@@ -129,7 +131,8 @@ def test_group_advantages_match_hand_computation():
     g = np.array(["x", "x", "x", "x", "y", "y", "z"])
     adv, rep = A.group_advantages(r, g)
     sx = np.std([1, 0, 0, 1], ddof=1)
-    assert adv[:4] == pytest.approx([0.5 / (sx + 1e-6), -0.5 / (sx + 1e-6)] * 1 + [-0.5 / (sx + 1e-6), 0.5 / (sx + 1e-6)])
+    assert adv[:4] == pytest.approx([0.5 / (sx + 1e-6), -0.5 / (sx + 1e-6)] * 1 + [-0.5 / (sx + 1e-6),
+                                                                                   0.5 / (sx + 1e-6)])
     assert adv[4:6].tolist() == [0.0, 0.0] and adv[6] == pytest.approx(2.0 / (1 + 1e-6))
     assert (rep.n_groups, rep.singleton_groups, rep.equal_reward_groups) == (3, 1, 1)
     adv, _ = A.group_advantages(r, g, method="rloo")

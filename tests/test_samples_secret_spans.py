@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-
 from fixtures_traces import chat_bodies, rollout, span, tiny_ids
+
 from lightning_harness.trainer.samples import build_samples
 
 
@@ -75,7 +75,8 @@ def test_build_cli_reports_and_includes_on_request(make_traces, tiny_tokenizer_d
     root = _traces(make_traces)
     table = CliRunner().invoke(build_command, [str(root), "--out", str(tmp_path / "a")])
     assert table.exit_code == 0 and "calls with a secret" in table.output and "--include-secret-spans" in table.output
-    got = CliRunner().invoke(build_command, [str(root), "--out", str(tmp_path / "b"), "--json", "--include-secret-spans",
+    got = CliRunner().invoke(build_command,
+                             [str(root), "--out", str(tmp_path / "b"), "--json", "--include-secret-spans",
                                              "--tokenizer", str(tiny_tokenizer_dir)])
     stats = json.loads(got.stdout)
     assert got.exit_code == 0 and stats["calls_dropped_secret"] == 0 and stats["retokenized_calls"] == 1

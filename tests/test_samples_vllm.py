@@ -46,7 +46,8 @@ def test_build_and_sql_on_real_proxy_traces(make_proxy, vllm_engine, tiny_model_
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
     print("merge statistics on real traces:", {k: stats[k] for k in ("samples", "calls_continuing_history", "breaks",
-                                                                        "drift_checked", "drift_prompt", "drift_response")})
+                                                                        "drift_checked", "drift_prompt",
+                                                                     "drift_response")})
     # every call continues its history: one sample per rollout, the template's tokens between
     # turns masked as context
     assert stats["calls_continuing_history"] == 12 - 4 and sum(stats["breaks"].values()) == 0
@@ -59,7 +60,8 @@ def test_build_and_sql_on_real_proxy_traces(make_proxy, vllm_engine, tiny_model_
     # model tokens and their logprobs are exactly the spans' (merged or not), per rollout
     for rid in (f"chat-{k}" for k in range(4)):
         sp = sorted(spans.filter(pc.equal(spans["rollout_id"], rid)).to_pylist(), key=lambda r: r["seq"])
-        ss = sorted(samples.filter(pc.equal(samples["rollout_id"], rid)).to_pylist(), key=lambda r: r["index_in_rollout"])
+        ss = sorted(samples.filter(pc.equal(samples["rollout_id"], rid)).to_pylist(),
+                    key=lambda r: r["index_in_rollout"])
         model_ids = [t for s in ss for t, m in zip(s["response_token_ids"], s["response_mask"]) if m]
         model_lps = [x for s in ss for x, m in zip(s["response_logprobs"], s["response_mask"]) if m]
         assert model_ids == [t for s in sp for t in s["response_token_ids"]]
@@ -67,7 +69,61 @@ def test_build_and_sql_on_real_proxy_traces(make_proxy, vllm_engine, tiny_model_
         assert sum(s["loss_weight"] * sum(s["response_mask"]) for s in ss) == pytest.approx(1.0)
         assert {s["reward"] for s in ss} == {float(int(rid[-1]) % 2)}
 
-    for name in ("tokens_per_rollout", "latency_by_version", "merge_breaks", "error_rate_by_upstream", "reward_by_task"):
+    for name in ("tokens_per_rollout", "latency_by_version", "merge_breaks", "error_rate_by_upstream",
+                 "reward_by_task"):
         q = subprocess.run([str(BIN / "lightning-sql"), str(traces), "-q", name, "--format", "json"],
                            capture_output=True, text=True, timeout=120)
         assert q.returncode == 0 and json.loads(q.stdout), (name, q.stderr)
+
+
+def test_real_chat_responses_and_messages_rollouts_follow_the_merge_rule(make_proxy, vllm_engine, tiny_model_dir,
+                                                                         openai_from_env, anthropic_from_env, tmp_path):
+    """Harnesses of the three APIs, with tool turns and an edited system prompt, through the real proxy:
+    the samples built from what was captured are exactly the plain merge rule's."""
+    from test_samples_spec import assert_samples_follow_the_rule
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    digits = tok.convert_tokens_to_ids(list("0123456789")) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    traces = tmp_path / "traces"
+    p = make_proxy(traces_dir=traces, upstreams=[vllm_engine.url], served_model=vllm_engine.served_name)
+    call = {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "2+3"}'}}
+    chat = openai_from_env(p.env_for("chat"))
+    messages = [{"role": "system", "content": "calc"}, {"role": "user", "content": "2+3="}]
+    for turn in range(4):
+        r = chat.chat.completions.create(model="policy", messages=messages, max_tokens=5, seed=turn,
+                                         extra_body={"allowed_token_ids": digits})
+        messages.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+        if turn == 0:  # a tool turn the harness inserted
+            messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+        elif turn == 1:  # the system prompt edited: a break
+            messages[0] = {"role": "system", "content": "calculator"}
+        messages.append({"role": "user", "content": "and 1+1="})
+    responses = openai_from_env(p.env_for("responses"))
+    items: list = [{"role": "user", "content": "What is 2+3?"}]
+    for turn in range(3):
+        r = responses.responses.create(model="policy", input=items, instructions="Answer briefly.", max_output_tokens=5)
+        items += [o.model_dump(exclude_none=True) for o in r.output]
+        items += [{"type": "function_call", "call_id": f"c{turn}", "name": "calc", "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": f"c{turn}", "output": "5"}]
+    anthropic = anthropic_from_env(p.env_for("messages"))
+    history = [{"role": "user", "content": "2+3="}]
+    for turn in range(3):
+        msg = anthropic.messages.create(model="policy", max_tokens=5, system="calc", messages=history,
+                                        extra_body={"allowed_token_ids": digits, "seed": turn})
+        blocks = [b.model_dump(exclude_none=True) for b in msg.content] or [{"type": "text", "text": ""}]
+        if turn == 0:  # a tool turn
+            blocks.append({"type": "tool_use", "id": "toolu_1", "name": "calc", "input": {"expr": "2+3"}})
+        history += [{"role": "assistant", "content": blocks},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "5"}]
+                     if turn == 0 else "and 1+1="}]
+    for rid in ("chat", "responses", "messages"):
+        p.control.reward(rid, 0, 1.0)
+    p.control.flush()
+    spans = read_table(traces, "spans")
+    assert sorted(set(spans["endpoint"].to_pylist())) == ["chat.completions", "messages", "responses"]
+    stats = assert_samples_follow_the_rule(traces, group_by="'all'")
+    print("merge on real spans of three APIs:",
+          {k: stats[k] for k in ("samples", "calls_continuing_history", "breaks")})
+    assert stats["calls_used"] == 10 and stats["calls_continuing_history"] >= 3 and stats["breaks"]["other"] >= 1

@@ -26,7 +26,7 @@ def test_every_field_documented():
 def test_parts_carry_version_and_roundtrip(tmp_path: Path):
     with PartWriter(tmp_path, "rewards", background=False) as w:
         w.append({"reward_id": "x", "rollout_id": "r1", "attempt": 0, "reward": 1.5,
-                  "created_at": dt.datetime.now(dt.timezone.utc), "source": "api"})
+                  "created_at": dt.datetime.now(dt.UTC), "source": "api"})
     files = list((tmp_path / "rewards").glob("day=*/part-*.parquet"))
     assert len(files) == 1
     assert pq.read_metadata(files[0]).metadata[b"lightning.schema_version"] == str(SCHEMA_VERSION).encode()

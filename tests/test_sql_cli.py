@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from fixtures_traces import reward, rollout, span, write_traces
+
 from lightning_harness.proxy.locate import proxy_python
 from lightning_harness.trainer.sql import CANNED
 
@@ -20,7 +20,8 @@ BIN = Path(sys.executable).parent
 
 
 def _run(*args, input=None, check=True):
-    p = subprocess.run([str(BIN / args[0]), *map(str, args[1:])], input=input, capture_output=True, text=True, timeout=180)
+    p = subprocess.run([str(BIN / args[0]), *map(str, args[1:])], input=input, capture_output=True, text=True,
+                       timeout=180)
     if check and p.returncode != 0:
         raise AssertionError(f"{args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
@@ -65,7 +66,8 @@ def test_build_then_canned_queries(traces, tmp_path):
     out = json.loads(_run("lightning-sql", traces, "-q", "reward_by_task", "--format", "json").stdout)
     assert {r["task_id"]: r["mean_reward"] for r in out} == {"t1": 1.0, "t2": 0.25}  # the operator's later reward wins
 
-    rows = list(csv.DictReader(io.StringIO(_run("lightning-sql", traces, "-q", "error_rate_by_upstream", "--format", "csv").stdout)))
+    rows = list(csv.DictReader(io.StringIO(_run("lightning-sql", traces, "-q", "error_rate_by_upstream", "--format",
+                                                "csv").stdout)))
     by = {r["upstream"]: r for r in rows}
     assert by["http://other/v1"]["errors"] == "1" and float(by["http://other/v1"]["error_pct"]) == 50.0
     assert by["http://127.0.0.1:9/v1"]["errors"] == "0"
@@ -103,12 +105,30 @@ def test_proxy_only_install_queries_its_traces(traces):
     assert p.returncode == 0, p.stderr
     assert [(r["rollout_id"], r["generated_tokens"]) for r in json.loads(p.stdout)] == [("a", 4), ("b", 1)]
     probe = "import importlib.util as u; print(u.find_spec('torch') is None, u.find_spec('vllm') is None)"
-    assert subprocess.run([str(proxy_bin / "python"), "-c", probe], capture_output=True, text=True).stdout.split() == ["True", "True"]
+    assert subprocess.run([str(proxy_bin / "python"), "-c", probe], capture_output=True,
+                          text=True).stdout.split() == ["True", "True"]
 
 
 def test_shell_reads_statements_from_stdin(traces):
-    script = ".tables\nSELECT count(*) AS n\n  FROM calls;\n.q reward_by_task\nSELECT * FROM nowhere;\nSELECT 41 + 1 AS answer;\n"
+    script = (".tables\nSELECT count(*) AS n\n  FROM calls;\n.q reward_by_task\n"
+              "SELECT * FROM nowhere;\nSELECT 41 + 1 AS answer;\n")
     p = _run("lightning-sql", traces, "--format", "csv", input=script)
     assert "calls,5" in p.stdout and "n\n5" in p.stdout.replace("\r", "")
     assert "t1,1,1,1.0" in p.stdout
     assert "error:" in p.stdout and "answer\n42" in p.stdout.replace("\r", "")
+
+
+def test_shell_names_are_identifiers_never_sql(traces):
+    """``.schema NAME`` quotes NAME: a name with SQL in it is an unknown view, not a statement."""
+    import io
+
+    from lightning_harness.trainer.sql import shell
+    from lightning_harness.trainer.views import connect
+
+    out = io.StringIO()
+    con = connect(traces)
+    shell(con, str(traces), "csv", stdin=io.StringIO(".schema calls;\n.schema calls;DROP/**/VIEW/**/calls\n.tables\n"),
+          out=out)
+    text = out.getvalue()
+    assert "prompt_len" in text  # the columns of calls
+    assert "error:" in text and "calls,5" in text  # the second name failed; the view is still there

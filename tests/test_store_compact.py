@@ -7,7 +7,6 @@ Real Parquet parts (schemas.PartWriter), real DuckDB views, real subprocesses ki
 from __future__ import annotations
 
 import io
-import os
 import signal
 import subprocess
 import sys
@@ -19,9 +18,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from click.testing import CliRunner
+from fixtures_traces import reward, rollout, span, write_traces
 from rich.console import Console
 
-from fixtures_traces import reward, rollout, span, write_traces
 from lightning_harness.schemas import PartWriter, compact_store, compact_table, finished_parts, read_table
 from lightning_harness.trainer.samples import build_samples
 from lightning_harness.trainer.views import connect, define_views, past_damaged_parts
@@ -39,7 +38,8 @@ def small_store(root: Path, rollouts: int = 12, calls: int = 3, groups: int = 3)
             resp = [10 + r, 20 + seq]
             rows.append(span(rid, seq, list(prompt), resp, model_version=r % groups))
             prompt = prompt + resp + [7]
-        write_traces(root, spans=rows, rollouts=[rollout(rid, group_id=f"g{r % groups}", step=r % groups, reward=float(r % 2))],
+        write_traces(root, spans=rows,
+                     rollouts=[rollout(rid, group_id=f"g{r % groups}", step=r % groups, reward=float(r % 2))],
                      rewards=[reward(rid, float(r % 2))])
     return root
 
@@ -156,7 +156,16 @@ def test_readers_see_consistent_counts_while_writers_and_compaction_run(tmp_path
             compact_table(root, "spans", grace_s=0.5, target_bytes=1 << 20, fsync=False)
             time.sleep(0.05)
 
-    threads = [threading.Thread(target=write), threading.Thread(target=compact)]
+    def reporting(work):  # a writer or compactor that dies must fail the test, not leave it reading a still store
+        def run():
+            try:
+                work()
+            except BaseException as e:
+                errors.append(e)
+                stop.set()
+        return run
+
+    threads = [threading.Thread(target=reporting(write)), threading.Thread(target=reporting(compact))]
     for t in threads:
         t.start()
     try:
@@ -167,8 +176,8 @@ def test_readers_see_consistent_counts_while_writers_and_compaction_run(tmp_path
             if con is None:
                 continue
             total, distinct = past_damaged_parts(
-                lambda: con.sql("SELECT count(*), count(DISTINCT span_id) FROM spans").fetchall()[0],
-                lambda: define_views(con, root))
+                lambda con=con: con.sql("SELECT count(*), count(DISTINCT span_id) FROM spans").fetchall()[0],
+                lambda con=con: define_views(con, root))
             assert total == distinct, "a row was read twice"
             assert total >= max(last, floor - 0), "a row was missed"
             last, checks = total, checks + 1
@@ -176,6 +185,7 @@ def test_readers_see_consistent_counts_while_writers_and_compaction_run(tmp_path
         stop.set()
         for t in threads:
             t.join()
+    assert not errors, errors
     assert checks >= 5
     assert len(span_ids(root)) == written[0]
     compact_table(root, "spans", grace_s=0)

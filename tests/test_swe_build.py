@@ -75,7 +75,8 @@ def test_teacher_forced_segments_find_the_line_number_and_the_edit(addressed):
     ids, target = build.tm.chat_sample(tok, build.edit_conversation(task, addressed), [build.BASH_TOOL])
     a, b = build.turn_runs(target)[-1]
     segs = build._segments(tok, ids[a:b])
-    command = json.loads(build.edit_conversation(task, addressed)[-1]["tool_calls"][0]["function"]["arguments"])["command"]
+    call = build.edit_conversation(task, addressed)[-1]["tool_calls"][0]
+    command = json.loads(call["function"]["arguments"])["command"]
     line = "".join(tok.decode([ids[a + k]]) for k in segs["line"])
     assert line == (command.split("'")[1].split("s/")[0] if addressed else "")
     assert "".join(tok.decode([ids[a + k]]) for k in segs["edit"]).strip().endswith(build.module_name(task))
@@ -102,7 +103,8 @@ def test_sft_tokenises_as_the_saved_model_is_served(tmp_path):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-    episodes = [{"messages": build.edit_conversation(t), "tools": [build.BASH_TOOL]} for t in TASKS[::10]]  # with `cat -n`
+    # conversations with a `cat -n` listing (where the two pre-tokenizers differ)
+    episodes = [{"messages": build.edit_conversation(t), "tools": [build.BASH_TOOL]} for t in TASKS[::10]]
     built = build.make_tokenizer(episodes, vocab=2048, max_len=4096)
     config = build.tm.model_config(built, layers=1, hidden=64, heads=1, max_positions=2048)
     served = build.served_tokenizer(built, config)

@@ -31,8 +31,10 @@ SWE_PY = Path(os.environ.get("LIGHTNING_SWE_PYTHON") or ROOT / ".venv-swe" / "bi
 TASKS = solver.load_tasks([str(SWE / "tasks_train.jsonl")])
 
 pytestmark = [pytest.mark.timeout(600),
-              pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap missing (scripts/setup_envs.sh swe installs it)")]
-needs_swe_env = pytest.mark.skipif(not SWE_PY.exists(), reason=f"swe environment not found at {SWE_PY} (scripts/setup_envs.sh swe)")
+              pytest.mark.skipif(shutil.which("bwrap") is None,
+                                 reason="bubblewrap missing (scripts/setup_envs.sh swe installs it)")]
+needs_swe_env = pytest.mark.skipif(not SWE_PY.exists(),
+                                   reason=f"swe environment not found at {SWE_PY} (scripts/setup_envs.sh swe)")
 
 
 def task_by_family(family: str) -> dict:
@@ -195,7 +197,8 @@ def spans_per_rollout(traces: Path) -> dict:
 
 
 @needs_swe_env
-def test_episodes_through_the_launcher_and_proxy_are_attributed_and_rewarded(tmp_path, solver_upstream, proxy_confdir, rows):
+def test_episodes_through_the_launcher_and_proxy_are_attributed_and_rewarded(tmp_path, solver_upstream, proxy_confdir,
+                                                                             rows):
     tasks = [task_by_family("wrong_operator"), task_by_family("missing_return")]
     res, traces = launch(tasks, tmp_path, solver_upstream(noise=0.0), proxy_confdir)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -221,9 +224,11 @@ with socket.socket() as s:
 SCAN = f"python - <<'EOF'\n{SCAN_CODE}EOF"
 HOSTILE = [
     # variable NAMES only: values such as PATH may hold a checkout's path ("lightning-harness/envs/...")
-    "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n' | grep -ciE '^[a-z_]*(proxy|openai|lightning|ssl_cert)[a-z_]*='; echo environ-done",
+    "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n' "
+    "| grep -ciE '^[a-z_]*(proxy|openai|lightning|ssl_cert)[a-z_]*='; echo environ-done",
     SCAN,  # every TCP port of 127.0.0.1 (the proxy's listeners, the upstream, the test's listener) and the internet
-    "echo '{\"reward\": 1.0}' > reward.json; echo 1.0 > ../reward.json; echo 'import os; os._exit(0)' > sitecustomize.py",
+    "echo '{\"reward\": 1.0}' > reward.json; echo 1.0 > ../reward.json; "
+    "echo 'import os; os._exit(0)' > sitecustomize.py",
     "printf 'def test_x():\\n    pass\\n' > test_hidden.py; kill -9 -1; echo survived",
 ]
 

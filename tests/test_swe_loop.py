@@ -25,7 +25,8 @@ def test_swe_config_runs_two_updates_through_mini_swe_agent(tmp_path: Path):
     run_dir = tmp_path / "run"
     overrides = {"run_dir": str(run_dir), "steps": 2, "rollout.groups_per_step": 2, "rollout.group_size": 2,
                  "rollout.groups_in_flight": 2, "harness.concurrency": 2, "eval.max_tasks": 2, "eval.every": 2}
-    cmd = [sys.executable, "-m", "lightning_harness.trainer.cli", "run", "--config", str(ROOT / "examples/swe/config.yaml")]
+    cmd = [sys.executable, "-m", "lightning_harness.trainer.cli", "run", "--config",
+           str(ROOT / "examples/swe/config.yaml")]
     for key, value in overrides.items():
         cmd += ["--set", f"{key}={value}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1400, env=os.environ)

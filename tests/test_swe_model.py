@@ -72,8 +72,9 @@ def test_first_step_is_a_bash_tool_call(client):
 
 
 def test_two_call_conversation_rerenders_to_the_generated_ids(client):
-    from lightning_harness.trainer.samples import retokenize
     from transformers import AutoTokenizer
+
+    from lightning_harness.trainer.samples import retokenize
 
     task = held_out_task()
     module = next(name for name in task["files"] if not name.startswith("test_"))
@@ -96,7 +97,8 @@ def test_two_call_conversation_rerenders_to_the_generated_ids(client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_anthropic_sdk_gets_a_tool_use_block_generated_by_vllm(swe_engine, make_proxy, anthropic_from_env, tmp_path, stream):
+def test_anthropic_sdk_gets_a_tool_use_block_generated_by_vllm(swe_engine, make_proxy, anthropic_from_env, tmp_path,
+                                                               stream):
     """The Messages API end to end with a model that really calls tools: the proxy sends the request
     upstream as a chat completion, vLLM's hermes parser reads the model's `<tool_call>`, and the
     official `anthropic` SDK gets a `tool_use` block back (JSON, or assembled from the event stream),
@@ -108,7 +110,8 @@ def test_anthropic_sdk_gets_a_tool_use_block_generated_by_vllm(swe_engine, make_
     client = anthropic_from_env(p.env_for("messages-tools"))
     tool = {"name": "bash", "description": BASH_TOOL["function"]["description"],
             "input_schema": BASH_TOOL["function"]["parameters"]}
-    body = {"model": "claude-any", "max_tokens": 256, "system": SYSTEM, "tools": [tool], "extra_body": {"temperature": 0.0},
+    body = {"model": "claude-any", "max_tokens": 256, "system": SYSTEM, "tools": [tool],
+            "extra_body": {"temperature": 0.0},
             "messages": [{"role": "user", "content": held_out_task()["prompt"]}]}
     if stream:
         with client.messages.stream(**body) as events:

@@ -34,7 +34,8 @@ gen = load("swe_generate", SWE / "generate.py")
 sys.path.insert(0, str(SWE))  # reward.py imports its sibling sandbox.py
 import reward  # noqa: E402
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="the scorer's sandbox needs bubblewrap (scripts/setup_envs.sh swe installs it)")
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                 reason="the scorer's sandbox needs bubblewrap (scripts/setup_envs.sh swe installs it)")
 
 
 def score(task: dict, folder: Path, **kw) -> float:

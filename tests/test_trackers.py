@@ -7,11 +7,11 @@ import math
 import sys
 
 import pytest
+from test_loop_vllm import make_run
 
 from lightning_harness.trainer.config import ConfigError, load_config
 from lightning_harness.trainer.metrics import MetricsLog, read_metrics
 from lightning_harness.trainer.trackers import open_trackers
-from test_loop_vllm import make_run, restore_engine, served  # noqa: F401  (the loop tests' engine fixtures)
 
 REQUIRED = ["model=m", "harness.command=[x]", "tasks.train=t.jsonl"]
 STEPS = {
@@ -134,11 +134,11 @@ def test_a_training_run_logs_every_step_to_the_trackers_it_names(tmp_path, monke
     proxy, harnesses): each tracker holds exactly the run's metrics table; the run's page reads it."""
     for module in ("tensorboard", "wandb", "mlflow"):
         need(module)
+    from support.wandb_log import history
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from lightning_harness.trainer.loop import TrainingRun
     from lightning_harness.trainer.report import collect
-    from support.wandb_log import history
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -149,7 +149,8 @@ def test_a_training_run_logs_every_step_to_the_trackers_it_names(tmp_path, monke
                                name="tracked"))
     TrainingRun(cfg).run()
     table = read_metrics(cfg.run_path / "traces", "tracked")
-    assert {"train/reward_mean", "eval/reward_mean", "update/lr"} <= table.keys() and table["eval/reward_mean"].keys() == {0, 1}
+    assert {"train/reward_mean", "eval/reward_mean",
+            "update/lr"} <= table.keys() and table["eval/reward_mean"].keys() == {0, 1}
     trackers = cfg.run_path / "trackers"
 
     acc = EventAccumulator(str(trackers / "tensorboard" / "tracked"))
@@ -182,7 +183,6 @@ def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path, monkeypatch):
     need("wandb")
     need("mlflow")
     from mlflow.tracking import MlflowClient
-
     from support.wandb_log import records
 
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures_verl import attribute_without, needs_verl, run_in_verl
+from test_update_core import make_samples
 
 from lightning_harness.trainer import verl_agent_loop as VA
 from lightning_harness.trainer import verl_backend as VB
-
-from fixtures_verl import attribute_without, needs_verl, run_in_verl
-from test_update_core import make_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures_verl import attribute_without, needs_verl, run_in_verl
+from test_update_core import make_samples
 
 from lightning_harness.trainer import verl_backend as VB
 from lightning_harness.trainer.update import UpdateConfig, ppo_token_loss
 from lightning_harness.trainer.weights import aggregate_loss
-
-from fixtures_verl import attribute_without, needs_verl, run_in_verl
-from test_update_core import make_samples
 
 
 def test_module_imports_without_verl():
@@ -44,13 +43,15 @@ def test_folded_advantages_under_token_mean_equal_our_aggregated_loss(mode):
     """verl token-mean over A' = A*w*T/N equals weights.aggregate_loss over A (values and gradients)."""
     table = make_samples(seed=12)
     if mode != "rollout":  # rebuild loss_weight for the other modes
-        import pyarrow as pa
         import numpy as np
+        import pyarrow as pa
+
         from lightning_harness.trainer.weights import loss_weights
 
         rows = table.to_pylist()
         idx = {r: i for i, r in enumerate(dict.fromkeys(x["rollout_id"] for x in rows))}
-        w = loss_weights(np.array([idx[x["rollout_id"]] for x in rows]), np.array([sum(x["response_mask"]) for x in rows]), mode)
+        w = loss_weights(np.array([idx[x["rollout_id"]] for x in rows]),
+                         np.array([sum(x["response_mask"]) for x in rows]), mode)
         table = table.set_column(table.schema.get_field_index("loss_weight"), "loss_weight", pa.array(w, pa.float32()))
     t, _, meta = VB.samples_to_tensors(table, weight_mode=mode)
     mask = t["response_mask"]
@@ -94,7 +95,8 @@ torch.manual_seed(0)
 new = (b["old_log_probs"] + 0.3 * torch.randn_like(mask)).requires_grad_(True)
 # our advantages survive verl's compute_advantage path through the registered estimator
 fn = core_algos.get_adv_estimator_fn(VB.ADV_ESTIMATOR)
-adv, _ = fn(token_level_rewards=b["token_level_rewards"], response_mask=mask, config=None, index=dp.non_tensor_batch["uid"])
+adv, _ = fn(token_level_rewards=b["token_level_rewards"], response_mask=mask, config=None,
+            index=dp.non_tensor_batch["uid"])
 out["adv_passthrough"] = bool(torch.equal(adv, b["advantages"]))
 cfg = ActorConfig(strategy="fsdp", ppo_mini_batch_size=len(dp), ppo_micro_batch_size_per_gpu=1,
                   clip_ratio_low=0.2, clip_ratio_high=0.28, use_dynamic_bsz=False, rollout_n=1)
@@ -103,7 +105,8 @@ theirs, metrics = loss_fn(old_log_prob=b["old_log_probs"], log_prob=new, advanta
                           loss_agg_mode="seq-mean-token-sum", config=cfg)  # the registered loss pins token-mean
 g_theirs, = torch.autograd.grad(theirs, new)
 ucfg = UpdateConfig(clip_low=0.2, clip_high=0.28, tis_cap=0)
-ours_tok, _ = ppo_token_loss(new, b["old_log_probs"], b["old_log_probs"], torch.tensor(table["advantage"].to_pylist()), ucfg)
+ours_tok, _ = ppo_token_loss(new, b["old_log_probs"], b["old_log_probs"], torch.tensor(table["advantage"].to_pylist()),
+                             ucfg)
 ours = aggregate_loss(ours_tok, mask, b["loss_weights"], dp.meta_info["lightning_units"], "rollout")
 g_ours, = torch.autograd.grad(ours, new)
 out["loss_verl"], out["loss_ours"] = float(theirs), float(ours)
@@ -115,7 +118,8 @@ ov = VB.verl_overrides(rc, model_path="/models/qwen", train_batch_size=256, n_gp
 c = VB.compose_verl_config(ov)
 a = c.actor_rollout_ref.actor
 out["composed"] = {"loss_mode": a.policy_loss.loss_mode, "agg": a.loss_agg_mode, "mini": a.ppo_mini_batch_size,
-                   "kl": a.use_kl_loss, "adv": c.algorithm.adv_estimator, "bypass": c.algorithm.rollout_correction.bypass_mode,
+                   "kl": a.use_kl_loss, "adv": c.algorithm.adv_estimator,
+                   "bypass": c.algorithm.rollout_correction.bypass_mode,
                    "is": c.algorithm.rollout_correction.rollout_is, "n": c.actor_rollout_ref.rollout.n,
                    "gpus": c.trainer.n_gpus_per_node, "nnodes": c.trainer.nnodes}
 print("RESULT " + json.dumps(out))

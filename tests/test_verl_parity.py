@@ -11,8 +11,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from fixtures_verl import VERL_PY, needs_verl
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from fixtures_traces import reward, rollout, span, write_traces
+
 from lightning_harness.schemas import TABLES
 from lightning_harness.trainer.views import VIEW_NAMES, connect, define_views
 
@@ -16,8 +16,10 @@ def test_fresh_directory_has_every_view_with_its_columns(tmp_path):
     assert con.sql("SELECT * FROM spans").columns == TABLES["spans"].names
     assert con.sql("SELECT * FROM rollouts_raw").columns == TABLES["rollouts"].names
     assert con.sql("SELECT * FROM samples").columns == TABLES["samples"].names
-    assert {"rollout_id", "attempt", "reward", "state", "task_id", "group_id", "step"} <= set(con.sql("SELECT * FROM rollouts").columns)
-    assert {"rollout_id", "attempt", "seq", "model_version", "latency_ms", "total_tokens", "is_error"} <= set(con.sql("SELECT * FROM calls").columns)
+    assert {"rollout_id", "attempt", "reward", "state", "task_id", "group_id",
+            "step"} <= set(con.sql("SELECT * FROM rollouts").columns)
+    assert {"rollout_id", "attempt", "seq", "model_version", "latency_ms", "total_tokens",
+            "is_error"} <= set(con.sql("SELECT * FROM calls").columns)
 
 
 def test_missing_directory_is_an_error(tmp_path):
@@ -56,7 +58,8 @@ def test_rollouts_view_joins_launcher_rewards_and_proxy_only(tmp_path):
     assert rows[("P", 0)] == (None, "no_reward", None, None, None, 1, 0, False)
     assert rows[("P", 1)] == (0.0, "succeeded", None, None, None, 1, 0, False)
     assert len(rows) == 4
-    calls = con.sql("SELECT rollout_id, seq, prompt_len, response_len, is_error, has_token_ids FROM calls WHERE rollout_id = 'L' ORDER BY seq").fetchall()
+    calls = con.sql("SELECT rollout_id, seq, prompt_len, response_len, is_error, has_token_ids FROM calls "
+                    "WHERE rollout_id = 'L' ORDER BY seq").fetchall()
     assert calls == [("L", 0, 1, 2, False, True), ("L", 1, 4, None, True, False)]
 
 

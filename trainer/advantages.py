@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..schemas.states import ABORTED, CANCELLED, FAILED, TIMED_OUT
+
 ESTIMATORS = ("grpo", "rloo")
 FAILED_POLICIES = ("drop", "keep", "penalize")
-FAILED_STATES = ("failed", "timed_out", "cancelled")
 
 
 @dataclass
@@ -115,7 +116,8 @@ def apply_failure_policy(
     """Decide which rollouts enter the advantage computation and with which reward.
 
     ``rewards``: float array with NaN for "no reward"; ``states``: launcher states (object array).
-    Returns ``(keep_mask, effective_rewards, counts)``.
+    Returns ``(keep_mask, effective_rewards, counts)``. "Failed" here is ``schemas.states.ABORTED``
+    (cancelled counts: its harness did not run to its end either).
 
     * ``drop`` (default): failed / timed-out / cancelled rollouts and rollouts without a reward are
       left out (their samples are not trained on).
@@ -128,14 +130,10 @@ def apply_failure_policy(
         raise ValueError(f"unknown failed policy {policy!r}; choose from {FAILED_POLICIES}")
     r = np.asarray(rewards, dtype=np.float64).copy()
     st = np.asarray(states, dtype=object)
-    failed = np.isin(st, FAILED_STATES)
+    failed = np.isin(st, [s.value for s in ABORTED])
     missing = ~np.isfinite(r)
-    counts = {
-        "failed": int((failed & (st == "failed")).sum()),
-        "timed_out": int((st == "timed_out").sum()),
-        "cancelled": int((st == "cancelled").sum()),
-        "no_reward": int((missing & ~failed).sum()),
-    }
+    counts = {state.value: int((st == state).sum()) for state in (FAILED, TIMED_OUT, CANCELLED)}
+    counts["no_reward"] = int((missing & ~failed).sum())
     if policy == "drop":
         keep = ~failed & ~missing
     elif policy == "keep":

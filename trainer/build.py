@@ -33,11 +33,13 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
     row("spans read", stats["spans_read"])
     row("calls with errors (skipped)", stats["calls_error"])
     if stats.get("calls_secret_detected"):
-        row("calls with a secret", stats["calls_secret_detected"],
-            f"left out {stats['calls_dropped_secret']}" + (" (--include-secret-spans to retokenise them)" if stats["calls_dropped_secret"] else ""))
+        hint = " (--include-secret-spans to retokenise them)" if stats["calls_dropped_secret"] else ""
+        row("calls with a secret", stats["calls_secret_detected"], f"left out {stats['calls_dropped_secret']}{hint}")
+    hint = ""
+    if stats["calls_without_token_ids"] and not stats["retokenized_calls"]:
+        hint = " (pass --tokenizer to rebuild)"
     row("calls without token ids", stats["calls_without_token_ids"],
-        f"rebuilt {stats['retokenized_calls']}, dropped {stats['calls_dropped_no_token_ids']}"
-        + ("" if stats["retokenized_calls"] or not stats["calls_without_token_ids"] else " (pass --tokenizer to rebuild)"))
+        f"rebuilt {stats['retokenized_calls']}, dropped {stats['calls_dropped_no_token_ids']}{hint}")
     if stats.get("drift_checked"):
         row("token drift", f"{stats['drift_prompt']}/{stats['drift_response']} of {stats['drift_checked']}",
             "prompt/response ids that differ from a retokenisation")
@@ -48,11 +50,13 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
     for reason, n in stats["breaks"].items():
         row(f"  break: {reason}", n)
     row("prompt too long (dropped)", stats["samples_dropped_prompt_too_long"])
-    row("responses truncated", stats["samples_truncated"], f"{stats.get('truncated_model_tokens', 0):,} model tokens cut")
+    row("responses truncated", stats["samples_truncated"],
+        f"{stats.get('truncated_model_tokens', 0):,} model tokens cut")
     row("model / context tokens", f"{stats['model_tokens']:,} / {stats['context_tokens']:,}")
     row("advantage groups", stats["adv_n_groups"], f"{stats['advantage']}; singletons {stats['adv_singleton_groups']}")
     eq = stats["adv_equal_reward_groups"]
-    row("groups with equal rewards", eq, ("no signal: " + ", ".join(stats["adv_equal_reward_group_ids"][:5])) if eq else "")
+    row("groups with equal rewards", eq,
+        ("no signal: " + ", ".join(stats["adv_equal_reward_group_ids"][:5])) if eq else "")
     row("loss weights", stats["weight_mode"], f"units {stats['n_units']:,}")
     return t
 
@@ -70,17 +74,22 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
 @click.option("--advantage", type=click.Choice(["grpo", "rloo"]), default="grpo", show_default=True)
 @click.option("--no-std", is_flag=True, help="GRPO without dividing by the group std (Dr. GRPO).")
 @click.option("--failed-policy", type=click.Choice(["drop", "keep", "penalize"]), default="drop", show_default=True,
-              help="Failed / timed-out / reward-less rollouts: drop them, keep failed ones with a reward, or give them --failed-reward.")
-@click.option("--failed-reward", type=float, default=None, help="Reward given by --failed-policy penalize (required there).")
-@click.option("--weight-mode", type=click.Choice(["rollout", "token-mean", "seq-mean"]), default="rollout", show_default=True,
+              help="Failed / timed-out / reward-less rollouts: drop them, keep failed ones with a reward, or give them "
+                   "--failed-reward.")
+@click.option("--failed-reward", type=float, default=None,
+              help="Reward given by --failed-policy penalize (required there).")
+@click.option("--weight-mode", type=click.Choice(["rollout", "token-mean", "seq-mean"]), default="rollout",
+              show_default=True,
               help="rollout: each rollout weighs the same however many samples/tokens it produced.")
 @click.option("--max-prompt-len", type=int, default=None, help="Drop samples whose prompt is longer (reported).")
 @click.option("--max-response-len", type=int, default=None, help="Truncate longer responses (reported).")
 @click.option("--step", "steps", type=int, multiple=True, help="Only rollouts of this step (repeatable).")
 @click.option("--where", default=None, help="Extra SQL predicate on the `rollouts` view, e.g. \"split = 'train'\".")
 @click.option("--include-secret-spans", is_flag=True,
-              help="Train on spans the proxy masked a secret in (no token ids: retokenised from the masked text, needs --tokenizer).")
-@click.option("--replace", is_flag=True, help="Replace an existing samples table (old parts are removed after the new one is written).")
+              help="Train on spans the proxy masked a secret in (no token ids: retokenised from the masked text, needs "
+                   "--tokenizer).")
+@click.option("--replace", is_flag=True,
+              help="Replace an existing samples table (old parts are removed after the new one is written).")
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON instead of a table.")
 def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std, failed_policy, failed_reward,
                   weight_mode, max_prompt_len, max_response_len, steps, where, include_secret_spans, replace,
@@ -125,7 +134,8 @@ def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std,
                 p.unlink(missing_ok=True)
     elapsed = time.perf_counter() - t0
     if as_json:
-        click.echo(json.dumps({**stats, "path": str(path) if path else None, "seconds": round(elapsed, 3)}, default=str))
+        click.echo(json.dumps({**stats, "path": str(path) if path else None, "seconds": round(elapsed, 3)},
+                              default=str))
         return
     console.print(stats_table(stats, title=f"samples from {traces_dir}"))
     if path:

@@ -1,8 +1,21 @@
 """The training-run configuration: one YAML file, every key overridable from the command line.
 
-Why a dataclass tree instead of a free dict: a typo (``update.lr_rate``) must fail before vLLM
-spends a minute starting, with the section, the key and the closest known key named. Overrides use
-dotted keys and YAML values: ``--set update.lr=2e-5 --set rollout.mode=async --set steps=20``.
+Why a typed tree instead of a free dict: a typo (``update.lr_rate``) must fail before vLLM spends a
+minute starting, with the key and the closest known key named. Overrides use dotted keys and YAML
+values: ``--set update.lr=2e-5 --set rollout.mode=async --set steps=20``.
+
+Why pydantic (v2, already in the training environment through vLLM): its dataclasses check the whole
+tree in one pass. Types and coercion (YAML 1.1 reads ``1e-5`` as a string: pydantic parses it as the
+float the field wants, and refuses ``abc``), unknown keys (``extra="forbid"``), choices (``Literal``)
+and ranges (``Field(ge=1)``) are declared on the fields, and every problem comes back at once with its
+location, which we only turn into a dotted key and a suggestion. The sections stay standard
+dataclasses (``dataclasses.asdict`` and ``field`` work as before), so the rest of the trainer reads
+``cfg.update.lr`` unchanged. OmegaConf structured configs were the other choice: their dotlist merge
+is built in, but they have no ``Literal`` (choices become Enum members, not the strings the trainer
+compares), are not in the training environment, and hand back DictConfig objects without our methods;
+the merge they would save is ``parse_overrides`` + ``merge`` below. What stays ours: the ``--set``
+syntax, the closest-key hint, the keys a run cannot do without, the rules between sections, and how
+paths resolve.
 """
 
 from __future__ import annotations
@@ -10,30 +23,52 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import types
-import typing
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from .weights import MODES as LOSS_MODES
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 AUTOCAST_MODES = ("auto", "bfloat16", "off")
+AtLeastOne = Annotated[int, Field(ge=1)]
+NotNegative = Annotated[int, Field(ge=0)]
+typed_section = pydantic_dataclass(config=ConfigDict(extra="forbid"))  # every class below: unknown keys fail
 
 
 class ConfigError(ValueError):
     """The configuration cannot be used; the message names the key and why."""
 
 
-@dataclass
-class UpdateConfig:
+@typed_section
+class Section:
+    """What every section shares: built from YAML / ``--set`` data with errors that name the key."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_section_means_defaults(cls, data: Any) -> Any:
+        return {} if data is None else data  # 'eval:' with every line commented out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Any:
+        """From plain data (YAML / --set): unknown keys, wrong types and bad choices fail, all named."""
+        try:
+            return TypeAdapter(cls).validate_python(data or {})
+        except ValidationError as exc:
+            raise ConfigError("\n  ".join(["invalid config:", *explain(exc, cls)])) from None
+
+
+@typed_section
+class UpdateConfig(Section):
     """Every knob of one policy update (the loop's YAML ``update:`` section maps onto this)."""
 
     lr: float = 1e-5
-    lr_schedule: str = "constant"  # 'constant', or 'linear' / 'cosine' decay over the run's steps...
+    lr_schedule: Literal[LR_SCHEDULES] = "constant"  # 'constant', or 'linear' / 'cosine' decay over the run's steps...
     lr_final_ratio: float = 0.1  # ...to lr * this at the last step (lightning-train run only)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -43,10 +78,10 @@ class UpdateConfig:
     tis_cap: float = 2.0  # truncated importance weight cap for pi_prox / mu; <= 0 disables
     kl_coef: float = 0.0  # k3 KL to the frozen reference; 0 = no reference model loaded
     max_grad_norm: float = 1.0  # <= 0 disables clipping
-    micro_batch_size: int = 4  # samples per forward/backward (memory only; never changes the result)
-    mini_batches: int = 1  # optimizer steps per update (rollouts split into this many groups)
-    epochs: int = 1  # passes over the samples per update
-    loss_mode: str = "rollout"  # weights.aggregate_loss mode: 'rollout', 'token-mean' or 'seq-mean'
+    micro_batch_size: AtLeastOne = 4  # samples per forward/backward (memory only; never changes the result)
+    mini_batches: AtLeastOne = 1  # optimizer steps per update (rollouts split into this many groups)
+    epochs: AtLeastOne = 1  # passes over the samples per update
+    loss_mode: Literal[LOSS_MODES] = "rollout"  # weights.aggregate_loss mode: 'rollout', 'token-mean' or 'seq-mean'
     #   (must match the mode the samples' loss_weight was built with; the loop keeps them in sync)
     max_seq_len: int = 4096  # prompt + response longer than this is cut from the right
     temperature: float = 1.0  # logits / T before log-softmax (match the engine's logprob mode)
@@ -54,26 +89,14 @@ class UpdateConfig:
     dtype: str = "float32"  # training dtype ('float32' on CPU; 'bfloat16' on GPU if you like)
     seed: int = 0
     gradient_checkpointing: bool = False  # recompute the model body's activations in the backward
-    autocast: str = "auto"  # bf16 autocast: 'auto' = on cuda only, 'bfloat16' = always, 'off'
+    autocast: Literal[AUTOCAST_MODES] = "auto"  # bf16 autocast: 'auto' = on cuda only, 'bfloat16' = always, 'off'
     logprob_chunk_tokens: int = 1024  # response positions per LM-head chunk in the log-prob step
     #   (peak ~ a few chunk x vocab fp32 tensors); 0 = full logits (a [B, L, V] and a [B, R, V] tensor)
     skip_zero_advantage: bool = True  # drop samples whose advantage is exactly 0 (no signal)
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "UpdateConfig":
-        """From plain data (YAML / --set): unknown keys and wrong types fail with the key named."""
-        cfg = from_dict(cls, d or {}, "update.")
-        if cfg.loss_mode not in LOSS_MODES:
-            raise ValueError(f"loss_mode {cfg.loss_mode!r}: choose from {LOSS_MODES}")
-        if cfg.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule {cfg.lr_schedule!r}: choose from {LR_SCHEDULES}")
-        if cfg.autocast not in AUTOCAST_MODES:
-            raise ValueError(f"autocast {cfg.autocast!r}: choose from {AUTOCAST_MODES}")
-        return cfg
 
-
-@dataclass
-class HarnessConfig:
+@typed_section
+class HarnessConfig(Section):
     """How to run one rollout: an ordinary agent command, given Contract 2's environment."""
 
     command: Any = None  # list or string; '{temperature}', '{max_tokens}' and '{python}' (this
@@ -81,7 +104,8 @@ class HarnessConfig:
     cwd: str | None = None  # where harnesses run (default: the config file's folder)
     reward_cmd: Any = None  # optional verifier printing a reward; when set, the harness's own report never counts
     self_reward: bool = True  # without reward_cmd, may the harness's own report be its reward (launcher --self-reward)
-    run_as: Any = None  # run harnesses as this unprivileged user ('nobody', a uid, 'user:group') or a list, one per running attempt (launcher --run-as)
+    run_as: Any = None  # run harnesses as this unprivileged user ('nobody', a uid, 'user:group') or a list,
+    #   one per running attempt (launcher --run-as)
     timeout_s: float = 300.0  # per rollout attempt
     retries: int = 0
     env: dict = field(default_factory=dict)  # extra environment for every harness
@@ -89,44 +113,46 @@ class HarnessConfig:
     model_name: str | None = None  # model name the harness asks for (mapped to the served model)
 
 
-@dataclass
-class TasksConfig:
+@typed_section
+class TasksConfig(Section):
     train: str | None = None  # JSONL/JSON/Parquet task file
     eval: str | None = None  # held-out tasks; must not overlap train (checked)
     id_field: str | None = None
+    # task fields only the reward command sees (a solution, hidden tests): the harness gets the row without them
+    private_fields: list[str] = field(default_factory=list)
 
 
-@dataclass
-class RolloutConfig:
+@typed_section
+class RolloutConfig(Section):
     """The rollout phase. sync: a step's groups all finish before its update. async: up to
     ``groups_in_flight`` groups run at once; an update takes the finished groups (at least
     ``groups_per_step``) while the rest keep running through the pause."""
 
-    mode: str = "sync"  # 'sync' or 'async'
-    groups_per_step: int = 8  # groups (tasks) consumed by one update
-    group_size: int = 4  # samples per task (GRPO group)
+    mode: Literal["sync", "async"] = "sync"  # 'sync' or 'async'
+    groups_per_step: AtLeastOne = 8  # groups (tasks) consumed by one update
+    group_size: AtLeastOne = 4  # samples per task (GRPO group)
     groups_in_flight: int = 16  # async only: groups kept active (> groups_per_step)
     max_staleness: int = 1  # async only: samples older than this many versions...
-    staleness_mode: str = "drop"  # ...are dropped ('drop') or kept with TIS correction only ('tis')
+    staleness_mode: Literal["drop", "tis"] = "drop"  # ...are dropped ('drop') or kept with TIS correction only ('tis')
     temperature: float = 1.0
     max_tokens: int | None = None
 
 
-@dataclass
-class SamplesConfig:
+@typed_section
+class SamplesConfig(Section):
     """Passed to trainer.samples.build_samples."""
 
     mode: str = "trajectory"  # merge consecutive calls of a rollout ('trajectory') or not ('transition')
     advantage: str = "grpo"  # rollout-level advantage estimator
-    weight_mode: str = "rollout"  # 'rollout' (each rollout counts once), 'token-mean' or 'seq-mean';
+    weight_mode: Literal[LOSS_MODES] = "rollout"  # 'rollout' (each rollout counts once), 'token-mean' or 'seq-mean';
     #   update.loss_mode follows it
     include_secret_spans: bool = False  # train on spans the proxy masked a secret in (retokenised
     #   from the masked text; needs the tokenizer); by default they are left out
     extra: dict = field(default_factory=dict)  # any other build_samples keyword
 
 
-@dataclass
-class EvalConfig:
+@typed_section
+class EvalConfig(Section):
     every: int = 5  # held-out eval every K steps (0 = only before and after)
     before: bool = True
     after: bool = True
@@ -137,8 +163,8 @@ class EvalConfig:
     command: Any = None  # defaults to harness.command
 
 
-@dataclass
-class EngineConfig:
+@typed_section
+class EngineConfig(Section):
     """The inference engine (vLLM) the proxy routes to."""
 
     url: str | None = None  # attach to a running vLLM (must run with VLLM_SERVER_DEV_MODE=1) instead of starting one
@@ -148,46 +174,46 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = 268435456
     extra_args: list = field(default_factory=list)
     startup_timeout_s: float = 900.0
-    sleep_on_update: str = "auto"  # 'auto' = sleep/wake only on GPU (frees memory); 'always'; 'never'
+    sleep_on_update: Literal["auto", "always", "never"] = "auto"  # 'auto' = sleep/wake only on GPU (frees memory)
     sleep_level: int = 1
     untie_embeddings: bool = True  # serve/train an untied copy of a tied model (vLLM reload leaves a tied head stale)
 
 
-@dataclass
-class ProxyRunConfig:
+@typed_section
+class ProxyRunConfig(Section):
     drain_timeout_s: float = 300.0  # how long an update waits for in-flight calls
     flush_seconds: float = 0.5
     inject_token_ids: bool = True
 
 
-@dataclass
-class CheckpointConfig:
+@typed_section
+class CheckpointConfig(Section):
     keep_last: int = 2  # older step checkpoints are deleted (the initial model is never touched)
     save_optimizer: bool = True
 
 
-@dataclass
-class TrackingConfig:
+@typed_section
+class TrackingConfig(Section):
     """Where the trackers named in ``logger`` write (trainer/trackers.py)."""
 
     project: str = "lightning-harness"  # W&B project and MLflow experiment; the run is named run_id
     dir: str | None = None  # tracker files (TensorBoard events, W&B offline runs, MLflow file store);
     #   default RUN/trackers
-    wandb_mode: str | None = None  # 'offline' (default unless WANDB_MODE says otherwise; `wandb sync`
-    #   uploads later), 'online' or 'disabled'
+    wandb_mode: Literal["offline", "online", "disabled"] | None = None  # default 'offline' unless WANDB_MODE
+    #   says otherwise (`wandb sync` uploads later)
     mlflow_uri: str | None = None  # MLflow tracking URI; default MLFLOW_TRACKING_URI, else a file store
     #   under tracking.dir
 
 
-@dataclass
-class RunConfig:
+@typed_section
+class RunConfig(Section):
     """A whole `lightning-train run`. Paths are relative to the config file's folder unless absolute."""
 
     model: str | None = None  # HF folder to start from
     run_dir: str = "runs/default"
     name: str | None = None  # run id (defaults to the run folder name)
     seed: int = 0
-    steps: int = 10
+    steps: NotNegative = 10
     harness: HarnessConfig = field(default_factory=HarnessConfig)
     tasks: TasksConfig = field(default_factory=TasksConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -234,7 +260,9 @@ class RunConfig:
         d["update"]["betas"] = list(d["update"]["betas"])
         return d
 
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
+        """What a run needs beyond well-typed keys: the required ones and the rules between sections
+        (skipped for --print-config and for reading a saved config)."""
         problems = []
         if not self.model:
             problems.append("model: required (an HF model folder)")
@@ -242,110 +270,57 @@ class RunConfig:
             problems.append("harness.command: required (the agent command to run per rollout)")
         if not self.tasks.train:
             problems.append("tasks.train: required (a task file)")
-        if self.rollout.mode not in ("sync", "async"):
-            problems.append(f"rollout.mode: {self.rollout.mode!r} is not 'sync' or 'async'")
-        if self.rollout.staleness_mode not in ("drop", "tis"):
-            problems.append(f"rollout.staleness_mode: {self.rollout.staleness_mode!r} is not 'drop' or 'tis'")
         if self.rollout.mode == "async" and self.rollout.groups_in_flight < self.rollout.groups_per_step:
             problems.append("rollout.groups_in_flight must be >= rollout.groups_per_step in async mode")
-        if self.rollout.group_size < 1 or self.rollout.groups_per_step < 1 or self.steps < 0:
-            problems.append("rollout.group_size, rollout.groups_per_step >= 1 and steps >= 0")
-        from .weights import MODES
-
-        if self.samples.weight_mode not in MODES:
-            problems.append(f"samples.weight_mode: {self.samples.weight_mode!r} is not one of {MODES}")
-        elif self.update.loss_mode != self.samples.weight_mode:
-            # the samples' loss_weight and the update's divisor must come from the same mode
-            self.update.loss_mode = self.samples.weight_mode
-        if self.update.lr_schedule not in LR_SCHEDULES:
-            problems.append(f"update.lr_schedule: {self.update.lr_schedule!r} is not one of {LR_SCHEDULES}")
-        if self.update.autocast not in AUTOCAST_MODES:
-            problems.append(f"update.autocast: {self.update.autocast!r} is not one of {AUTOCAST_MODES}")
-        if self.engine.sleep_on_update not in ("auto", "always", "never"):
-            problems.append("engine.sleep_on_update: one of auto, always, never")
+        # the samples' loss_weight and the update's divisor must come from the same mode
+        self.update.loss_mode = self.samples.weight_mode
         from .trackers import TrackerError, tracker_names
 
         try:  # before vLLM starts: an unknown or uninstalled tracker names its extra
             self.logger = tracker_names(self.logger)
         except TrackerError as exc:
             problems.append(str(exc))
-        if self.tracking.wandb_mode not in (None, "offline", "online", "disabled"):
-            problems.append(f"tracking.wandb_mode: {self.tracking.wandb_mode!r} is not offline, online or disabled")
         if problems:
-            raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+            raise ConfigError("\n  ".join(["invalid config:", *problems]))
         return self
 
 
-# -- building the tree from plain data -------------------------------------------------------------
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+# -- pydantic's errors, told with dotted keys -----------------------------------------------------
+def explain(exc: ValidationError, cls: type) -> list[str]:
+    """One line per problem: the dotted key, what was expected, and the value given."""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(part) for part in err["loc"])
+        if err["type"] == "unexpected_keyword_argument":
+            known = _known_keys(cls, err["loc"][:-1])
+            lines.append(f"unknown key '{key}'{_suggest(str(err['loc'][-1]), known)}; known: {known}")
+        elif err["type"] == "dataclass_type":
+            lines.append(f"{key}: expected a mapping of {_known_keys(cls, err['loc'])}, got {err['input']!r}")
+        else:
+            msg = err["msg"][:1].lower() + err["msg"][1:]
+            lines.append(f"{key}: {msg}, got {err['input']!r}")
+    return lines
 
 
-def _suggest(key: str, known: Iterable[str]) -> str:
-    known = list(known)
-    # 'lr_rate' -> 'lr': a known key the typo extends by a word comes first
-    close = sorted((k for k in known if key.startswith(k + "_")), key=len, reverse=True)[:1]
-    close = close or difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-    if not close:
-        close = sorted((k for k in known if key.startswith(k) or k.startswith(key)), key=len, reverse=True)[:1]
+def _known_keys(cls: type, loc: tuple) -> list[str]:
+    node = cls()
+    for part in loc:
+        node = getattr(node, str(part))
+    return sorted(f.name for f in dataclasses.fields(node))
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    """The closest known key: a near spelling ('lr_shedule'), else the key a typo extends by a word
+    ('lr_rate' -> 'lr'), else a looser spelling, else a shared prefix."""
+    extended = sorted((k for k in known if key.startswith(k + "_")), key=len, reverse=True)
+    prefixed = sorted((k for k in known if key.startswith(k) or k.startswith(key)), key=len, reverse=True)
+    close = (difflib.get_close_matches(key, known, n=1, cutoff=0.8) or extended
+             or difflib.get_close_matches(key, known, n=1, cutoff=0.5) or prefixed)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def from_dict(cls: type, data: dict[str, Any] | None, where: str = "") -> Any:
-    """Build dataclass ``cls`` from nested dicts, refusing unknown keys with a suggestion."""
-    data = dict(data or {})
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = _hints(cls)
-    kwargs = {}
-    for key, value in data.items():
-        if key not in fields:
-            raise ConfigError(f"unknown key '{where}{key}'{_suggest(key, fields)}; known: {sorted(fields)}")
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            if value is not None and not isinstance(value, dict):
-                raise ConfigError(f"{where}{key}: expected a mapping of {sorted(f.name for f in dataclasses.fields(hint))}")
-            kwargs[key] = from_dict(hint, value, f"{where}{key}.")
-        elif key == "betas" and value is not None:
-            kwargs[key] = tuple(value)
-        else:
-            kwargs[key] = _coerce(value, hint, f"{where}{key}")
-    return cls(**kwargs)
-
-
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """Light type checks: ints where floats are expected are fine; strings for numbers are not."""
-    if value is None:
-        return None
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        kinds = [a for a in typing.get_args(hint) if a is not type(None)]
-    else:
-        kinds = [typing.get_origin(hint) or hint]
-    for kind in kinds:
-        if kind is float and isinstance(value, str):
-            try:  # YAML 1.1 reads '1e-5' (no dot) as a string
-                return float(value)
-            except ValueError:
-                pass
-        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if kind is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if kind is bool and isinstance(value, bool):
-            return value
-        if kind is str and isinstance(value, str):
-            return value
-        if kind in (list, dict) and isinstance(value, kind):
-            return value
-        if kind is Any or kind is typing.Any:
-            return value
-    names = "/".join(getattr(k, "__name__", str(k)) for k in kinds)
-    raise ConfigError(f"{where}: expected {names}, got {value!r}")
-
-
 # -- overrides ----------------------------------------------------------------------------------
-def parse_overrides(items: Iterable[str], cls: type | None = None) -> dict[str, Any]:
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML)."""
     out: dict[str, Any] = {}
     for item in items:
@@ -366,8 +341,6 @@ def parse_overrides(items: Iterable[str], cls: type | None = None) -> dict[str, 
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {p!r} is not a section")
         node[parts[-1]] = value
-    if cls is not None:
-        from_dict(cls, out)  # validate keys now, with a clear message
     return out
 
 
@@ -392,25 +365,19 @@ def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = (), *
         if not p.exists():
             raise ConfigError(f"config file {p} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{p}: not valid YAML ({exc})") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: expected a mapping of keys, got {type(loaded).__name__}")
-        data = loaded
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: expected a mapping of keys, got {type(data).__name__}")
         if base_dir is None:
             base_dir = p.resolve().parent
     data = merge(data, parse_overrides(overrides))
     data.pop("base_dir", None)
-    cfg: RunConfig = from_dict(RunConfig, data)
+    cfg = RunConfig.from_dict(data)
     cfg.base_dir = str(base_dir) if base_dir is not None else None
     return cfg.validate() if validate else cfg
 
 
 def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
-def default_config_yaml() -> str:
-    """A complete config with every key at its default (``lightning-train run --print-config``)."""
-    return yaml.safe_dump(RunConfig().to_dict(), sort_keys=False)

@@ -1,128 +1,37 @@
-"""`lightning-train run`: the collocated loop. Rollouts through the proxy, updates, in-place weight swaps.
+"""`lightning-train run`'s loop: rollouts through the proxy, updates, in-place weight swaps.
 
-One step (sync and async share the code; sync is async with nothing in flight during the update):
-
-    rollout phase   the launcher keeps up to ``groups_in_flight`` task groups running through the
-                    proxy against vLLM until ``groups_per_step`` groups have finished
-    samples         (engine still serving) flush proxy + runner -> compact the store -> samples of
-                    the finished groups (only their rollouts' rows are read) -> staleness filter
-    update phase    the hold, only what needs the engine stopped: proxy pause (new model calls are
-                    held, not refused) -> drain in-flight calls -> vLLM pause (+ sleep on GPU) ->
-                    policy update -> checkpoint -> vLLM reload_weights (+ wake) + resume ->
-                    proxy model_version v+1 -> proxy resume (held calls go on under the new weights)
-    eval            every ``eval.every`` steps, held-out tasks at their own temperature/sample count
+Read :meth:`TrainingRun.run`, then :meth:`TrainingRun.step`: collect (the scheduler, scheduler.py,
+decides which groups run and which finished ones an update may train on) -> samples (engine still
+serving) -> the hold, only around the swap (proxy pause + drain, vLLM pause, update, checkpoint,
+reload, model version + 1, resume) -> evaluate. docs/TRAINING.md tells the phases in full.
 
 Crash safety: ``RUN/state.json`` is rewritten (atomically) after every completed step with the
 checkpoint, the model version, the task stream position and the groups still in flight; rollout
 ids are deterministic, so ``--resume`` resubmits the in-flight groups and the launcher skips every
-rollout that had already finished.
+rollout that had already finished. The command line and what it prints live in cli.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import random
-import shutil
-import signal
 import sys
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, RunConfig, load_config, save_config
+from lightning_harness.process import stop_group
+
+from .config import ConfigError, RunConfig, save_config
+from .scheduler import Schedule, Scheduler, staleness_filter
 
 STATE_FILE = "state.json"
 PIDS_FILE = "children.json"
 
 
-# ---------------------------------------------------------------------------------------------
-# small pieces: task stream, state file, leftovers of a crashed run
-# ---------------------------------------------------------------------------------------------
-class TaskStream:
-    """Deterministic endless stream of training tasks: epoch ``e`` is the task list shuffled with
-    ``seed + e``. A position (an int) is all ``state.json`` needs to continue it after a crash."""
-
-    def __init__(self, tasks: list, seed: int, pos: int = 0) -> None:
-        if not tasks:
-            raise ConfigError("tasks.train has no tasks")
-        self.tasks, self.seed, self.pos = tasks, seed, pos
-        self._perm: dict[int, list[int]] = {}
-
-    def _at(self, pos: int):
-        epoch, i = divmod(pos, len(self.tasks))
-        if epoch not in self._perm:
-            order = list(range(len(self.tasks)))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._perm = {epoch: order}
-        return self.tasks[self._perm[epoch][i]]
-
-    def take(self, n: int, exclude: set[str]) -> list:
-        """Next ``n`` tasks whose ids are not in ``exclude`` (ids already used in this launch step)."""
-        out, skipped = [], 0
-        while len(out) < n:
-            if skipped > len(self.tasks):
-                raise ConfigError(f"not enough distinct train tasks: need {n} for one step, have {len(self.tasks)}")
-            task = self._at(self.pos)
-            self.pos += 1
-            if task.id in exclude:
-                skipped += 1
-                continue
-            exclude.add(task.id)
-            out.append(task)
-        return out
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def kill_leftovers(run_dir: Path, console) -> None:
-    """A killed trainer leaves its vLLM and proxy running (own process groups): stop them, but only
-    if the pid still runs the command we recorded (pids get reused)."""
-    f = run_dir / PIDS_FILE
-    if not f.exists():
-        return
-    for entry in json.loads(f.read_text()):
-        pid, marker = entry.get("pid"), entry.get("marker", "")
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker and marker in cmdline:
-            console.print(f"[yellow]stopping leftover {entry.get('what')} (pid {pid}) of the previous run[/]")
-            try:
-                os.killpg(pid, signal.SIGTERM)
-                for _ in range(100):
-                    if not Path(f"/proc/{pid}").exists():
-                        break
-                    time.sleep(0.1)
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    f.unlink(missing_ok=True)
-
-
-def fill(command: Any, values: dict[str, Any]) -> Any:
-    """Fill ``{temperature}``-style phase placeholders; task placeholders are left for the launcher."""
-    from lightning_harness.launcher.command import substitute
-
-    if isinstance(command, str):
-        return substitute(command, values, quote=False)
-    return [substitute(str(a), values) for a in command]
-
-
-# ---------------------------------------------------------------------------------------------
-# the run
-# ---------------------------------------------------------------------------------------------
 class TrainingRun:
-    """Owns the run folder, the engine, the proxy, the rollout runner and the policy updater."""
+    """Owns the run folder, the engine, the proxy, the rollout runner, the scheduler and the policy
+    updater; the model version (``state['model_version']``) is the loop's."""
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, console=None) -> None:
         from rich.console import Console
@@ -136,6 +45,8 @@ class TrainingRun:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.logs = self.run_dir / "logs"
         self.engine = self.proxy = self.runner = self.updater = self.metrics = self.progress = None
+        self.schedule = Schedule.from_rollout(cfg.rollout)
+        self.scheduler: Scheduler | None = None
         self.state: dict[str, Any] = {}
         self.reports: list[dict[str, Any]] = []
         self.hooks: dict[str, Any] = {}
@@ -147,9 +58,239 @@ class TrainingRun:
         if fn is not None:
             fn(self, step)
 
-    # -- setup ----------------------------------------------------------------------------------
-    def prepare(self) -> None:
+    @property
+    def version(self) -> int:
+        """The model version the engine serves (one more per completed update)."""
+        return int(self.state["model_version"])
+
+    # -- the run, top to bottom ------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Services up, the evaluation before training, the steps, the summary; everything stopped."""
+        from .metrics import MetricsLog, ProgressLine
+
         cfg = self.cfg
+        self.prepare()
+        self.progress = ProgressLine(cfg.steps, self.console)
+        self.metrics = MetricsLog(self.traces, cfg.run_id, self._open_trackers(),
+                                  warn=lambda msg: self.progress.print(msg, markup=False))
+        self.scheduler = Scheduler(self.schedule, self.train_tasks, cfg.seed, int(self.state.get("stream_pos", 0)))
+        self._clock = (time.monotonic(), float(self.state.get("elapsed_s", 0.0)))  # elapsed across --resume
+        try:
+            self.start_services()
+            self.load_updater()
+            self.start_runner()
+            if cfg.eval.before and str(self.version) not in self.state.get("evals", {}) and self.eval_tasks:
+                self.metrics.log(int(self.state["step"]), self.evaluate(self.version))
+                self._save_state()
+            for label, tasks in self.scheduler.resume(self.state.get("in_flight", [])):
+                self.runner.submit(tasks, step=label)
+            for step in range(int(self.state["step"]) + 1, cfg.steps + 1):
+                self.step(step)
+            return self.finish()
+        finally:
+            self.shutdown()
+
+    def step(self, step: int) -> dict[str, Any]:
+        """collect -> samples -> hold + swap -> evaluate, then the step is recorded (state file, metrics)."""
+        from .cli import step_line
+
+        cfg = self.cfg
+        self.progress.update(step=step, version=self.version)
+        t_step = time.monotonic()
+        groups = self.collect(step)
+        rep: dict[str, Any] = {"time/rollout_s": time.monotonic() - t_step}
+        rep.update(train_stats(groups, cfg.eval.success_threshold))
+        self._check_failures(groups, first=not self.reports)
+        rep["async/carry_over"] = len(self.scheduler.in_flight)  # groups still running through this update
+        rep["async/discarded_groups"] = self.scheduler.discarded  # cumulative: finished too stale to train
+        rep.update(self.update_phase(step, groups))
+        rep["time/step_s"] = time.monotonic() - t_step
+        rep["time/elapsed_s"] = time.monotonic() - self._clock[0] + self._clock[1]
+        if (cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.after):
+            rep.update(self.evaluate(self.version))
+        self.state.update(step=step, stream_pos=self.scheduler.stream.pos,
+                          in_flight=list(self.scheduler.in_flight.values()))  # resubmitted by --resume
+        self.metrics.log(step, rep)
+        self._save_state(elapsed=rep["time/elapsed_s"])
+        self.reports.append({"step": step, **rep})
+        self.progress.print(step_line(step, cfg.steps, rep))
+        self.progress.update(version=self.version, reward=rep.get("train/reward_mean"),
+                             eval=self.state.get("evals", {}).get(str(self.version), {}).get("eval/success"))
+        return rep
+
+    def collect(self, step: int) -> list:
+        """Rollout phase: wait until ``groups_per_step`` groups finished, keeping the scheduler's slots full."""
+        sched, version = self.scheduler, self.version
+        sched.expire(version)  # waited too long since the last update
+        while not sched.ready:
+            tasks = sched.launches(step)
+            if tasks:
+                self.runner.submit(tasks, step=step)
+            sched.finished(self.runner.wait_groups(1, timeout=1.0), version)
+            st = self.runner.stats
+            self.progress.update(phase="rollouts", done=f"{len(sched.backlog)}/{self.schedule.groups_per_step} groups",
+                                 in_flight=st.running, reward=st.mean_reward)
+        return sched.take()
+
+    def _check_failures(self, groups: list, first: bool) -> None:
+        """Every rollout failed: on the first step that is a setup error (stop, say why); later, warn."""
+        rollouts = [r for g in groups for r in g.rollouts]
+        if not rollouts or any(r.ok for r in rollouts):
+            return
+        r = rollouts[0]
+        tail = ""
+        if r.log_path and Path(r.log_path).exists():
+            tail = "\n".join(Path(r.log_path).read_text(errors="replace").splitlines()[-15:])
+        msg = (f"all {len(rollouts)} rollouts of this step failed; first: state={r.state} error={r.error!r}\n"
+               f"log {r.log_path}:\n{tail}")
+        if first:
+            raise RuntimeError(msg + "\n(check harness.command, harness.cwd and the reward setup)")
+        self.progress.print(f"[yellow]warning: {msg}[/]")
+
+    def update_phase(self, step: int, groups: list) -> dict[str, Any]:
+        """Samples of the finished groups (engine serving), then the hold around the swap only."""
+        rep: dict[str, Any] = {}
+        version = self.version
+        table = self.step_samples(step, groups, version, rep)
+        rep.update(self.swap(step, table, version))
+        return rep
+
+    def step_samples(self, step: int, groups: list, version: int, rep: dict[str, Any]):
+        """The samples this update trains on, built while the harnesses keep running.
+
+        Why outside the hold: the groups are finished (every rollout ended, its reward judged), so
+        their spans and rollout rows are final once the proxy and the runner have flushed; nothing
+        here needs the engine paused. (A harness killed mid-call leaves that call to end as a
+        ``client_disconnect`` error span, which is never trained on, so a span still on its way
+        cannot change these samples.) The store is compacted first (bounded file count), and the
+        build reads only the selected rollouts' rows (``build_samples(rollouts=...)``).
+        """
+        import pyarrow as pa
+
+        from lightning_harness.proxy.health import require_capture
+        from lightning_harness.schemas import PartWriter, compact_store
+
+        from .samples import build_samples
+
+        cfg = self.cfg
+        t0 = time.monotonic()
+        self.progress.update(phase="samples")
+        # spans on disk, and all of them: stop rather than train on a partial phase
+        self.capture_state = require_capture(self.proxy.control, self.capture_state)
+        self.runner.flush()
+        rep["time/flush_s"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        compacted = compact_store(self.traces)
+        rep["time/compact_s"] = time.monotonic() - t1
+        rep["store/files"] = sum(r.files_after for r in compacted.values())
+        t1 = time.monotonic()
+        gids = sorted(g.group_id for g in groups)
+        where = "split = 'train' AND group_id IN (" + ", ".join("'" + g.replace("'", "''") + "'" for g in gids) + ")"
+        s = cfg.samples
+        table, stats = build_samples(self.traces, mode=s.mode, advantage=s.advantage,
+                                     weight_mode=s.weight_mode, where=where,
+                                     include_secret_spans=s.include_secret_spans,
+                                     rollouts=[r.rollout_id for g in groups for r in g.rollouts],
+                                     **(s.extra or {}))
+        rep.update({f"samples/{k}": v for k,
+                    v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        table, st = staleness_filter(table, version, self.schedule.max_staleness, self.schedule.staleness_mode)
+        rep.update(st)
+        if table.num_rows:
+            table = table.set_column(table.schema.get_field_index("step"), "step",
+                                     pa.array([step] * table.num_rows, pa.int64()))
+            PartWriter(self.traces, "samples", background=False).write_table(table)
+        rep["time/build_s"] = time.monotonic() - t1
+        rep["time/samples_s"] = time.monotonic() - t0  # flush + compaction + build, all outside the hold
+        return table
+
+    def swap(self, step: int, table, version: int) -> dict[str, Any]:
+        """The hold: proxy pause + drain, vLLM pause (+ sleep), update, save, reload, resume.
+
+        On a GPU the update needs the engine asleep (memory); on CPU it shares the cores with the
+        engine, and the policy must not change under calls in flight, so it stays inside too.
+        """
+        from .checkpoint import prune, step_dir
+        from .update import scheduled_lr
+
+        cfg, ctl, rep = self.cfg, self.proxy.control, {}
+        t_pause = time.monotonic()
+        self.progress.update(phase="pause+drain")
+        ctl.pause()
+        drain = ctl.drain(timeout=cfg.proxy.drain_timeout_s)
+        rep["time/drain_s"] = float(drain.get("waited_s", time.monotonic() - t_pause))
+        rep["proxy/drained"] = bool(drain.get("drained", False))
+        rep["proxy/in_flight_after_drain"] = int(drain.get("in_flight", 0))
+        when = cfg.engine.sleep_on_update
+        sleep = when == "always" or (when == "auto" and self.device == "cuda")
+        self.engine.pause("wait")
+        if sleep:
+            self.engine.sleep(cfg.engine.sleep_level)
+        self._hook("paused", step)
+        try:
+            self.progress.update(phase="update")
+            lr = scheduled_lr(self.cfg.update, step, self.cfg.steps)
+            self.updater.set_lr(lr)
+            m = self.updater.update(table)
+            rep.update(m)
+            rep["update/lr"] = lr
+            new_version = version + 1  # one version per step, even if nothing was trainable
+            t0 = time.monotonic()
+            ckpt = self.updater.save(step_dir(self.ckpt_dir, step), model_version=new_version, step=step,
+                                     save_optimizer=cfg.checkpoint.save_optimizer)
+            rep["time/save_s"] = time.monotonic() - t0
+            # new weights into the engine, in place
+            self.progress.update(phase="reload")
+            if sleep:
+                self.engine.wake_up()
+            rep["time/reload_s"] = self.engine.reload_weights(ckpt)
+        finally:
+            if sleep and self.engine.is_sleeping():
+                self.engine.wake_up()
+            self.engine.resume()
+        ctl.set_model_version(new_version)
+        held = ctl.state().get("held", 0)
+        ctl.resume()
+        rep["proxy/held"] = int(held or 0)
+        rep["time/pause_s"] = time.monotonic() - t_pause
+        rep["model_version"] = new_version
+        self.state.update(model_version=new_version, checkpoint=str(ckpt))
+        prune(self.ckpt_dir, cfg.checkpoint.keep_last, protect=(self.state["checkpoint"], self.state["base_model"]))
+        return rep
+
+    # -- eval --------------------------------------------------------------------------------------
+    def evaluate(self, version: int) -> dict[str, float]:
+        """Held-out tasks at eval temperature, through the proxy (recorded with split 'eval')."""
+        from lightning_harness.launcher.batch import run_batch
+
+        if not self.eval_tasks:
+            return {}
+        cfg, e = self.cfg, self.cfg.eval
+        self.progress.update(phase=f"eval v{version}")
+        command = fill(e.command or cfg.harness.command, self._phase_values(e.temperature))
+        t0 = time.monotonic()
+        results = run_batch(self.eval_tasks, command, traces_dir=self.traces, run_id=f"{cfg.run_id}-eval",
+                            proxy=self.proxy, samples=e.group_size, concurrency=cfg.harness.concurrency,
+                            timeout=cfg.harness.timeout_s, retries=cfg.harness.retries,
+                            reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward,
+                            run_as=cfg.harness.run_as, step=version, split="eval",
+                            cwd=self._cwd(), extra_env=self._harness_env())
+        rewards = [r.reward if r.reward is not None else 0.0 for r in results]
+        out = {
+            "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
+            "eval/success": sum(1 for r in rewards if r >= e.success_threshold) / max(len(rewards), 1),
+            "eval/rollouts": len(results),
+            "eval/failed": sum(1 for r in results if not r.ok),
+            "time/eval_s": time.monotonic() - t0,
+        }
+        self.state.setdefault("evals", {})[str(version)] = out
+        self.progress.print(f"eval @ version {version}: reward {out['eval/reward_mean']:.3f}, "
+                            f"success {out['eval/success']:.1%} ({len(results)} rollouts, {out['time/eval_s']:.0f}s)")
+        return out
+
+    # -- setup: state, tasks, services ------------------------------------------------------------
+    def prepare(self) -> None:
+        """The run folder and its state: continued with ``--resume``, else fresh; then the tasks."""
         state_file = self.run_dir / STATE_FILE
         if self.run_dir.exists() and state_file.exists() and not self.resume:
             raise ConfigError(f"{self.run_dir} already holds a run; pass --resume to continue it, "
@@ -162,34 +303,44 @@ class TrainingRun:
             self.console.print(f"[bold]resuming[/] {self.run_dir} after step {self.state['step']} "
                                f"(model version {self.state['model_version']})", soft_wrap=True)
         else:
-            model = cfg.path(cfg.model)
-            if not (model / "config.json").exists():
-                raise ConfigError(f"model: {model} is not an HF model folder (no config.json)")
-            self.state = {"step": 0, "model_version": 0, "checkpoint": str(model), "base_model": str(model),
-                          "stream_pos": 0, "in_flight": [], "run_id": cfg.run_id}
-            from .update import is_tied, untie_checkpoint
+            self.state = self._fresh_state()
+        save_config(self.cfg, self.run_dir / "config.yaml")
+        self._load_tasks()
 
-            if cfg.engine.untie_embeddings and is_tied(model):
-                # vLLM's reload_weights leaves a tied output head stale: serve and train an untied copy
-                step0 = untie_checkpoint(model, self.ckpt_dir / "step-000000")
-                self.state.update(checkpoint=str(step0), base_model=str(step0))
-                self.console.print(f"model has tied embeddings: serving and training an untied copy ({step0})",
-                                   soft_wrap=True)
-                if cfg.engine.url:
-                    self.console.print("[yellow]warning: an attached engine must serve an untied model too, "
-                                       "or weight swaps leave its output head stale[/]")
-        save_config(cfg, self.run_dir / "config.yaml")
+    def _fresh_state(self) -> dict[str, Any]:
+        cfg = self.cfg
+        model = cfg.path(cfg.model)
+        if not (model / "config.json").exists():
+            raise ConfigError(f"model: {model} is not an HF model folder (no config.json)")
+        state = {"step": 0, "model_version": 0, "checkpoint": str(model), "base_model": str(model),
+                 "stream_pos": 0, "in_flight": [], "run_id": cfg.run_id}
+        from .checkpoint import is_tied, step_dir, untie_checkpoint
+
+        if cfg.engine.untie_embeddings and is_tied(model):
+            # vLLM's reload_weights leaves a tied output head stale: serve and train an untied copy
+            step0 = untie_checkpoint(model, step_dir(self.ckpt_dir, 0))
+            state.update(checkpoint=str(step0), base_model=str(step0))
+            self.console.print(f"model has tied embeddings: serving and training an untied copy ({step0})",
+                               soft_wrap=True)
+            if cfg.engine.url:
+                self.console.print("[yellow]warning: an attached engine must serve an untied model too, "
+                                   "or weight swaps leave its output head stale[/]")
+        return state
+
+    def _load_tasks(self) -> None:
         from lightning_harness.launcher.tasks import load_tasks
 
-        self.train_tasks = load_tasks(cfg.path(cfg.tasks.train), id_field=cfg.tasks.id_field)
+        cfg = self.cfg
+        self.train_tasks = load_tasks(cfg.path(cfg.tasks.train), id_field=cfg.tasks.id_field,
+                                      private_fields=cfg.tasks.private_fields)
         self.eval_tasks = []
         if cfg.tasks.eval:
             self.eval_tasks = load_tasks(cfg.path(cfg.tasks.eval), id_field=cfg.tasks.id_field,
-                                         limit=cfg.eval.max_tasks)
+                                         limit=cfg.eval.max_tasks, private_fields=cfg.tasks.private_fields)
             overlap = {t.id for t in self.train_tasks} & {t.id for t in self.eval_tasks}
             if overlap:
                 raise ConfigError(f"train and eval tasks overlap on ids {sorted(overlap)[:5]}")
-        need = cfg.rollout.groups_in_flight if cfg.rollout.mode == "async" else cfg.rollout.groups_per_step
+        need = self.schedule.groups_in_flight
         if len(self.train_tasks) < need:
             raise ConfigError(f"{len(self.train_tasks)} train tasks but one step launches up to {need} groups")
 
@@ -242,7 +393,8 @@ class TrainingRun:
         self.runner = BatchRunner(
             command, traces_dir=self.traces, proxy=self.proxy, run_id=cfg.run_id,
             samples=cfg.rollout.group_size, concurrency=cfg.harness.concurrency, timeout=cfg.harness.timeout_s,
-            retries=cfg.harness.retries, reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward, run_as=cfg.harness.run_as, split="train",
+            retries=cfg.harness.retries, reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward,
+            run_as=cfg.harness.run_as, split="train",
             cwd=self._cwd(), extra_env=self._harness_env(), flush_seconds=0.5,
         )
 
@@ -276,283 +428,7 @@ class TrainingRun:
         self.progress.update(phase="loading policy")
         self.updater = PolicyUpdater(self.state["checkpoint"], self.cfg.update,
                                      reference_dir=self.state["base_model"])
-        self.updater.version = int(self.state["model_version"])
 
-    # -- rollouts --------------------------------------------------------------------------------
-    def submit_groups(self, n: int, label: int) -> None:
-        """Launch ``n`` new groups labelled with launch step ``label`` (their group id is task@label)."""
-        used = self._used.setdefault(label, set())
-        tasks = self.stream.take(n, used)
-        self.runner.submit(tasks, step=label)
-        for t in tasks:
-            self.in_flight[f"{t.id}@{label}"] = {"task": t.id, "label": label}
-
-    def resubmit(self, entries: list[dict]) -> None:
-        """After a crash: the groups that were in flight run again (finished rollouts are skipped)."""
-        by_id = {t.id: t for t in self.train_tasks}
-        by_label: dict[int, list] = {}
-        for e in entries:
-            by_label.setdefault(int(e["label"]), []).append(by_id[e["task"]])
-            self._used.setdefault(int(e["label"]), set()).add(e["task"])
-            self.in_flight[f"{e['task']}@{e['label']}"] = {"task": e["task"], "label": int(e["label"])}
-        for label, tasks in sorted(by_label.items()):
-            self.runner.submit(tasks, step=label)
-
-    def collect(self, step: int) -> list:
-        """Rollout phase: wait until ``groups_per_step`` groups finished, keeping the pipeline full."""
-        cfg = self.cfg.rollout
-        want = cfg.groups_per_step
-        for g in [g for g in self.backlog if self._too_stale(g)]:  # waited too long since the last update
-            self.backlog.remove(g)
-            self.in_flight.pop(g.group_id, None)
-            self.discarded += 1
-        while len(self.backlog) < want:
-            # finished-but-unconsumed groups keep their slot: that bounds how stale they can get
-            room = (cfg.groups_in_flight if cfg.mode == "async" else want) - len(self.in_flight)
-            if room > 0:
-                self.submit_groups(room, step)
-            got = self.runner.wait_groups(1, timeout=1.0)
-            for g in got:
-                if self._too_stale(g):
-                    # started more than S versions ago: drop now (its slot is refilled) instead of
-                    # counting it towards this update, so every update trains the same number of groups
-                    self.in_flight.pop(g.group_id, None)
-                    self.discarded += 1
-                else:
-                    self.backlog.append(g)
-            st = self.runner.stats
-            self.progress.update(phase="rollouts", done=f"{len(self.backlog)}/{want} groups",
-                                 in_flight=st.running, reward=st.mean_reward)
-        # oldest launch first, so no group waits forever
-        self.backlog.sort(key=lambda g: self.in_flight.get(g.group_id, {}).get("label", 0))
-        take, self.backlog = self.backlog[:want], self.backlog[want:]
-        for g in take:
-            self.in_flight.pop(g.group_id, None)
-        return take
-
-    def _check_failures(self, groups: list, first: bool) -> None:
-        """Every rollout failed: on the first step that is a setup error (stop, say why); later, warn."""
-        rollouts = [r for g in groups for r in g.rollouts]
-        if not rollouts or any(r.state == "succeeded" for r in rollouts):
-            return
-        r = rollouts[0]
-        tail = ""
-        if r.log_path and Path(r.log_path).exists():
-            tail = "\n".join(Path(r.log_path).read_text(errors="replace").splitlines()[-15:])
-        msg = (f"all {len(rollouts)} rollouts of this step failed; first: state={r.state} error={r.error!r}\n"
-               f"log {r.log_path}:\n{tail}")
-        if first:
-            raise RuntimeError(msg + "\n(check harness.command, harness.cwd and the reward setup)")
-        self.progress.print(f"[yellow]warning: {msg}[/]")
-
-    def _too_stale(self, group) -> bool:
-        r = self.cfg.rollout
-        if r.mode != "async" or r.staleness_mode != "drop":
-            return False
-        version = int(self.state["model_version"])
-        started = [x.model_version for x in group.rollouts if x.model_version is not None]
-        return bool(started) and version - min(started) > r.max_staleness
-
-    # -- update phase ----------------------------------------------------------------------------
-    def update_phase(self, step: int, groups: list) -> dict[str, Any]:
-        """Samples of the finished groups (engine serving), then the hold: pause, drain, pause vLLM,
-        train, save, reload, bump version, resume. Only what needs the engine stopped is held."""
-        rep: dict[str, Any] = {}
-        version = int(self.state["model_version"])
-        table = self.step_samples(step, groups, version, rep)
-        rep.update(self.swap(step, table, version))
-        return rep
-
-    def step_samples(self, step: int, groups: list, version: int, rep: dict[str, Any]):
-        """The samples this update trains on, built while the harnesses keep running.
-
-        Why outside the hold: the groups are finished (every rollout ended, its reward judged), so
-        their spans and rollout rows are final once the proxy and the runner have flushed; nothing
-        here needs the engine paused. (A harness killed mid-call leaves that call to end as a
-        ``client_disconnect`` error span, which is never trained on, so a span still on its way
-        cannot change these samples.) The store is compacted first (bounded file count), and the
-        build reads only the selected rollouts' rows (``build_samples(rollouts=...)``).
-        """
-        import pyarrow as pa
-
-        from lightning_harness.proxy.health import require_capture
-        from lightning_harness.schemas import PartWriter, compact_store
-
-        from .samples import build_samples
-
-        cfg = self.cfg
-        t0 = time.monotonic()
-        self.progress.update(phase="samples")
-        # spans on disk, and all of them: stop rather than train on a partial phase
-        self.capture_state = require_capture(self.proxy.control, self.capture_state)
-        self.runner.flush()
-        rep["time/flush_s"] = time.monotonic() - t0
-        t1 = time.monotonic()
-        compacted = compact_store(self.traces)
-        rep["time/compact_s"] = time.monotonic() - t1
-        rep["store/files"] = sum(r.files_after for r in compacted.values())
-        t1 = time.monotonic()
-        gids = sorted(g.group_id for g in groups)
-        where = "split = 'train' AND group_id IN (" + ", ".join("'" + g.replace("'", "''") + "'" for g in gids) + ")"
-        s = cfg.samples
-        table, stats = build_samples(self.traces, mode=s.mode, advantage=s.advantage,
-                                     weight_mode=s.weight_mode, where=where,
-                                     include_secret_spans=s.include_secret_spans,
-                                     rollouts=[r.rollout_id for g in groups for r in g.rollouts],
-                                     **(s.extra or {}))
-        rep.update({f"samples/{k}": v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        table, st = staleness_filter(table, version, cfg.rollout.max_staleness,
-                                     cfg.rollout.staleness_mode if cfg.rollout.mode == "async" else "tis")
-        rep.update(st)
-        if table.num_rows:
-            table = table.set_column(table.schema.get_field_index("step"), "step",
-                                     pa.array([step] * table.num_rows, pa.int64()))
-            PartWriter(self.traces, "samples", background=False).write_table(table)
-        rep["time/build_s"] = time.monotonic() - t1
-        rep["time/samples_s"] = time.monotonic() - t0  # flush + compaction + build, all outside the hold
-        return table
-
-    def swap(self, step: int, table, version: int) -> dict[str, Any]:
-        """The hold: proxy pause + drain, vLLM pause (+ sleep), update, save, reload, resume.
-
-        On a GPU the update needs the engine asleep (memory); on CPU it shares the cores with the
-        engine, and the policy must not change under calls in flight, so it stays inside too.
-        """
-        from .update import scheduled_lr
-
-        cfg, ctl, rep = self.cfg, self.proxy.control, {}
-        t_pause = time.monotonic()
-        self.progress.update(phase="pause+drain")
-        ctl.pause()
-        drain = ctl.drain(timeout=cfg.proxy.drain_timeout_s)
-        rep["time/drain_s"] = float(drain.get("waited_s", time.monotonic() - t_pause))
-        rep["proxy/drained"] = bool(drain.get("drained", False))
-        rep["proxy/in_flight_after_drain"] = int(drain.get("in_flight", 0))
-        sleep = cfg.engine.sleep_on_update == "always" or (cfg.engine.sleep_on_update == "auto" and self.device == "cuda")
-        self.engine.pause("wait")
-        if sleep:
-            self.engine.sleep(cfg.engine.sleep_level)
-        self._hook("paused", step)
-        try:
-            self.progress.update(phase="update")
-            lr = scheduled_lr(self.cfg.update, step, self.cfg.steps)
-            self.updater.set_lr(lr)
-            m = self.updater.update(table)
-            rep.update(m)
-            rep["update/lr"] = lr
-            new_version = version + 1
-            self.updater.version = new_version  # one version per step, even if nothing was trainable
-            t0 = time.monotonic()
-            ckpt = self.updater.save(self.ckpt_dir / f"step-{step:06d}", step=step,
-                                     save_optimizer=cfg.checkpoint.save_optimizer)
-            rep["time/save_s"] = time.monotonic() - t0
-            # new weights into the engine, in place
-            self.progress.update(phase="reload")
-            if sleep:
-                self.engine.wake_up()
-            rep["time/reload_s"] = self.engine.reload_weights(ckpt)
-        finally:
-            if sleep and self.engine.is_sleeping():
-                self.engine.wake_up()
-            self.engine.resume()
-        ctl.set_model_version(new_version)
-        held = ctl.state().get("held", 0)
-        ctl.resume()
-        rep["proxy/held"] = int(held or 0)
-        rep["time/pause_s"] = time.monotonic() - t_pause
-        rep["model_version"] = new_version
-        self.state.update(model_version=new_version, checkpoint=str(ckpt))
-        self._prune_checkpoints()
-        return rep
-
-    def _prune_checkpoints(self) -> None:
-        keep = max(1, self.cfg.checkpoint.keep_last)
-        ckpts = sorted(p for p in self.ckpt_dir.glob("step-*") if p.is_dir())
-        for p in ckpts[:-keep]:
-            if str(p) not in (self.state["checkpoint"], self.state["base_model"]):
-                shutil.rmtree(p, ignore_errors=True)
-
-    # -- eval --------------------------------------------------------------------------------------
-    def evaluate(self, version: int) -> dict[str, float]:
-        """Held-out tasks at eval temperature, through the proxy (recorded with split 'eval')."""
-        from lightning_harness.launcher.batch import run_batch
-
-        if not self.eval_tasks:
-            return {}
-        cfg, e = self.cfg, self.cfg.eval
-        self.progress.update(phase=f"eval v{version}")
-        command = fill(e.command or cfg.harness.command, self._phase_values(e.temperature))
-        t0 = time.monotonic()
-        results = run_batch(self.eval_tasks, command, traces_dir=self.traces, run_id=f"{cfg.run_id}-eval",
-                            proxy=self.proxy, samples=e.group_size, concurrency=cfg.harness.concurrency,
-                            timeout=cfg.harness.timeout_s, retries=cfg.harness.retries,
-                            reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward, run_as=cfg.harness.run_as, step=version, split="eval",
-                            cwd=self._cwd(), extra_env=self._harness_env())
-        rewards = [r.reward if r.reward is not None else 0.0 for r in results]
-        out = {
-            "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
-            "eval/success": sum(1 for r in rewards if r >= e.success_threshold) / max(len(rewards), 1),
-            "eval/rollouts": len(results),
-            "eval/failed": sum(1 for r in results if r.state != "succeeded"),
-            "time/eval_s": time.monotonic() - t0,
-        }
-        self.state.setdefault("evals", {})[str(version)] = out
-        self.progress.print(f"eval @ version {version}: reward {out['eval/reward_mean']:.3f}, "
-                            f"success {out['eval/success']:.1%} ({len(results)} rollouts, {out['time/eval_s']:.0f}s)")
-        return out
-
-    # -- main loop ---------------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        from .metrics import MetricsLog, ProgressLine
-
-        cfg = self.cfg
-        self.prepare()
-        self.progress = ProgressLine(cfg.steps, self.console)
-        self.metrics = MetricsLog(self.traces, cfg.run_id, self._open_trackers(),
-                                  warn=lambda msg: self.progress.print(msg, markup=False))
-        self.stream = TaskStream(self.train_tasks, cfg.seed, int(self.state.get("stream_pos", 0)))
-        self.in_flight: dict[str, dict] = {}
-        self._used: dict[int, set] = {}
-        self.backlog: list = []
-        self.discarded = 0
-        t_run = time.monotonic()
-        elapsed_before = float(self.state.get("elapsed_s", 0.0))
-        try:
-            self.start_services()
-            self.load_updater()
-            self.start_runner()
-            version = int(self.state["model_version"])
-            if cfg.eval.before and str(version) not in self.state.get("evals", {}) and self.eval_tasks:
-                self.metrics.log(int(self.state["step"]), self.evaluate(version))
-                self._save_state()
-            self.resubmit(self.state.get("in_flight", []))
-            for step in range(int(self.state["step"]) + 1, cfg.steps + 1):
-                self.progress.update(step=step, version=version)
-                t_step = time.monotonic()
-                groups = self.collect(step)
-                rep = {"time/rollout_s": time.monotonic() - t_step}
-                rep.update(train_stats(groups, cfg.eval.success_threshold))
-                self._check_failures(groups, first=not self.reports)
-                rep["async/carry_over"] = len(self.in_flight)  # groups still running through this update
-                rep["async/discarded_groups"] = self.discarded  # cumulative: finished too stale to train
-                rep.update(self.update_phase(step, groups))
-                version = int(self.state["model_version"])
-                rep["time/step_s"] = time.monotonic() - t_step
-                rep["time/elapsed_s"] = time.monotonic() - t_run + elapsed_before  # across --resume
-                if (cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.after):
-                    rep.update(self.evaluate(version))
-                self.state["step"] = step
-                self.state["stream_pos"] = self.stream.pos
-                self.state["in_flight"] = list(self.in_flight.values())
-                self.metrics.log(step, rep)
-                self._save_state(elapsed=rep["time/elapsed_s"])
-                self.reports.append({"step": step, **rep})
-                self.progress.print(step_line(step, cfg.steps, rep))
-                self.progress.update(version=version, reward=rep.get("train/reward_mean"),
-                                     eval=self.state.get("evals", {}).get(str(version), {}).get("eval/success"))
-            return self.finish()
-        finally:
-            self.shutdown()
 
     def _open_trackers(self) -> dict[str, Any]:
         """The trackers named in ``logger`` (TensorBoard, W&B, MLflow), writing under RUN/trackers."""
@@ -573,16 +449,17 @@ class TrainingRun:
         write_json_atomic(self.run_dir / STATE_FILE, self.state)
 
     def finish(self) -> dict[str, Any]:
+        """The reward curve, the before/after table (cli.py prints it) and RUN/summary.json."""
+        from .cli import print_summary
         from .plot import plot_rewards
 
         cfg = self.cfg
         png = None
         if cfg.plot:
             png = plot_rewards(self.traces, self.run_dir / "reward_curve.png", cfg.run_id)
-        evals = self.state.get("evals", {})
         summary = {"run_dir": str(self.run_dir), "checkpoint": self.state["checkpoint"],
                    "model_version": self.state["model_version"], "plot": str(png) if png else None,
-                   "evals": evals, "steps": self.state["step"]}
+                   "evals": self.state.get("evals", {}), "steps": self.state["step"]}
         self.progress.close()
         print_summary(self.console, summary, self.traces, cfg.run_id)
         write_json_atomic(self.run_dir / "summary.json", summary)
@@ -625,34 +502,41 @@ class TrainingRun:
 
 
 # ---------------------------------------------------------------------------------------------
-# pure helpers (tested without engines)
+# small pieces: state file, leftovers of a crashed run, phase placeholders, train statistics
 # ---------------------------------------------------------------------------------------------
-def staleness_filter(table, version: int, max_staleness: int, mode: str):
-    """Drop rollouts whose oldest call is more than ``max_staleness`` versions behind ``version``
-    (``mode='drop'``), or keep them and let the truncated importance weights correct (``'tis'``).
-    Whole rollouts go, so per-rollout loss weights stay valid."""
-    import pyarrow as pa
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
-    rep = {"async/staleness_max": 0.0, "async/staleness_mean": 0.0, "async/staleness_seen_max": 0.0,
-           "async/dropped_rollouts": 0, "async/dropped_samples": 0}
-    if table.num_rows == 0:
-        return table, rep
-    vmin = table["model_version_min"].to_pylist()
-    stale = [version - (v if v is not None else version) for v in vmin]
-    rep["async/staleness_seen_max"] = float(max(stale))
-    rids = table["rollout_id"].to_pylist()
-    if mode == "drop":
-        too_old = {r for r, s in zip(rids, stale) if s > max_staleness}
-        if too_old:
-            keep = [r not in too_old for r in rids]
-            rep["async/dropped_rollouts"] = len(too_old)
-            rep["async/dropped_samples"] = keep.count(False)
-            table = table.filter(pa.array(keep))
-            stale = [s for s, k in zip(stale, keep) if k]
-    if stale:  # staleness of what is actually trained on
-        rep["async/staleness_max"] = float(max(stale))
-        rep["async/staleness_mean"] = float(sum(stale) / len(stale))
-    return table, rep
+
+def kill_leftovers(run_dir: Path, console) -> None:
+    """A killed trainer leaves its vLLM and proxy running (own process groups): stop them, but only
+    if the pid still runs the command we recorded (pids get reused)."""
+    f = run_dir / PIDS_FILE
+    if not f.exists():
+        return
+    for entry in json.loads(f.read_text()):
+        pid, marker = entry.get("pid"), entry.get("marker", "")
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker and marker in cmdline:
+            console.print(f"[yellow]stopping leftover {entry.get('what')} (pid {pid}) of the previous run[/]")
+            stop_group(pid, grace=10.0)
+    f.unlink(missing_ok=True)
+
+
+def fill(command: Any, values: dict[str, Any]) -> Any:
+    """Fill ``{temperature}``-style phase placeholders; task placeholders are left for the launcher."""
+    from lightning_harness.launcher.command import substitute
+
+    if isinstance(command, str):
+        return substitute(command, values, quote=False)
+    return [substitute(str(a), values) for a in command]
 
 
 def train_stats(groups: list, threshold: float) -> dict[str, float]:
@@ -661,111 +545,9 @@ def train_stats(groups: list, threshold: float) -> dict[str, float]:
     return {
         "train/groups": len(groups),
         "train/rollouts": len(rollouts),
-        "train/failed": sum(1 for r in rollouts if r.state != "succeeded"),
+        "train/failed": sum(1 for r in rollouts if not r.ok),
         "train/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
         "train/success": sum(1 for x in rewards if x >= threshold) / len(rollouts) if rollouts else float("nan"),
         "train/duration_mean_s": sum(r.duration_s or 0 for r in rollouts) / max(len(rollouts), 1),
     }
 
-
-def step_line(step: int, total: int, r: dict[str, Any]) -> str:
-    g = lambda k, f="{:.3g}": "-" if r.get(k) is None else f.format(r[k])  # noqa: E731
-    return (f"step {step}/{total} v{r.get('model_version')} | reward {g('train/reward_mean')} "
-            f"| groups {g('train/groups', '{:.0f}')} carry-over {g('async/carry_over', '{:.0f}')} "
-            f"stale max {g('async/staleness_max', '{:.0f}')} dropped {g('async/dropped_rollouts', '{:.0f}')} "
-            f"| samples {g('time/samples_s', '{:.2f}')}s | drain {g('time/drain_s', '{:.2f}')}s "
-            f"pause {g('time/pause_s', '{:.2f}')}s held {g('proxy/held', '{:.0f}')} "
-            f"| update {g('update/time_s', '{:.2f}')}s save {g('time/save_s', '{:.2f}')}s "
-            f"reload {g('time/reload_s', '{:.2f}')}s | rollouts {g('time/rollout_s', '{:.1f}')}s")
-
-
-def print_summary(console, summary: dict[str, Any], traces: Path, run_id: str) -> None:
-    from rich.table import Table
-
-    evals = summary.get("evals") or {}
-    if evals:
-        versions = sorted(int(v) for v in evals)
-        first, last = str(versions[0]), str(versions[-1])
-        t = Table(title="held-out evaluation")
-        t.add_column("metric")
-        t.add_column(f"before (v{first})", justify="right")
-        t.add_column(f"after (v{last})", justify="right")
-        t.add_column("change", justify="right")
-        for key, fmt in (("eval/success", "{:.1%}"), ("eval/reward_mean", "{:.3f}")):
-            a, b = evals[first].get(key), evals[last].get(key)
-            if a is None or b is None:
-                continue
-            delta = (f"{(b - a) * 100:+.1f} pts" if key == "eval/success" else f"{b - a:+.3f}")
-            t.add_row(key, fmt.format(a), fmt.format(b), delta)
-        console.print(t)
-    if summary.get("plot"):
-        console.print(f"reward curve:     {summary['plot']}", soft_wrap=True)
-    console.print(f"final checkpoint: {summary['checkpoint']} (model version {summary['model_version']})", soft_wrap=True)
-    console.print(f"read the rollouts: lightning-train report {summary['run_dir']}  (one HTML page)",
-                  soft_wrap=True, highlight=False, markup=False)
-    console.print("inspect the run:  lightning-sql " + f"{traces} " +
-                  f"\"SELECT step, name, round(value, 3) AS value FROM metrics WHERE run_id = '{run_id}' "
-                  f"AND name IN ('train/reward_mean', 'eval/reward_mean', 'eval/success') ORDER BY step, name\"",
-                  soft_wrap=True, highlight=False, markup=False)
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------
-def _click_command():
-    import click
-
-    @click.command("run", context_settings={"help_option_names": ["-h", "--help"]})
-    @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-                  help="YAML run config (see --print-config for every key).")
-    @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                  help="Override any key, dotted for sections: --set steps=20 --set rollout.mode=async "
-                       "--set update.lr=2e-5.")
-    @click.option("--resume", is_flag=True, help="Continue the run in run_dir from its last complete step.")
-    @click.option("--print-config", is_flag=True, help="Print the resolved config (or the defaults) and exit.")
-    def run_command(config_path, overrides, resume, print_config):
-        """Train a policy through the live proxy and vLLM in collocated phases.
-
-        \b
-        Each step: rollouts of task groups through the proxy -> proxy pause + drain -> vLLM pause
-        -> samples -> update -> checkpoint -> vLLM reload_weights -> model version + 1 -> resume.
-        The run folder holds config.yaml, state.json, checkpoints/, traces/ (spans, rollouts,
-        rewards, samples, metrics; query with lightning-sql), logs/ and reward_curve.png.
-
-        \b
-        Example:
-          lightning-train run --config examples/calc/config.yaml --set rollout.mode=async
-        """
-        import yaml
-        from rich.console import Console
-
-        console = Console(stderr=True)
-        try:
-            cfg = load_config(config_path, overrides, validate=not print_config)
-        except ConfigError as exc:
-            raise click.UsageError(str(exc)) from None
-        if print_config:
-            click.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-            return
-        run = TrainingRun(cfg, resume=resume, console=console)
-
-        def _term(signum, frame):  # SIGTERM: stop the engine, proxy and harnesses like Ctrl-C does
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGTERM, _term)
-        try:
-            run.run()
-        except ConfigError as exc:
-            raise click.UsageError(str(exc)) from None
-        except KeyboardInterrupt:
-            console.print(f"[yellow]interrupted; continue with: lightning-train run --config {config_path} --resume[/]")
-            sys.exit(130)
-        except RuntimeError as exc:  # engine, proxy or harness setup: the message says what and where
-            console.print(f"[red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
-            console.print(f"fix it, then continue with: lightning-train run --config {config_path} --resume")
-            sys.exit(1)
-
-    return run_command
-
-
-run_command = _click_command()

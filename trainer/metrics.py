@@ -14,10 +14,10 @@ import os
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-import pyarrow as pa
 import pyarrow.compute as pc
 
 from lightning_harness.schemas import PartWriter, read_table
@@ -39,7 +39,7 @@ class MetricsLog:
     def log(self, step: int, values: Mapping[str, Any]) -> None:
         """Write ``values`` (name -> number) for ``step`` now; non-numbers are skipped. The trackers
         get the same names and values."""
-        at = _dt.datetime.now(_dt.timezone.utc)
+        at = _dt.datetime.now(_dt.UTC)
         numbers = numeric(values)
         rows = [{"run_id": self.run_id, "step": int(step), "name": name, "value": value, "at": at}
                 for name, value in numbers.items()]

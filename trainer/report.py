@@ -388,7 +388,7 @@ def collect(run_dir: str | os.PathLike, *, tokenizer: str | None = None, split: 
                 "steps_planned": config.get("steps"), "model_version": state.get("model_version"),
                 "model": config.get("model"), "tokenizer": tokens.source,
                 "evals": summary.get("evals") or state.get("evals") or {},
-                "generated_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "generated_at": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                 "rollouts_total": int(total), "rollouts_shown": len(rollouts),
                 "filters": {"split": split, "step": step, "max_rollouts": max_rollouts}},
         "steps": steps, "rollouts": rollouts, "vocab": {str(k): v for k, v in tokens.vocab.items()},

@@ -94,6 +94,13 @@ def _cell(v: Any, width: int = 60) -> str:
     return s if len(s) <= width else s[: width - 1] + "…"
 
 
+def _csv_cell(v: Any) -> Any:
+    """A CSV cell: empty for null, JSON for lists and structs, the value otherwise."""
+    if v is None:
+        return ""
+    return json.dumps(_jsonable(v)) if isinstance(v, (list, dict)) else _jsonable(v)
+
+
 def _jsonable(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
@@ -124,7 +131,7 @@ def render(table: pa.Table, fmt: str, *, out=None, max_rows: int = 100, output: 
         w = csv.writer(out)
         w.writerow(table.column_names)
         for r in rows:
-            w.writerow(["" if v is None else (json.dumps(_jsonable(v)) if isinstance(v, (list, dict)) else _jsonable(v)) for v in r.values()])
+            w.writerow([_csv_cell(v) for v in r.values()])
     else:
         t = Table(show_header=True, header_style="bold", show_lines=False)
         for name in table.column_names:
@@ -150,6 +157,12 @@ def _run_skipping(con: duckdb.DuckDBPyConnection, query: str, traces_dir: str | 
     if traces_dir is None:
         return run_query(con, query)
     return past_damaged_parts(lambda: run_query(con, query), lambda: define_views(con, traces_dir))
+
+
+def quote_identifier(name: str) -> str:
+    """``name`` (``view`` or ``schema.view``) as quoted DuckDB identifiers. Why: names cannot be
+    bound as parameters, and a shell argument must not become SQL of its own."""
+    return ".".join('"' + part.replace('"', '""') + '"' for part in name.split("."))
 
 
 def list_queries(out=None) -> None:
@@ -211,10 +224,11 @@ def shell(con: duckdb.DuckDBPyConnection, traces_dir: str, fmt: str = "table", m
                 out.write(SHELL_HELP.format(views=", ".join(VIEW_NAMES)) + "\n")
             elif cmd == ".tables":
                 define_views(con, traces_dir)
-                counts = [(v, con.sql(f"SELECT count(*) FROM {v}").fetchall()[0][0]) for v in VIEW_NAMES]
+                counts = [(v,
+                           con.sql(f"SELECT count(*) FROM {quote_identifier(v)}").fetchall()[0][0]) for v in VIEW_NAMES]
                 render(pa.table({"view": [c[0] for c in counts], "rows": [c[1] for c in counts]}), fmt, out=out)
             elif cmd == ".schema" and args:
-                _shell_exec(con, f"DESCRIBE {args[0]}", fmt, max_rows, out)
+                _shell_exec(con, f"DESCRIBE {quote_identifier(args[0].rstrip(';'))}", fmt, max_rows, out)
             elif cmd == ".queries":
                 list_queries(out)
             elif cmd == ".q" and args:

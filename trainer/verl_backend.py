@@ -46,7 +46,8 @@ ADV_ESTIMATOR = "lightning_precomputed"
 # samples -> padded tensors (torch + pyarrow only) -> DataProto
 # ---------------------------------------------------------------------------------------------
 def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout",
-                       max_prompt_len: int | None = None, max_response_len: int | None = None) -> tuple[dict, dict, dict]:
+                       max_prompt_len: int | None = None,
+                       max_response_len: int | None = None) -> tuple[dict, dict, dict]:
     """``samples`` table -> (tensors, non_tensors, meta) in verl's layout.
 
     Prompts are left-padded to ``P``, responses right-padded to ``R``; ``input_ids`` is their
@@ -55,52 +56,30 @@ def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout",
     import numpy as np
     import torch
 
-    from .weights import n_units
+    from .update import lengths_mask, padded, table_to_samples
+    from .weights import n_units, rollout_index
 
-    cols = {c: table.column(c).to_pylist() for c in
-            ("sample_id", "rollout_id", "attempt", "group_id", "prompt_token_ids", "response_token_ids",
-             "response_mask", "response_logprobs", "advantage", "loss_weight")}
-    B = table.num_rows
+    rows, _ = table_to_samples(table, max_seq_len=None)  # the update's checks: same rows, same errors
+    B = len(rows)
     if B == 0:
         raise ValueError("no samples to convert")
-    prompts = [list(p or []) for p in cols["prompt_token_ids"]]
-    resps = [list(r or []) for r in cols["response_token_ids"]]
-    masks = [list(m or []) for m in cols["response_mask"]]
-    lps = [[float("nan") if x is None else float(x) for x in (l or [])] for l in cols["response_logprobs"]]
-    if max_prompt_len:
-        prompts = [p[-max_prompt_len:] for p in prompts]  # keep the end of the prompt, as verl does
-    if max_response_len:
-        resps, masks, lps = ([x[:max_response_len] for x in xs] for xs in (resps, masks, lps))
+    prompts = [s.prompt[-max_prompt_len:] if max_prompt_len else s.prompt for s in rows]  # keep the end, as verl
+    resps, masks, lps = ([x[:max_response_len] if max_response_len else x for x in xs] for xs in
+                         ([s.response for s in rows], [s.mask for s in rows], [s.logprobs for s in rows]))
     P = max(len(p) for p in prompts)
     R = max(max(len(r) for r in resps), 1)
-    prompt_t = torch.full((B, P), pad_id, dtype=torch.long)
-    prompt_att = torch.zeros((B, P), dtype=torch.long)
-    resp_t = torch.full((B, R), pad_id, dtype=torch.long)
-    resp_mask = torch.zeros((B, R), dtype=torch.float32)
-    resp_att = torch.zeros((B, R), dtype=torch.long)
-    old = torch.zeros((B, R), dtype=torch.float32)
-    tokw = torch.zeros((B, R), dtype=torch.float32)
-    adv = torch.zeros((B, R), dtype=torch.float32)
-    for b in range(B):
-        p, r, m, lp = prompts[b], resps[b], masks[b], lps[b]
-        if not (len(r) == len(m) == len(lp)):
-            raise ValueError(f"sample {cols['sample_id'][b]}: response ids/mask/logprobs lengths differ")
-        if p:
-            prompt_t[b, P - len(p):] = torch.tensor(p)
-            prompt_att[b, P - len(p):] = 1
-        if r:
-            resp_t[b, : len(r)] = torch.tensor(r)
-            resp_att[b, : len(r)] = 1
-            mk = torch.tensor(m, dtype=torch.float32)
-            resp_mask[b, : len(r)] = mk
-            old[b, : len(r)] = torch.nan_to_num(torch.tensor(lp, dtype=torch.float32), nan=0.0) * mk
-            tokw[b, : len(r)] = float(cols["loss_weight"][b]) * mk
-            adv[b, : len(r)] = float(cols["advantage"][b]) * mk
+    prompt_t = padded(prompts, P, torch.long, pad_id, left=True)
+    prompt_att = lengths_mask([len(p) for p in prompts], P).flip(-1).long()
+    resp_t = padded(resps, R, torch.long, pad_id)
+    resp_att = lengths_mask([len(r) for r in resps], R).long()
+    resp_mask = padded(masks, R, torch.float32)
+    old = torch.nan_to_num(padded(lps, R, torch.float32), nan=0.0) * resp_mask
+    # a per-sample value on each response token times its mask (x * 0 keeps x's sign on context tokens)
+    tokw, adv = (padded([[x * m for m in mk] for x, mk in zip(values, masks)], R, torch.float32)
+                 for values in ([s.loss_weight for s in rows], [s.advantage for s in rows]))
     # rollout identity -> the unit count of the whole batch (weights.n_units), model tokens T
-    keys: dict[tuple, int] = {}
-    ridx = np.array([keys.setdefault((cols["rollout_id"][b], cols["attempt"][b]), len(keys)) for b in range(B)])
     model_tokens = resp_mask.sum(-1).numpy().astype(np.int64)
-    N = n_units(ridx, model_tokens, weight_mode)
+    N = n_units(rollout_index([s.rollout_id for s in rows]), model_tokens, weight_mode)
     T = int(model_tokens.sum())
     if N <= 0 or T <= 0:
         raise ValueError("no model tokens in the batch")
@@ -124,9 +103,9 @@ def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout",
         "loss_weights": w,  # unfolded per-token weight, for inspection
     }
     non_tensors = {
-        "uid": np.array([str(g) for g in cols["group_id"]], dtype=object),
-        "rollout_id": np.array(cols["rollout_id"], dtype=object),
-        "sample_id": np.array(cols["sample_id"], dtype=object),
+        "uid": np.array([str(g) for g in table.column("group_id").to_pylist()], dtype=object),
+        "rollout_id": np.array(table.column("rollout_id").to_pylist(), dtype=object),
+        "sample_id": np.array(table.column("sample_id").to_pylist(), dtype=object),
     }
     meta = {"lightning_units": int(N), "lightning_model_tokens": T, "lightning_weight_mode": weight_mode,
             "global_token_num": attention.sum(-1).tolist()}

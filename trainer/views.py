@@ -10,9 +10,9 @@
 ``rollouts``
     one row per rollout attempt ``(rollout_id, attempt)`` seen in *any* table: launcher rows,
     spans of a proxy used alone, or rewards POSTed for it. ``reward`` follows the precedence of
-    launcher/rewards.py: a verifier report (``command``, ``api``) outranks a self-report (``proxy``,
-    ``file``), the latest wins within a rank. An attempt the launcher judged keeps the launcher's
-    reward (it already weighed the self-reports, or was told to ignore them with --no-self-reward)
+    schemas/rewards.py (``precedence_sql``): a verifier report (``command``, ``api``) outranks a
+    self-report (``proxy``, ``file``), the latest wins within a rank. An attempt the launcher judged keeps
+    the launcher's reward (it already weighed the self-reports, or was told to ignore them with --no-self-reward)
     unless a verifier-rank report came after it ended (the operator re-scoring); so a self-report
     posted after scoring never changes it. ``state`` is the launcher's (``no_reward`` becomes
     ``succeeded`` when such a later verifier reward exists), or derived (``succeeded`` with a reward,
@@ -36,19 +36,22 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import TypeVar
 
 import duckdb
 import pyarrow as pa
 
-from ..launcher.rewards import VERIFIER_SOURCES
 from ..schemas import TABLES, finished_parts
 from ..schemas.checked import mark_bad
+from ..schemas.rewards import VERIFIER, precedence_sql, rank_sql
+from ..schemas.states import NO_REWARD, SUCCEEDED
 
 T = TypeVar("T")
 
-RAW_VIEWS = {"spans": "spans", "rewards": "rewards", "rollouts": "rollouts_raw", "samples": "samples", "metrics": "metrics"}
+RAW_VIEWS = {"spans": "spans", "rewards": "rewards", "rollouts": "rollouts_raw", "samples": "samples",
+             "metrics": "metrics"}
 
 
 def _sql_str(s: str) -> str:
@@ -107,7 +110,7 @@ launcher AS (
 ranked_reward AS (
     SELECT w.rollout_id, coalesce(w.attempt, 0) AS attempt, w.reward, w.source AS reward_source,
            w.created_at AS reward_at, w.reward_id,
-           coalesce(w.source IN (VERIFIER_SOURCES), false) AS verifier,
+           {rank} = {verifier} AS verifier,
            l.rollout_id IS NOT NULL AS judged, l.ended_at AS judged_at
     FROM rewards w
     LEFT JOIN launcher l ON l.rollout_id = w.rollout_id AND l.attempt = coalesce(w.attempt, 0)
@@ -118,7 +121,7 @@ latest_reward AS (
     FROM ranked_reward
     WHERE NOT judged OR (verifier AND reward_at > judged_at)
     QUALIFY row_number() OVER (PARTITION BY rollout_id, attempt
-                               ORDER BY verifier DESC, reward_at DESC NULLS LAST, reward_id DESC) = 1
+                               ORDER BY {precedence}, reward_id DESC) = 1
 ),
 span_agg AS (
     SELECT rollout_id, coalesce(attempt, 0) AS attempt,
@@ -140,8 +143,9 @@ SELECT
     k.rollout_id, k.attempt,
     l.run_id, l.task_id, l.group_id, l.sample_index, l.step, l.split,
     CASE
-        WHEN l.state IS NULL THEN (CASE WHEN coalesce(r.reward, l.reward) IS NULL THEN 'no_reward' ELSE 'succeeded' END)
-        WHEN l.state = 'no_reward' AND r.reward IS NOT NULL THEN 'succeeded'
+        WHEN l.state IS NULL
+            THEN (CASE WHEN coalesce(r.reward, l.reward) IS NULL THEN '{no_reward}' ELSE '{succeeded}' END)
+        WHEN l.state = '{no_reward}' AND r.reward IS NOT NULL THEN '{succeeded}'
         ELSE l.state
     END AS state,
     coalesce(r.reward, l.reward)               AS reward,
@@ -164,7 +168,9 @@ LEFT JOIN span_agg s      USING (rollout_id, attempt)
 
 
 def _rollouts_sql() -> str:
-    return ROLLOUTS_SQL.replace("VERIFIER_SOURCES", ", ".join(_sql_str(s) for s in VERIFIER_SOURCES))
+    """The ``rollouts`` view with the reward precedence and the state names filled in from schemas."""
+    return ROLLOUTS_SQL.format(rank=rank_sql("w.source"), verifier=VERIFIER, no_reward=NO_REWARD, succeeded=SUCCEEDED,
+                               precedence=precedence_sql("reward_source", "reward_at"))
 
 
 def define_views(con: duckdb.DuckDBPyConnection, traces_dir: str | os.PathLike,

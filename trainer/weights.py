@@ -31,12 +31,23 @@ from __future__ import annotations
 import numpy as np
 
 MODES = ("rollout", "token-mean", "seq-mean")
-VERL_MODE = {"rollout": "seq-mean-token-mean", "token-mean": "token-mean", "seq-mean": "seq-mean-token-mean"}
 
 
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"unknown weight mode {mode!r}; choose from {MODES}")
+
+
+def rollout_key(rollout_id: str, attempt: int | None) -> str:
+    """The unit per-rollout weights count: one attempt of one rollout, ``<rollout_id>~<attempt>``
+    (a missing attempt is attempt 0, as the trace views read it)."""
+    return f"{rollout_id}~{attempt or 0}"
+
+
+def rollout_index(keys) -> np.ndarray:
+    """Each sample's rollout as an integer 0..R-1 (first seen, first numbered), from its rollout key."""
+    index: dict[str, int] = {}
+    return np.array([index.setdefault(k, len(index)) for k in keys], dtype=np.int64)
 
 
 def loss_weights(rollout_index: np.ndarray, model_tokens: np.ndarray, mode: str = "rollout") -> np.ndarray:

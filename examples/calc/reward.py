@@ -4,8 +4,9 @@
 The task comes from ``--task`` (a JSON string or a path to a JSON file), else LIGHTNING_TASK /
 LIGHTNING_TASK_FILE; the harness output from ``--output`` (path), else LIGHTNING_LOG_FILE (the
 launcher's log of the harness's stdout and stderr), else stdin. Only the last line that is exactly
-``ANSWER: <number>`` counts (the harness's own trace lines on stderr start with ``[``). Prints the reward on stdout; exits non-zero (printing nothing)
-only when the task itself cannot be read, so a broken setup never looks like a failed rollout.
+``ANSWER: <number>`` counts (the harness's own trace lines on stderr start with ``[``). Prints the reward
+on stdout; exits non-zero (printing nothing) only when the task itself cannot be read, so a broken setup
+never looks like a failed rollout.
 """
 
 from __future__ import annotations

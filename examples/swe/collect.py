@@ -107,14 +107,17 @@ def main() -> int:
             exchanges = recorder.take()
             for j, ex in enumerate(exchanges):
                 out.write(json.dumps({"task_id": task["id"], "episode": i, "call_index": j,
-                                      "n_calls": len(exchanges), "noise": args.noise, **ex, "exit_status": info["exit_status"],
+                                      "n_calls": len(exchanges), "noise": args.noise, **ex,
+                                      "exit_status": info["exit_status"],
                                       "reward": r}) + "\n")
             out.flush()
             rewards.append(r)
             calls.append(len(exchanges))
             if (i - args.start + 1) % 25 == 0:
-                print(f"[collect] {i - args.start + 1}/{len(order)} episodes, success {sum(rewards) / len(rewards):.2f}, "
-                      f"calls/episode {sum(calls) / len(calls):.2f}, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+                print(f"[collect] {i - args.start + 1}/{len(order)} episodes, "
+                      f"success {sum(rewards) / len(rewards):.2f}, "
+                      f"calls/episode {sum(calls) / len(calls):.2f}, {time.time() - t0:.0f} s", file=sys.stderr,
+                      flush=True)
     server.shutdown()
     hist = {k: calls.count(k) for k in sorted(set(calls))}
     print(json.dumps({"episodes": len(rewards), "success": sum(rewards) / max(1, len(rewards)),

@@ -59,10 +59,10 @@ def model_name(config: dict, override: str | None) -> str:
 def build_agent(config: dict, workdir: Path, name: str, output_path: Path | None = None,
                 base_url: str | None = None, temperature: float | None = None):
     """mini-swe-agent's DefaultAgent with its litellm model and its bubblewrap environment, sandboxed."""
+    import litellm
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.environments.extra.bubblewrap import BubblewrapEnvironment
     from minisweagent.models.litellm_model import LitellmModel
-    import litellm
 
     litellm.suppress_debug_info = True  # its "Provider List" banner on every unpriced call
 

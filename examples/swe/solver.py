@@ -51,7 +51,7 @@ class Noise:
     look_tests_too: float = 0.3    # cat the tests along with the module
 
     @classmethod
-    def scaled(cls, level: float) -> "Noise":
+    def scaled(cls, level: float) -> Noise:
         """level 0 = a perfect solver; 1 = the defaults; in between, mistakes scale linearly."""
         base = cls()
         return cls(wrong_first=base.wrong_first * level, give_up=base.give_up * level,
@@ -290,7 +290,7 @@ class Policy:
         return Action("look", f"cat -n {mod}", f"Let me read {mod}.")
 
     def _work(self, ep: Episode, task: dict, own: list[Action]) -> Action:
-        mod, tests = module_name(task), test_name(task)
+        mod = module_name(task)
         edits = [a for a in own if a.kind in ("fix", "wrong")]
         current = edits[-1].file_after if edits else task["files"][mod]
         last, last_out = ep.actions[-1]
@@ -310,7 +310,8 @@ class Policy:
             self.rng.shuffle(options)
             after = next((o for o in options[:6] if fails_visible_tests(task, o)), None)
             if after is not None:
-                return Action("wrong", edit_command(mod, current, after, self.addressed), f"The bug is in {task['function']}; fixing it.", after)
+                return Action("wrong", edit_command(mod, current, after, self.addressed),
+                              f"The bug is in {task['function']}; fixing it.", after)
         if current == task["solution"]:
             return Action("submit", SUBMIT, "Submitting.")
         return Action("fix", edit_command(mod, current, task["solution"], self.addressed),

@@ -33,4 +33,5 @@ def build_addons(state: ProxyState) -> list:
     ]
 
 
-__all__ = ["Attribution", "Capture", "Control", "Encoding", "Gate", "Limits", "MessagesRequest", "MessagesResponse", "Rewrite", "Routing", "Secrets", "build_addons"]
+__all__ = ["Attribution", "Capture", "Control", "Encoding", "Gate", "Limits", "MessagesRequest", "MessagesResponse",
+           "Rewrite", "Routing", "Secrets", "build_addons"]

@@ -100,7 +100,8 @@ class Attribution:
     def still_valid(self, ident: Identity) -> Identity:
         """``ident``, or a refusal once its attempt has ended (``/_lh/end``)."""
         if ident.ok and ident.rollout_id is not None and (ident.rollout_id, ident.attempt) in self.state.revoked:
-            return Identity(ident.rollout_id, ident.attempt, False, f"attempt {ident.rollout_id}~{ident.attempt} has ended")
+            return Identity(ident.rollout_id, ident.attempt, False,
+                            f"attempt {ident.rollout_id}~{ident.attempt} has ended")
         return ident
 
     def from_proxy_auth(self, value: str | None) -> Identity:

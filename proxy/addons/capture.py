@@ -17,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from mitmproxy import http
 
@@ -34,7 +34,7 @@ MAX_ERROR_BODY = 500
 
 
 def _ts(t: float | None) -> datetime | None:
-    return None if t is None else datetime.fromtimestamp(t, tz=timezone.utc)
+    return None if t is None else datetime.fromtimestamp(t, tz=UTC)
 
 
 def _valid_text(row: dict, skip: str = "request_json") -> bool:
@@ -133,7 +133,7 @@ class Capture:
     @staticmethod
     def _parse_request(call: Call, text: str) -> None:
         try:
-            obj = json.loads(text)  # not fastjson: the body may be rewritten, its numbers must stay exact
+            obj, call.request_fast = fastjson.loads_exact(text)  # rewritten later: numbers must stay exact
             if not isinstance(obj, dict):
                 raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
         except (ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
@@ -293,6 +293,7 @@ class Capture:
     def record_shutdown(self, waited: float) -> int:
         """Give every call still without a span a ``shutdown`` error span (what had streamed so far
         included); returns how many. Called by the server after the drain, before the final flush."""
+        self.state.run_later()
         n = 0
         for flow, call in list(self.live.values()):
             if call.done:
@@ -312,10 +313,17 @@ class Capture:
         self.live.pop(id(call), None)
         self._note_size(len(call.request_text or "") + len(response_json or ""))
         self.state.end(call)
-        row = self._scrubbed(self._row(flow, call, kind, err, response_json, status), call)
-        if kind:
+        row = self._row(flow, call, kind, err, response_json, status)  # now: rewrite edits the answer next
+        self.state.later(lambda: self._record(row, call))
+
+    def _record(self, row: dict, call: Call) -> None:
+        """Validate, redact and buffer a span row (after the answer has gone out: state.later)."""
+        row["salvaged"] = _valid_text(row) | _fit_ints(row) or row["salvaged"]
+        row = self._scrubbed(row, call)
+        if row["error_kind"]:
             self.state.errors += 1
-            log.info("error span %s/%s seq=%s: %s: %.300s", call.rollout_id, call.attempt, call.seq, kind, err)
+            log.info("error span %s/%s seq=%s: %s: %.300s", call.rollout_id, call.attempt, call.seq,
+                     row["error_kind"], row["error"])
         self.state.spans.append(row)
         self.state.spans_captured += 1
 
@@ -366,5 +374,5 @@ class Capture:
             "error": err,
             **toks,
         }
-        row["salvaged"] = _valid_text(row) | _fit_ints(row) or salvaged
+        row["salvaged"] = salvaged  # and what _record finds
         return row

@@ -16,17 +16,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import math
+import logging
 import time
 import urllib.parse
 import uuid
-from datetime import datetime, timezone
-
-import logging
+from datetime import UTC, datetime
 
 from mitmproxy import http
 
 from ...schemas import BufferFull
+from ...schemas.rewards import RewardError, reward_from_object
 from ..credentials import InvalidId, check_attempt, check_model_version, check_rollout_id, log_safe
 from ..state import CONTROL, META, REWARD, ProxyState
 
@@ -54,19 +53,6 @@ def _body(flow: http.HTTPFlow) -> dict:
     return obj
 
 
-def parse_reward(value) -> float:
-    """A reward must be a finite number; bools and strings that are not numbers are refused."""
-    if isinstance(value, bool) or value is None:
-        raise BadRequest(f"reward must be a number, got {value!r}")
-    try:
-        r = float(value)
-    except (TypeError, ValueError):
-        raise BadRequest(f"reward must be a number, got {value!r}") from None
-    if not math.isfinite(r):
-        raise BadRequest(f"reward must be finite, got {value!r}")
-    return r
-
-
 class Control:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
@@ -81,7 +67,7 @@ class Control:
             if not self._authorized(flow):
                 return _json_response(flow, 401, {"error": "control API needs Authorization: Bearer <control token>"})
             await self._dispatch(flow)
-        except (BadRequest, InvalidId) as exc:
+        except (BadRequest, InvalidId, RewardError) as exc:
             _json_response(flow, 400, {"error": str(exc)})
         except BufferFull as exc:  # rewards cannot be buffered while writes fail: the caller retries
             _json_response(flow, 503, {"error": str(exc)})
@@ -96,10 +82,8 @@ class Control:
     def _harness_reward(self, flow: http.HTTPFlow, call) -> None:
         if flow.request.method != "POST":
             return _json_response(flow, 405, {"error": "POST {\"reward\": number, \"info\": {...}}"})
-        body = _body(flow)
-        if "reward" not in body:
-            raise BadRequest('expected {"reward": number, "info": {...}}')
-        row = self.write_reward(call.rollout_id, call.attempt, body["reward"], body.get("info"), "proxy", call.secrets)
+        value, info = reward_from_object(_body(flow))
+        row = self.write_reward(call.rollout_id, call.attempt, value, info, "proxy", call.secrets)
         return _json_response(flow, 200, {"ok": True, "reward_id": row})
 
     def _authorized(self, flow: http.HTTPFlow) -> bool:
@@ -134,7 +118,7 @@ class Control:
             t0 = time.monotonic()
             try:
                 await asyncio.wait_for(st.idle_event.wait(), timeout=max(0.0, timeout))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             waited = time.monotonic() - t0
             return _json_response(
@@ -149,7 +133,8 @@ class Control:
             source = body.get("source") or "api"
             if not isinstance(source, str) or len(source) > 64:
                 raise BadRequest("source must be a string of at most 64 characters")
-            rid_row = self.write_reward(rid, attempt, body.get("reward"), body.get("info"), source)
+            value, info = reward_from_object(body)
+            rid_row = self.write_reward(rid, attempt, value, info, source)
             return _json_response(flow, 200, {"ok": True, "reward_id": rid_row})
         if name == "end":
             body = _body(flow)
@@ -161,24 +146,15 @@ class Control:
             return _json_response(flow, 200, st.snapshot())
         return _json_response(flow, 404, {"error": f"unknown control call {path}"})
 
-    def write_reward(self, rollout_id, attempt, reward, info, source: str, secrets=()) -> str:
+    def write_reward(self, rollout_id, attempt, value: float, info: dict | None, source: str, secrets=()) -> str:
         """Append one reward row; ``secrets``: the posting harness's credentials, masked in ``info``."""
         if not rollout_id:
             raise BadRequest("a reward needs a rollout (credentials or rollout_id)")
-        value = parse_reward(reward)
-        if info is not None and not isinstance(info, dict):
-            raise BadRequest("info must be a JSON object")
         reward_id = uuid.uuid4().hex
-        self.state.rewards.append(
-            {
-                "reward_id": reward_id,
-                "rollout_id": rollout_id,
-                "attempt": check_attempt(attempt or 0),
-                "reward": value,
-                "created_at": datetime.now(timezone.utc),
-                "source": source,
-                "info_json": self.state.redactor.json_text(json.dumps(info or {}), secrets),
-            }
-        )
+        self.state.rewards.append({
+            "reward_id": reward_id, "rollout_id": rollout_id, "attempt": check_attempt(attempt or 0), "reward": value,
+            "created_at": datetime.now(UTC), "source": source,
+            "info_json": self.state.redactor.json_text(json.dumps(info or {}), secrets),
+        })
         self.state.rewards_captured += 1
         return reward_id

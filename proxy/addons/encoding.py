@@ -83,7 +83,8 @@ class Encoding:
         try:
             body = decode_body(flow.response.raw_content or b"", coding, self.state.config.max_decoded_size)
         except TooLarge as exc:
-            body = {"error": {"message": f"lightning-proxy: upstream answer {exc} (max_decoded_size)", "type": "too_large", "code": 502}}
+            body = {"error": {"message": f"lightning-proxy: upstream answer {exc} (max_decoded_size)",
+                              "type": "too_large", "code": 502}}
             flow.response = http.Response.make(502, json.dumps(body).encode(), {"Content-Type": "application/json"})
             return
         except ValueError as exc:

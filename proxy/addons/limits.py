@@ -11,10 +11,10 @@ compressed body that expands a thousandfold (a decompression bomb). Model calls 
 An accepted compressed body is forwarded decoded (``identity``): the span, the rewrite addon and
 upstreams that do not read compressed requests (vLLM) all need the plain JSON. While the proxy
 drains at shutdown new model calls get 503. Bodies of 64 KiB and more share a budget of
-``max_inflight_bytes`` being processed at once; past it a call waits its turn (:class:`ByteBudget`). Answers to other traffic (not recorded) are streamed
-rather than held whole. Each refusal is counted in ``rejected`` and the
-capture addon records it as an error span (``too_large``, ``malformed_request``, ``shutdown``),
-so no attributed model call goes unrecorded. Runs before routing and capture.
+``max_inflight_bytes`` being processed at once; past it a call waits its turn (:class:`ByteBudget`).
+Answers to other traffic (not recorded) are streamed rather than held whole. Each refusal is
+counted in ``rejected`` and the capture addon records it as an error span (``too_large``,
+``malformed_request``, ``shutdown``), so no attributed model call goes unrecorded. Runs before routing and capture.
 """
 
 from __future__ import annotations
@@ -118,7 +118,9 @@ class Limits:
         cfg = self.state.config
         raw = flow.request.raw_content or b""
         if len(raw) > cfg.max_body_size:  # chunked: no length was announced
-            self.refuse(flow, 413, "too_large", f"request body of {len(raw)} bytes exceeds the proxy's max_body_size ({cfg.max_body_size} bytes)")
+            self.refuse(flow, 413, "too_large",
+                        f"request body of {len(raw)} bytes exceeds the proxy's max_body_size ({cfg.max_body_size} "
+                        f"bytes)")
             return
         coding = flow.request.headers.get("Content-Encoding", "").strip()
         if not coding or coding.lower() == "identity":

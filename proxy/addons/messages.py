@@ -19,7 +19,16 @@ import json
 
 from mitmproxy import http
 
-from ..anthropic import MESSAGES, EventStream, EventTranslator, MessagesError, error_body, error_from, to_chat, to_message
+from ..anthropic import (
+    MESSAGES,
+    EventStream,
+    EventTranslator,
+    MessagesError,
+    error_body,
+    error_from,
+    to_chat,
+    to_message,
+)
 from ..assemble import CHAT
 from ..state import META, MODEL, Call
 from .limits import REFUSED

@@ -12,8 +12,6 @@ Runs after capture: the span keeps the request as sent and the response with its
 
 from __future__ import annotations
 
-import json
-
 from mitmproxy import http
 
 from .. import fastjson
@@ -62,8 +60,8 @@ class Rewrite:
                 obj["logprobs"] = 0  # completions: 0 = only the sampled token's logprob
                 call.injected_logprobs = changed = True
         if changed:
-            # the standard library: the harness's own numbers (NaN, huge integers) go upstream exactly
-            flow.request.content = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+            # the harness's own numbers (NaN, huge integers) go upstream exactly
+            flow.request.content = fastjson.dumps_exact(obj, call.request_fast)
         if call.injected_token_ids or call.injected_logprobs:
             make = make_responses_stripper if call.endpoint == RESPONSES else make_stripper
             call.event_filters.append(make(call.injected_token_ids, call.injected_logprobs))

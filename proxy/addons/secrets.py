@@ -28,7 +28,8 @@ from ..state import META, MODEL, REWARD, Call
 # header names whose values are credentials (Authorization, X-Api-Key, Api-Key, X-Goog-Api-Key,
 # X-Amz-Security-Token, Private-Token, X-Auth-Token, ...); not Idempotency-Key, not session ids
 _CREDENTIAL_HEADER = re.compile(r"auth|token|secret|api-?key|apikey|access-?key|password", re.IGNORECASE)
-_CREDENTIAL_QUERY = re.compile(r"^(?:key|sig|signature|code|[\w-]*(?:api[-_]?key|token|secret|password))$", re.IGNORECASE)
+_CREDENTIAL_QUERY = re.compile(r"^(?:key|sig|signature|code|[\w-]*(?:api[-_]?key|token|secret|password))$",
+                               re.IGNORECASE)
 
 
 def from_authorization(value: str) -> set[str]:

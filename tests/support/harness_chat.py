@@ -50,7 +50,8 @@ def main() -> int:
         kwargs["base_url"] = task["base_url"]
     client = OpenAI(**kwargs)
     turns = int(task.get("turns", 2))
-    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": task.get("question", "hi")}]
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": task.get("question", "hi")}]
     done = 0
     for turn in range(turns):
         reply = client.chat.completions.create(model=task.get("model", "gpt-4o-mini"), messages=messages, max_tokens=4)

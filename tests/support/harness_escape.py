@@ -58,7 +58,8 @@ def forge_verifier_reward(value: float) -> None:
     token = url.path.split("/")[3]
     body = {"rollout_id": os.environ["LIGHTNING_ROLLOUT_ID"], "attempt": int(os.environ["LIGHTNING_ATTEMPT"]),
             "reward": value, "source": "command"}
-    req = urllib.request.Request(f"{url.scheme}://{url.netloc}/_lh/reward", data=json.dumps(body).encode(), method="POST",
+    req = urllib.request.Request(f"{url.scheme}://{url.netloc}/_lh/reward", data=json.dumps(body).encode(),
+                                 method="POST",
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
     try:
         with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10) as resp:
@@ -108,7 +109,8 @@ def move_loop(out: str, name: str, where: str) -> None:
 
 def wait_started(out: str, task: dict) -> None:
     """Until every escapee has written its pid: they are all running when the harness goes on."""
-    names = (["setsid.txt", "daemon.txt"] if task.get("escape") else []) + (["late.txt"] if task.get("late") is not None else [])
+    names = (["setsid.txt",
+              "daemon.txt"] if task.get("escape") else []) + (["late.txt"] if task.get("late") is not None else [])
     names += (["nested.txt"] if task.get("nest") else []) + (["jumped.txt"] if task.get("jump") else [])
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

@@ -168,15 +168,18 @@ class FakeCluster:
         if phase == "pending":
             state = client.V1ContainerState(waiting=client.V1ContainerStateWaiting(reason="ContainerCreating"))
         elif phase == "imagepull":
-            state = client.V1ContainerState(waiting=client.V1ContainerStateWaiting(reason="ImagePullBackOff", message="image not found"))
+            state = client.V1ContainerState(waiting=client.V1ContainerStateWaiting(reason="ImagePullBackOff",
+                                                                                   message="image not found"))
         elif phase == "running":
             state = client.V1ContainerState(running=client.V1ContainerStateRunning())
         else:
             code = {"complete": 0, "failed": 2, "deadline": 137}[phase]
             state = client.V1ContainerState(terminated=client.V1ContainerStateTerminated(
                 exit_code=code, reason="Completed" if code == 0 else "Error"))
-        cs = client.V1ContainerStatus(name=cname, state=state, image="img", image_id="", ready=phase == "running", restart_count=0)
-        return [client.V1Pod(metadata=client.V1ObjectMeta(name=f"{job_name}-abcde"), status=client.V1PodStatus(container_statuses=[cs]))]
+        cs = client.V1ContainerStatus(name=cname, state=state, image="img", image_id="", ready=phase == "running",
+                                      restart_count=0)
+        return [client.V1Pod(metadata=client.V1ObjectMeta(name=f"{job_name}-abcde"),
+                             status=client.V1PodStatus(container_statuses=[cs]))]
 
     def _post_reward(self, rec: dict) -> None:
         task = json.loads(rec["env"]["LIGHTNING_TASK"])

@@ -78,7 +78,7 @@ def self_signed(folder: str | os.PathLike) -> tuple[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     pkey = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "stub-upstream")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     crt = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -159,7 +159,8 @@ def chat_json(body: dict) -> dict:
     message = {"role": "assistant", "content": "".join(t[1] for t in toks)}
     if tool:
         message = {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_stub_0", "type": "function", "function": {"name": tool, "arguments": "".join(_arg_pieces(toks))}}]}
+            {"id": "call_stub_0", "type": "function",
+             "function": {"name": tool, "arguments": "".join(_arg_pieces(toks))}}]}
     choice = {
         "index": 0,
         "message": message,
@@ -196,7 +197,8 @@ def chat_chunks(body: dict):
     ids = bool(body.get("return_token_ids"))
     tool = _tool_name(body)
     pieces = _arg_pieces([_tok(i) for i in range(n)]) if tool else []
-    first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": None if tool else ""}, "logprobs": None, "finish_reason": None}]}
+    first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": None if tool else ""},
+                                  "logprobs": None, "finish_reason": None}]}
     if ids:
         first["prompt_token_ids"] = pids
     yield first
@@ -267,7 +269,8 @@ class _Encoder:
             self.finish = self._c.flush
 
 
-async def _send_json(w: asyncio.StreamWriter, status: int, obj, raw: bytes | None = None, encoding: str | None = None) -> None:
+async def _send_json(w: asyncio.StreamWriter, status: int, obj, raw: bytes | None = None,
+                     encoding: str | None = None) -> None:
     data = raw if raw is not None else json.dumps(obj).encode()
     headers = {"Content-Type": "application/json"}
     if encoding:
@@ -314,7 +317,8 @@ async def _send_sse(w: asyncio.StreamWriter, chunks, malformed: bool, drop: bool
 
 async def _model_call(w, path: str, headers: dict, raw: bytes) -> None:
     opts = {**CONFIG}
-    for h, key in (("x-stub-fail", "fail"), ("x-stub-delay", "delay"), ("x-stub-malformed", "malformed"), ("x-stub-drop", "drop"),
+    for h, key in (("x-stub-fail", "fail"), ("x-stub-delay", "delay"), ("x-stub-malformed", "malformed"),
+                   ("x-stub-drop", "drop"),
                    ("x-stub-encoding", "encoding"), ("x-stub-truncate", "truncate"), ("x-stub-bad-utf8", "bad_utf8"),
                    ("x-stub-event-bytes", "event_bytes"), ("x-stub-pad", "pad")):
         if h in headers:
@@ -325,14 +329,16 @@ async def _model_call(w, path: str, headers: dict, raw: bytes) -> None:
             raise ValueError("body must be a JSON object")
     except (ValueError, RecursionError) as exc:
         REQUESTS.append({"_raw": raw.decode(errors="replace"), "_path": path})
-        return await _send_json(w, 400, {"error": {"message": f"invalid JSON body: {exc}", "type": "BadRequestError", "code": 400}})
+        return await _send_json(w, 400, {"error": {"message": f"invalid JSON body: {exc}", "type": "BadRequestError",
+                                                   "code": 400}})
     REQUESTS.append({**body, "_path": path, "_auth": headers.get("authorization")})
     delay = float(opts.get("delay") or DEFAULTS["delay"])
     if delay:
         await asyncio.sleep(delay)
     if opts.get("fail"):
         code = int(opts["fail"])
-        return await _send_json(w, code, {"error": {"message": f"stub failure {code}", "type": "stub_error", "code": code}})
+        return await _send_json(w, code,
+                                {"error": {"message": f"stub failure {code}", "type": "stub_error", "code": code}})
     chat = path.rstrip("/").endswith("/chat/completions")
     malformed, drop, encoding = bool(opts.get("malformed")), bool(opts.get("drop")), opts.get("encoding") or None
     truncate, bad_utf8 = bool(opts.get("truncate")), bool(opts.get("bad_utf8"))
@@ -360,8 +366,10 @@ async def _model_call(w, path: str, headers: dict, raw: bytes) -> None:
 
 async def _send_big_event(w: asyncio.StreamWriter, body: dict, n: int) -> None:
     """One chat chunk whose content is ``n`` bytes, written in 64 KiB pieces (the SSE benchmark)."""
-    base = {"id": "chatcmpl-big", "object": "chat.completion.chunk", "created": int(time.time()), "model": body.get("model")}
-    big = json.dumps({**base, "choices": [{"index": 0, "delta": {"content": "x" * n}, "finish_reason": "stop"}]}).encode()
+    base = {"id": "chatcmpl-big", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": body.get("model")}
+    big = json.dumps({**base,
+                      "choices": [{"index": 0, "delta": {"content": "x" * n}, "finish_reason": "stop"}]}).encode()
     w.write(_head(200, {"Content-Type": "text/event-stream", "Transfer-Encoding": "chunked"}))
     data = b"data: " + big + b"\n\ndata: [DONE]\n\n"
     for i in range(0, len(data), 65536):
@@ -417,7 +425,8 @@ async def _handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             elif path in ("/health", "/v1/health"):
                 await _send_json(w, 200, {"ok": True})
             elif path.endswith("/models"):
-                await _send_json(w, 200, {"object": "list", "data": [{"id": DEFAULTS["model"], "object": "model", "owned_by": "stub"}]})
+                await _send_json(w, 200, {"object": "list",
+                                          "data": [{"id": DEFAULTS["model"], "object": "model", "owned_by": "stub"}]})
             elif path == "/_stub/requests":
                 await _send_json(w, 200, list(REQUESTS))
             elif path == "/_stub/reset" and method == "POST":
@@ -452,7 +461,8 @@ async def serve(host: str, port: int, ssl_ctx: ssl.SSLContext | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"))

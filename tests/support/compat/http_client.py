@@ -47,7 +47,8 @@ def main() -> None:
             status, text, hdrs = r.status_code, r.text, r.headers
     out = {"status": status, "content_type": hdrs.get("content-type"), "content_encoding": hdrs.get("content-encoding")}
     if "--stream" in flags:
-        out["events"] = [json.loads(ln[5:]) for ln in text.splitlines() if ln.startswith("data:") and "[DONE]" not in ln]
+        out["events"] = [json.loads(ln[5:]) for ln in text.splitlines()
+                         if ln.startswith("data:") and "[DONE]" not in ln]
         out["done"] = "data: [DONE]" in text
     else:
         out["body"] = json.loads(text)

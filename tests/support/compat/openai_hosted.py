@@ -56,8 +56,10 @@ def main() -> None:
         r = client.chat.completions.create(**kw)
         msg = r.choices[0].message
         out.update(model=r.model, content=msg.content, finish_reason=r.choices[0].finish_reason,
-                   tool_calls=[{"id": t.id, "name": t.function.name, "arguments": t.function.arguments} for t in msg.tool_calls or ()],
-                   logprobs=r.choices[0].logprobs, extra=sorted(set(r.model_extra or {}) | set(r.choices[0].model_extra or {})))
+                   tool_calls=[{"id": t.id, "name": t.function.name,
+                                "arguments": t.function.arguments} for t in msg.tool_calls or ()],
+                   logprobs=r.choices[0].logprobs,
+                   extra=sorted(set(r.model_extra or {}) | set(r.choices[0].model_extra or {})))
     print(json.dumps(out, default=str))
 
 

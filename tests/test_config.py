@@ -1,0 +1,99 @@
+"""The run config through the real CLI (`lightning-train run --print-config`): YAML + --set resolved and
+printed, and every mistake refused before anything starts, with the key, the value and what was expected."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_harness.trainer import config as C
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONFIG = """
+model: model
+harness: {command: ["{python}", "h.py"]}
+tasks: {train: train.jsonl}
+update: {lr: 1.0e-5}
+eval:
+"""
+
+
+def train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_harness.trainer.cli", "run", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(CONFIG)
+    return path
+
+
+def test_print_config_shows_the_file_with_its_overrides_and_reads_back(config_file, tmp_path):
+    overrides = ["update.lr=2e-5", "rollout.mode=async", "update.betas=[0.8, 0.9]"]
+    res = train("--config", str(config_file), *[arg for o in overrides for arg in ("--set", o)], "--print-config")
+    assert res.returncode == 0, res.stderr
+    printed = yaml.safe_load(res.stdout)
+    assert printed["update"]["lr"] == 2e-5 and printed["update"]["betas"] == [0.8, 0.9]
+    assert printed["rollout"]["mode"] == "async" and printed["model"] == "model"
+    assert printed["eval"] == C.EvalConfig().__dict__  # an empty section means its defaults
+    assert printed["base_dir"] == str(tmp_path)  # relative paths resolve against the file's folder
+    copy = tmp_path / "printed.yaml"
+    copy.write_text(res.stdout)
+    assert C.load_config(copy, base_dir=tmp_path).to_dict() == C.load_config(config_file, overrides).to_dict()
+
+
+def test_print_config_without_a_file_prints_every_default():
+    res = train("--print-config")
+    assert res.returncode == 0, res.stderr
+    assert yaml.safe_load(res.stdout) == C.RunConfig().to_dict()
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("update.lr_rate=1", "unknown key 'update.lr_rate' (did you mean 'lr'?)"),
+    ("rollout.group_sise=2", "unknown key 'rollout.group_sise' (did you mean 'group_size'?)"),
+    ("stpes=3", "unknown key 'stpes' (did you mean 'steps'?)"),
+    ("update.lr=abc", "update.lr: input should be a valid number, unable to parse string as a number, got 'abc'"),
+    ("steps=many", "steps: input should be a valid integer, unable to parse string as an integer, got 'many'"),
+    ("rollout.mode=fast", "rollout.mode: input should be 'sync' or 'async', got 'fast'"),
+    ("rollout.group_size=0", "rollout.group_size: input should be greater than or equal to 1, got 0"),
+    ("harness.self_reward=maybe", "harness.self_reward: input should be a valid boolean"),
+    ("update=3", "update: expected a mapping of ['autocast', 'betas',"),
+])
+def test_a_mistake_in_set_names_the_key_the_value_and_what_was_expected(config_file, override, expected):
+    res = train("--config", str(config_file), "--set", override, "--print-config")
+    assert res.returncode == 2 and expected in res.stderr, res.stderr
+
+
+def test_a_typo_in_the_file_is_named_and_every_problem_comes_at_once(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(CONFIG.replace("update: {lr: 1.0e-5}", "update: {lr: fast, lr_shedule: cosine}"))
+    res = train("--config", str(path), "--set", "engine.sleep_on_update=sometimes")
+    assert res.returncode == 2
+    for line in ("unknown key 'update.lr_shedule' (did you mean 'lr_schedule'?)",
+                 "update.lr: input should be a valid number", "got 'fast'",
+                 "engine.sleep_on_update: input should be 'auto', 'always' or 'never', got 'sometimes'"):
+        assert line in res.stderr, res.stderr
+
+
+def test_a_run_needs_its_essentials_but_print_config_does_not(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("steps: 2\n")
+    res = train("--config", str(path))
+    assert res.returncode == 2
+    for key in ("model: required", "harness.command: required", "tasks.train: required"):
+        assert key in res.stderr, res.stderr
+    assert train("--config", str(path), "--print-config").returncode == 0
+
+
+@pytest.mark.parametrize("name", ["calc", "swe"])
+def test_the_example_configs_load(name):
+    cfg = C.load_config(ROOT / "examples" / name / "config.yaml")
+    assert cfg.model and cfg.harness.command and cfg.tasks.train
+    assert cfg.base_dir == str(ROOT / "examples" / name)
