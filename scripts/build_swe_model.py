@@ -196,22 +196,245 @@ def imitation_episodes(task: dict, rng: random.Random, p_wrong: float) -> list[d
     return out
 
 
-def load_trajectories(path: Path) -> list[dict]:
-    """Whole conversations from per-call lines: the last call of each episode plus the solver's reply."""
+def load_trajectories(paths: list[Path]) -> list[dict]:
+    """Whole conversations from per-call lines: the last call of each episode plus the solver's reply,
+    with the solver's action kind per assistant turn (``kinds``: look, test, fix, wrong, submit)."""
     last: dict = {}
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        key = (row.get("task_id"), row.get("episode", 0))
-        if key not in last or row["call_index"] > last[key]["call_index"]:
-            last[key] = row
+    kinds: dict = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            key = (path.name, row.get("task_id"), row.get("episode", 0))
+            kinds.setdefault(key, {})[row["call_index"]] = row.get("action")
+            if key not in last or row["call_index"] > last[key]["call_index"]:
+                last[key] = row
     episodes = []
-    for row in last.values():
+    for key, row in last.items():
         req = row["request"]
         messages = [{k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "tool_call_id")}
                     for m in req["messages"] + [row["reply"]]]
         episodes.append({"task_id": row.get("task_id"), "messages": messages, "tools": req.get("tools"),
-                         "reward": row.get("reward")})
+                         "reward": row.get("reward"),
+                         "kinds": [kinds[key].get(i) for i in range(row["call_index"] + 1)]})
     return episodes
+
+
+# ---------------------------------------------------------------- the unaddressed edit form
+_SED = re.compile(r"sed -i '(\d*)(?:s/([^/]*)/([^/]*)/|a\\(.*))' (\S+)", re.DOTALL)
+
+
+def apply_edit(text: str, command: str) -> str | None:
+    """The module after one of the solver's edit commands (its sed forms, literal spans, or its python
+    replace heredoc), computed without running it; None for any other command."""
+    import ast
+
+    m = _SED.fullmatch(command)
+    if m:
+        number, old, new, added, _ = m.groups()
+        lines = text.splitlines(keepends=True)
+        if added is not None:
+            return "".join(lines[:int(number)] + [added + "\n"] + lines[int(number):]) if number else None
+        targets = [int(number) - 1] if number else [i for i, x in enumerate(lines) if old in x]
+        for i in targets:
+            lines[i] = (new + "\n") if old == ".*" else lines[i].replace(old, new, 1)
+        return "".join(lines) if old and "\\" not in old + new else None
+    if command.startswith("python - <<'EOF'"):
+        calls = re.findall(r"^s = s\.replace\((.*), 1\)$", command, re.MULTILINE)
+        for call in calls:
+            old, new = ast.literal_eval(f"({call})")
+            text = text.replace(old, new, 1)
+        return text if calls else None
+    return None
+
+
+def unaddress_edits(episode: dict, task: dict) -> dict:
+    """The episode with every edit rewritten as ``solver.edit_command(..., addressed=False)`` gives it
+    (the line number dropped where the span is on one line only). The file states, hence every
+    observation, stay the same; an episode with an edit this cannot follow is returned unchanged."""
+    import solver as swe_solver
+
+    name = module_name(task)
+    text = task["files"][name]
+    messages = copy.deepcopy(episode["messages"])
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            command = json.loads(call["function"]["arguments"])["command"]
+            if not (command.startswith("sed -i") or command.startswith("python - <<")):
+                continue
+            after = apply_edit(text, command)
+            if after is None:
+                return episode
+            new = swe_solver.edit_command(name, text, after, addressed=False)
+            if apply_edit(text, new) != after:
+                return episode
+            call["function"]["arguments"] = json.dumps({"command": new})
+            text = after
+    return {**episode, "messages": messages}
+
+
+# ---------------------------------------------------------------- renamed projects
+def made_up_name(rng: random.Random) -> str:
+    """A pronounceable project name no task uses (two or three syllables)."""
+    syllables = [rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(rng.choice([2, 3]))]
+    return "".join(syllables) + rng.choice(["", "s", "n", "x"])
+
+
+def rename_project(episode: dict, old: str, new: str) -> dict:
+    """The episode as it would read had the project been called ``new``: every standalone occurrence
+    of ``old`` (``old.py``, ``test_old.py``, ``from old import``) replaced, in text and commands alike.
+    With only 19 train projects a tiny model can name the file from the project it recognises; renamed
+    copies leave copying from the prompt and the listing as the only way."""
+    pattern = re.compile(rf"(?<![A-Za-z0-9]){re.escape(old)}(?![A-Za-z0-9])")
+    messages = copy.deepcopy(episode["messages"])
+    for m in messages:
+        if isinstance(m.get("content"), str):
+            m["content"] = pattern.sub(new, m["content"])
+        for call in m.get("tool_calls") or []:
+            call["function"]["arguments"] = pattern.sub(new, call["function"]["arguments"])
+    return {**episode, "messages": messages}
+
+
+# ---------------------------------------------------------------- weighted SFT samples
+def turn_runs(target: list[bool]) -> list[tuple[int, int]]:
+    """The [start, end) token ranges of the assistant turns in a chat sample (its runs of targets)."""
+    runs, start = [], None
+    for i, t in enumerate(target + [False]):
+        if t and start is None:
+            start = i
+        elif not t and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def weighted_sample(tok, episode: dict, edit_weight: float, mask_wrong: bool) -> tuple[list[int], list[float]]:
+    """A chat sample whose target weights follow the solver's action per turn: a deliberate wrong
+    edit teaches nothing (weight 0 with ``mask_wrong``; it stays in the context, so the recovery is
+    still learnt) and the fix, the one turn that must copy a line number and a span, counts
+    ``edit_weight`` times."""
+    ids, target = tm.chat_sample(tok, episode["messages"], episode["tools"])
+    weights = [1.0 if t else 0.0 for t in target]
+    kinds = episode.get("kinds") or []
+    for kind, (a, b) in zip(kinds, turn_runs(target)):
+        w = 0.0 if (kind == "wrong" and mask_wrong) else edit_weight if kind == "fix" else 1.0
+        weights[a:b] = [w] * (b - a)
+    return ids, weights
+
+
+def weighted_nll(model, batch: list[tuple[list[int], list[float]]], pad_id: int):
+    """Weighted mean negative log-likelihood of the target tokens of a right-padded batch."""
+    import torch
+
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    w = torch.zeros((len(batch), width))
+    for row, (seq, weights) in enumerate(batch):
+        ids[row, :len(seq)], attn[row, :len(seq)], w[row, :len(seq)] = torch.tensor(seq), 1, torch.tensor(weights)
+    device = next(model.parameters()).device
+    ids, attn, w = ids.to(device), attn.to(device), w.to(device)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return -(logp * w[:, 1:]).sum() / w[:, 1:].sum().clamp(min=1.0)
+
+
+def length_batches(samples: list, batch: int, rng: random.Random, pool: int = 32) -> list[list]:
+    """One epoch of batches of similar length (little padding): shuffle, sort within pools, shuffle batches."""
+    order = rng.sample(samples, len(samples))
+    batches = []
+    for i in range(0, len(order), pool * batch):
+        chunk = sorted(order[i:i + pool * batch], key=lambda s: len(s[0]))
+        batches += [chunk[j:j + batch] for j in range(0, len(chunk), batch)]
+    rng.shuffle(batches)
+    return batches
+
+
+# ---------------------------------------------------------------- teacher-forced edit accuracy
+def cat_n(text: str) -> str:
+    """What ``cat -n`` prints for a file."""
+    return "".join(f"{i:6d}\t{line}" for i, line in enumerate(text.splitlines(keepends=True), 1))
+
+
+def edit_conversation(task: dict, addressed: bool = True) -> list[dict]:
+    """The prefix of a clean episode up to and including the fix (as the solver writes it):
+    prompt, ``cat -n`` of the module and its output, the edit. The same on train and held-out tasks."""
+    import solver as swe_solver
+
+    name = module_name(task)
+    buggy = task["files"][name]
+    fix = swe_solver.edit_command(name, buggy, task["solution"], addressed)
+    steps = [(f"cat -n {name}", observation(0, cat_n(buggy))), (fix, "")]
+    return conversation(task, steps)[:-1]
+
+
+_PARTS = re.compile(r"sed -i '(?P<line>\d*)(?:s/(?P<span>[^/]*)/(?P<repl>[^/]*)/|a\\\\(?P<added>.*?))' "
+                    r"(?P<file>[\w.]+)")
+
+
+def _segments(tok, turn_ids: list[int]) -> dict[str, list[int]]:
+    """Token indices of the fix turn's parts: ``line`` (the sed address digits), ``span`` (what
+    ``s///`` replaces), ``repl`` (its replacement, or the appended line), ``file`` and ``edit`` (the
+    whole command after the address)."""
+    pieces = [tok.decode([t], skip_special_tokens=False) for t in turn_ids]
+    text = "".join(pieces)
+    start = text.find('"command": "') + len('"command": "')
+    end = text.find('"}}', start)
+    m = _PARTS.match(text, start)
+    ranges = {"edit": (start + (m.end("line") - m.start() if m else 0), end)}
+    for name in ("line", "span", "repl", "added", "file"):
+        if m and m.group(name):
+            ranges[name] = m.span(name)
+    if "added" in ranges:
+        ranges["repl"] = ranges.pop("added")
+    segs: dict[str, list[int]] = {name: [] for name in ("line", "span", "repl", "file", "edit")}
+    pos = 0
+    for k, piece in enumerate(pieces):
+        lo, hi = pos, pos + len(piece)
+        pos = hi
+        for name, (x, y) in ranges.items():
+            if lo < y and hi > x:
+                segs[name].append(k)
+    return segs
+
+
+def teacher_forced(model, tok, tasks: list[dict], addressed: bool = True) -> dict:
+    """Per task, the fix turn scored under teacher forcing: greedy-correct line number (sed address),
+    span, replacement, file name (each over the tasks whose command has it), rest of the command
+    after the address, whole turn, and the mean probability of
+    sampling the exact turn at temperature 1 (an upper bound on an episode's success through this path)."""
+    import math
+
+    import torch
+
+    stats = {"line": [], "span": [], "repl": [], "file": [], "edit": [], "turn": [], "p_turn": []}
+    model.eval()
+    with torch.no_grad():
+        for task in tasks:
+            ids, target = tm.chat_sample(tok, edit_conversation(task, addressed), [BASH_TOOL])
+            a, b = turn_runs(target)[-1]
+            logits = model(input_ids=torch.tensor([ids])).logits[0, a - 1:b - 1].float()
+            gold = torch.tensor(ids[a:b])
+            right = (logits.argmax(-1) == gold).tolist()
+            logp = torch.log_softmax(logits, -1).gather(-1, gold[:, None]).sum().item()
+            segs = _segments(tok, ids[a:b])
+            for name in ("line", "span", "repl", "file"):
+                if segs[name]:
+                    stats[name].append(all(right[k] for k in segs[name]))
+            stats["edit"].append(all(right[k] for k in segs["edit"]))
+            stats["turn"].append(all(right))
+            stats["p_turn"].append(math.exp(logp))
+    return ({k: round(sum(v) / max(1, len(v)), 4) for k, v in stats.items()}
+            | {"n": len(tasks), "n_sed_address": len(stats["line"]), "n_sed_span": len(stats["span"])})
+
+
+def tf_report(model, tok, seed: int, addressed: bool = True, n: int = 84) -> dict:
+    """:func:`teacher_forced` on the held-out tasks and on as many train tasks (memorised vs learnt)."""
+    train = random.Random(seed).sample(read_tasks("train"), n)
+    was_training = model.training
+    out = {"held_out": teacher_forced(model, tok, read_tasks("eval")[:n], addressed),
+           "train": teacher_forced(model, tok, train, addressed)}
+    model.train(was_training)
+    return out
 
 
 # ---------------------------------------------------------------- the agent loop, in process
@@ -313,10 +536,34 @@ def make_tokenizer(episodes: list[dict], vocab: int, max_len: int):
     return tm.build_tokenizer(corpus, vocab_size=vocab, specials=SPECIALS, chat_template=template, max_length=max_len)
 
 
+def served_tokenizer(tok, config):
+    """The tokenizer as vLLM, ``--eval-only`` and the trainer will load it from the saved model. With
+    transformers 5, ``AutoTokenizer`` maps a qwen2 config to ``Qwen2Tokenizer``, which replaces the
+    trained pre-tokenizer with Qwen's split pattern: ids differ from the ones the BPE was built with
+    (``tests/test_swe_build.py``). SFT must see the ids the served model will see."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        config.save_pretrained(tmp)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
 @click.command(help=__doc__)
 @click.option("--out", type=click.Path(path_type=Path), default=SWE_DIR / "model", show_default=True)
-@click.option("--trajectories", type=click.Path(path_type=Path, exists=True), default=None,
-              help="mini-swe-agent x scripted solver calls (JSONL); default: the in-process imitation")
+@click.option("--trajectories", type=click.Path(path_type=Path, exists=True), multiple=True,
+              help="mini-swe-agent x scripted solver calls (JSONL, repeatable); default: the in-process imitation")
+@click.option("--mask-wrong/--learn-wrong", default=False, show_default=True,
+              help="no loss on the solver's deliberate wrong edits (they stay in the context)")
+@click.option("--edit-weight", default=1.0, show_default=True, help="loss weight of the fix turn's tokens")
+@click.option("--edit-form", type=click.Choice(["line", "unaddressed"]), default="line", show_default=True,
+              help="unaddressed: rewrite the solver's sed edits without line numbers where the span allows "
+                   "(solver.py --edit-form)")
+@click.option("--init", type=click.Path(path_type=Path, exists=True), default=None,
+              help="continue SFT from this built model (its tokenizer and weights) instead of a fresh one")
+@click.option("--renames", default=0, show_default=True,
+              help="copies of each episode with the project renamed (made-up names)")
+@click.option("--max-tokens", default=0, show_default=True, help="drop SFT conversations longer than this (0: max-len)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--p-wrong", default=0.5, show_default=True, help="share of tasks that also get a noisy episode")
 @click.option("--vocab", default=2048, show_default=True)
@@ -328,6 +575,8 @@ def make_tokenizer(episodes: list[dict], vocab: int, max_len: int):
 @click.option("--lr", default=3e-3, show_default=True)
 @click.option("--batch", default=6, show_default=True)
 @click.option("--eval-tasks", default=84, show_default=True, help="held-out tasks evaluated (first N)")
+@click.option("--eval-split", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
+              help="train: the same episodes on train tasks (what was learnt vs what generalises)")
 @click.option("--eval-shard", default="0/1", show_default=True,
               help="i/n: evaluate every n-th task from i (parallel runs)")
 @click.option("--eval-samples", default=1, show_default=True, help="sampled episodes per held-out task")
@@ -339,26 +588,40 @@ def make_tokenizer(episodes: list[dict], vocab: int, max_len: int):
 @click.option("--device", default="cpu", show_default=True, help="where SFT runs (cuda if you have one)")
 @click.option("--eval/--no-eval", "run_eval", default=True, help="measure held-out success after the build")
 @click.option("--eval-only", is_flag=True, help="skip the build: evaluate the model in --out")
+@click.option("--tf-only", is_flag=True, help="skip the build: teacher-forced fix-turn accuracy of the model in --out")
+@click.option("--tf-every", default=0, show_default=True,
+              help="log teacher-forced accuracy every N SFT steps (0: at snapshots only)")
 @click.option("--snapshots", default="",
               help="comma-separated SFT steps at which to also save OUT-stepN "
                    "(pick a warm start by its held-out success)")
-def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks,
-         eval_shard, eval_samples,
-         step_limit, threads, workers, episodes_file, device, run_eval, eval_only, snapshots):
+def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, max_tokens, seed, p_wrong, vocab, layers,
+         hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_split, eval_shard, eval_samples,
+         step_limit, threads, workers, episodes_file, device, run_eval, eval_only, tf_only, tf_every, snapshots):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     shard, shards = (int(x) for x in eval_shard.split("/"))
-    evals = read_tasks("eval")[:eval_tasks][shard::shards]
-    if eval_only:
+    evals = read_tasks(eval_split)[:eval_tasks][shard::shards]
+    if eval_only or tf_only:
         model, tok = Qwen2ForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
-        print(json.dumps(evaluate(model, tok, evals, eval_samples, step_limit, seed, max_len)))
+        built = json.loads((out / "build_info.json").read_text()) if (out / "build_info.json").exists() else {}
+        result = (tf_report(model, tok, seed, built.get("edit_form", "line") == "line") if tf_only
+                  else evaluate(model, tok, evals, eval_samples, step_limit, seed, max_len))
+        print(json.dumps(result))
         return
     t0 = time.monotonic()
     if trajectories:
-        episodes = load_trajectories(trajectories)
+        episodes = load_trajectories(list(trajectories))
+        if edit_form == "unaddressed":
+            by_id = {t["id"]: t for t in read_tasks("train")}
+            episodes = [unaddress_edits(e, by_id[e["task_id"]]) for e in episodes]
+        if renames:
+            projects = {t["id"]: t["project"] for t in read_tasks("train")}
+            rng = random.Random(f"rename-{seed}")
+            episodes += [rename_project(e, projects[e["task_id"]], made_up_name(rng))
+                         for _ in range(renames) for e in episodes]
     elif episodes_file and episodes_file.exists():
         episodes = [json.loads(line) for line in episodes_file.read_text().splitlines()]
     else:
@@ -367,30 +630,48 @@ def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps
             tm.write_jsonl(episodes, episodes_file)
     console.print(f"{len(episodes)} SFT episodes ({time.monotonic() - t0:.0f}s), solver success "
                   f"{sum(e['reward'] or 0 for e in episodes) / len(episodes):.3f}")
-    tok = make_tokenizer(episodes, vocab, max_len)
-    samples = [tm.chat_sample(tok, e["messages"], e["tools"]) for e in episodes]
-    samples = [s for s in samples if len(s[0]) <= max_len]
+    tok = AutoTokenizer.from_pretrained(init) if init else make_tokenizer(episodes, vocab, max_len)
+    if not init:
+        config = tm.model_config(tok, layers=layers, hidden=hidden, heads=hidden // 64, max_positions=max_len)
+        tok = served_tokenizer(tok, config)
+    samples = [weighted_sample(tok, e, edit_weight, mask_wrong) for e in episodes]
+    samples = [s for s in samples if len(s[0]) <= (max_tokens or max_len)]
     heads = hidden // 64
-    model = Qwen2ForCausalLM(tm.model_config(tok, layers=layers, hidden=hidden, heads=heads, max_positions=max_len))
+    model = (Qwen2ForCausalLM.from_pretrained(init) if init else
+             Qwen2ForCausalLM(tm.model_config(tok, layers=layers, hidden=hidden, heads=heads, max_positions=max_len)))
+    layers, hidden, heads = model.config.num_hidden_layers, model.config.hidden_size, model.config.num_attention_heads
     lengths = sorted(len(s[0]) for s in samples)
     console.print(f"vocab {len(tok)}, params {sum(p.numel() for p in model.parameters()):,}, {len(samples)} samples, "
                   f"tokens median {lengths[len(lengths) // 2]} max {lengths[-1]}")
     t1 = time.monotonic()
-    def snapshot(step: int) -> None:  # an untied copy on CPU, as shipped
-        tm.save_checkpoint(tm.untie(copy.deepcopy(model).cpu()), tok, out.with_name(f"{out.name}-step{step}"))
+    curve: dict = {}
+
+    def snapshot(step: int, save: bool) -> None:  # an untied copy on CPU, as shipped; the learning curve
+        copy_ = shipped(copy.deepcopy(model).cpu())
+        curve[step] = tf_report(copy_, tok, seed, edit_form == "line")
+        console.print(f"teacher-forced at step {step}: {json.dumps(curve[step])}")
+        if save:
+            tm.save_checkpoint(copy_, tok, out.with_name(f"{out.name}-step{step}"))
+            (out.with_name(f"{out.name}-step{step}") / "teacher_forced.json").write_text(json.dumps(curve[step]) + "\n")
 
     marks = {int(x) for x in snapshots.split(",") if x.strip()}
-    done = sft(model.to(device), tok, samples, steps, lr, batch, seed, minutes, marks, snapshot)
+    done = sft(model.to(device), tok, samples, steps, lr, batch, seed, minutes, marks, snapshot, tf_every)
     sft_s = time.monotonic() - t1
-    model = tm.untie(model.cpu())  # trained tied, shipped untied (see tm.untie)
+    model = shipped(model.cpu())  # trained tied (unless continued from a shipped one), shipped untied
     tm.save_checkpoint(model, tok, out)
-    source = ({"trajectories": trajectories.name, "sha256": hashlib.sha256(trajectories.read_bytes()).hexdigest()}
+    source = ([{"trajectories": t.name, "sha256": hashlib.sha256(t.read_bytes()).hexdigest()} for t in trajectories]
               if trajectories else "imitation")
     info = {"seed": seed, "source": source, "p_wrong": p_wrong,
             "episodes": len(samples), "vocab": len(tok), "layers": layers, "hidden": hidden, "heads": heads,
             "max_len": max_len, "steps": done, "planned_steps": steps, "minutes_budget": minutes, "device": device,
             "lr": lr, "batch": batch, "sft_seconds": round(sft_s),
-            "params": sum(p.numel() for p in model.parameters()), "untied_after_sft": True}
+            "params": sum(p.numel() for p in model.parameters()), "untied_after_sft": True,
+            "init": init and {"model": str(init),
+                              "steps": json.loads((init / "build_info.json").read_text()).get("steps")
+                              if (init / "build_info.json").exists() else None},
+            "mask_wrong": mask_wrong, "edit_weight": edit_weight, "edit_form": edit_form, "max_tokens": max_tokens,
+            "renames": renames, "teacher_forced": tf_report(model, tok, seed, edit_form == "line"),
+            "teacher_forced_curve": curve}
     (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
     console.print(f"SFT {sft_s:.0f}s, wrote {out}")
     if not run_eval:
@@ -400,10 +681,17 @@ def main(out, trajectories, seed, p_wrong, vocab, layers, hidden, max_len, steps
     console.print({k: v for k, v in info["held_out_in_process"].items() if k != "runs"})
 
 
+def shipped(model):
+    """The model as committed: untied (see tm.untie); one continued from a shipped model already is."""
+    return tm.untie(model) if model.config.tie_word_embeddings else model
+
+
 def sft(model, tok, samples, steps: int, lr: float, batch: int, seed: int, minutes: float,
-        marks: set = frozenset(), snapshot=None) -> int:
-    """Supervised warm start on the assistant turns (short warm-up, linear decay), stopped early
-    when a wall-time budget runs out on a busy machine; returns the steps done."""
+        marks: set = frozenset(), snapshot=None, tf_every: int = 0) -> int:
+    """Supervised warm start on the weighted assistant turns (short warm-up, linear decay to the
+    planned steps), batches of similar length; stopped early when a wall-time budget runs out on a
+    busy machine; returns the steps done. ``snapshot(step, save)`` at the marks (saved) and every
+    ``tf_every`` steps (the teacher-forced curve only)."""
     import torch
 
     rng = random.Random(seed)
@@ -411,16 +699,18 @@ def sft(model, tok, samples, steps: int, lr: float, batch: int, seed: int, minut
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
     model.train()
     t0 = time.monotonic()
+    queue: list = []
     for step in range(steps):
-        logp, n = tm.completion_logprobs(model, None, tok.pad_token_id, samples=rng.sample(samples, batch))
-        loss = -(logp.sum() / n.sum())
+        if not queue:
+            queue = length_batches(samples, batch, rng)
+        loss = weighted_nll(model, queue.pop(), tok.pad_token_id)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step + 1 in marks:
-            snapshot(step + 1)
+        if step + 1 in marks or (tf_every and (step + 1) % tf_every == 0):
+            snapshot(step + 1, step + 1 in marks)
         if step % 20 == 0:
             console.print(f"SFT step {step}/{steps} loss {loss.item():.4f} {time.monotonic() - t0:.0f}s")
         if minutes and time.monotonic() - t0 > 60 * minutes:

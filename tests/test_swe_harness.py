@@ -138,17 +138,24 @@ def test_reward_cannot_be_changed_by_what_the_agent_leaves(tmp_path, attack):
 # ---------------------------------------------------------------- the teacher
 
 def test_solver_edits_turn_every_buggy_module_into_its_solution_and_wrong_edits_do_not(tmp_path):
+    """Both edit forms (line-addressed, and unaddressed where the span is on one line only) give the
+    target module exactly."""
+    unaddressed = 0
     for i, task in enumerate(TASKS[::7]):
         mod = solver.module_name(task)
         wrong = [w for w in solver.wrong_edits(task, task["files"][mod]) if solver.fails_visible_tests(task, w)]
         for j, target in enumerate([task["solution"], *wrong[:1]]):
-            d = tmp_path / f"{i}-{j}"
-            d.mkdir()
-            (d / mod).write_text(task["files"][mod])
-            cmd = solver.edit_command(mod, task["files"][mod], target)
-            subprocess.run(["bash", "-c", cmd], cwd=d, check=True)
-            assert (d / mod).read_text() == target, cmd
+            for addressed in (True, False):
+                d = tmp_path / f"{i}-{j}-{addressed}"
+                d.mkdir()
+                (d / mod).write_text(task["files"][mod])
+                cmd = solver.edit_command(mod, task["files"][mod], target, addressed)
+                assert not (addressed and cmd.startswith("sed -i 's/")), cmd  # the default keeps the line number
+                unaddressed += cmd.startswith("sed -i 's/")
+                subprocess.run(["bash", "-c", cmd], cwd=d, check=True)
+                assert (d / mod).read_text() == target, cmd
             assert target == task["solution"] or reward.score(task, d)[0] == 0.0
+    assert unaddressed > 0
 
 
 # ---------------------------------------------------------------- real mini-swe-agent through the launcher

@@ -77,11 +77,12 @@ def _is_word(c: str) -> bool:
     return c.isalnum() or c == "_"
 
 
-def sed_span(old: str, new: str) -> tuple[str, str] | None:
+def sed_span(old: str, new: str, others: tuple[str, ...] = ()) -> tuple[str, str] | None:
     """The shortest whole-token span of the line old that differs from new and is its first
     occurrence in the line (what a line-addressed `s///` replaces), with its
     replacement: `s/i + 1/i/` rather than the whole line, as a person would write it. None when no
-    such span avoids sed's special characters (the caller then edits with python)."""
+    such span avoids sed's special characters (the caller then edits with python). With ``others``
+    (the file's other lines) the span is widened until it occurs in none of them."""
     p = 0
     while p < min(len(old), len(new)) and old[p] == new[p]:
         p += 1
@@ -95,7 +96,7 @@ def sed_span(old: str, new: str) -> tuple[str, str] | None:
         b += 1
     for _ in range(len(old) + 1):
         span = old[a:b]
-        if span.strip() and old.find(span) == a:
+        if span.strip() and old.find(span) == a and not any(span in x for x in others):
             repl = new[a:len(new) - (len(old) - b)]
             if not set(span) & SED_PATTERN_SPECIALS and not set(repl) & SED_REPLACEMENT_SPECIALS:
                 return span, repl
@@ -121,10 +122,12 @@ def _unique_block(lines: list[str], start: int, stop: int) -> tuple[int, int]:
     return start, stop
 
 
-def edit_command(module: str, current: str, target: str) -> str:
+def edit_command(module: str, current: str, target: str, addressed: bool = True) -> str:
     """A shell command turning current into target, in the simplest form that fits, addressed by the
     line numbers `cat -n` shows: `sed -i '9s/not amount/amount/'` (the shortest differing span),
-    `sed -i '9s/.*/NEW LINE/'`, `sed -i '12a\\    return x'` (an inserted line), else a python heredoc."""
+    `sed -i '9s/.*/NEW LINE/'`, `sed -i '12a\\    return x'` (an inserted line), else a python heredoc.
+    Without ``addressed``, the span is widened until no other line contains it and the line number
+    dropped (`sed -i 's/if not amount/if amount/'`: the same edit, no number to copy from `cat -n`)."""
     a, b = current.splitlines(keepends=True), target.splitlines(keepends=True)
     hunks = [op for op in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes() if op[0] != "equal"]
     if len(hunks) == 1:
@@ -132,6 +135,9 @@ def edit_command(module: str, current: str, target: str) -> str:
         if tag == "replace" and i2 - i1 == 1 == j2 - j1:
             old, new = a[i1].rstrip("\n"), b[j1].rstrip("\n")
             span = sed_span(old, new)
+            wide = None if addressed else sed_span(old, new, tuple(a[:i1] + a[i1 + 1:]))
+            if wide:
+                return f"sed -i 's/{wide[0]}/{wide[1]}/' {module}"
             if span:
                 return f"sed -i '{i1 + 1}s/{span[0]}/{span[1]}/' {module}"
             if not set(new) & SED_REPLACEMENT_SPECIALS:
@@ -216,12 +222,13 @@ class Episode:
 
 class Policy:
     def __init__(self, tasks: list[dict], noise: Noise, seed: int = 0, step_limit: int = 8,
-                 script: list[str] | None = None, thoughts: bool = False) -> None:
+                 script: list[str] | None = None, thoughts: bool = False, addressed: bool = True) -> None:
         self.by_prompt: dict[str, list[dict]] = {}
         for t in tasks:
             self.by_prompt.setdefault(t["prompt"], []).append(t)
         self.noise, self.step_limit, self.script = noise, step_limit, script
         self.thoughts = thoughts  # a one-line reason before each call (off: content null, as a tiny model replies)
+        self.addressed = addressed  # sed edits always carry the line number (else only where the span is ambiguous)
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.memory: dict[str, Action] = {}  # tool-call id -> the action the solver took
@@ -303,11 +310,11 @@ class Policy:
             self.rng.shuffle(options)
             after = next((o for o in options[:6] if fails_visible_tests(task, o)), None)
             if after is not None:
-                return Action("wrong", edit_command(mod, current, after),
+                return Action("wrong", edit_command(mod, current, after, self.addressed),
                               f"The bug is in {task['function']}; fixing it.", after)
         if current == task["solution"]:
             return Action("submit", SUBMIT, "Submitting.")
-        return Action("fix", edit_command(mod, current, task["solution"]),
+        return Action("fix", edit_command(mod, current, task["solution"], self.addressed),
                       f"The bug is in {task['function']}; fixing it.", task["solution"])
 
     def remember(self, call_id: str, action: Action) -> None:
@@ -398,10 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-limit", type=int, default=8)
     parser.add_argument("--script", help="JSON file with a list of commands to emit in order, then submit")
     parser.add_argument("--thoughts", action="store_true", help="a short reason before each tool call")
+    parser.add_argument("--edit-form", choices=["line", "unaddressed"], default="line",
+                        help="sed edits with the line number always, or only when the span is ambiguous")
     args = parser.parse_args(argv)
     script = json.loads(Path(args.script).read_text()) if args.script else None
     policy = Policy(load_tasks(args.tasks), Noise.scaled(args.noise), args.seed, args.step_limit, script,
-                    args.thoughts)
+                    args.thoughts, args.edit_form == "line")
     server = SolverServer((args.host, args.port), policy)
     print(f"solver listening on http://{args.host}:{server.server_address[1]}", flush=True)
     try:

@@ -1,0 +1,117 @@
+"""scripts/build_swe_model.py's data side, without a model server: the unaddressed edit form keeps
+every file state of the solver's episodes (so the observations mini-swe-agent recorded stay true), and
+the teacher-forced metric reads the line number and the rest of a fix turn from the right tokens."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "examples" / "swe"))
+import build_swe_model as build  # noqa: E402
+import solver  # noqa: E402
+
+TASKS = build.read_tasks("train")
+
+
+def run_bash(command: str, folder: Path) -> str:
+    """The solver's own command (trusted) on a scratch copy; returns the module it leaves."""
+    subprocess.run(["bash", "-c", command], cwd=folder, check=True)
+    return next(p for p in folder.iterdir() if not p.name.startswith("test_")).read_text()
+
+
+def solver_episode(task: dict, rng: random.Random) -> tuple[dict, list[str]]:
+    """A recorded-style episode: look, a wrong edit (when one exists), the fix, submit; and the
+    module's states after each edit."""
+    mod = build.module_name(task)
+    buggy = task["files"][mod]
+    wrong = solver.wrong_edits(task, buggy)
+    states = ([rng.choice(wrong)] if wrong else []) + [task["solution"]]
+    commands, before = [f"cat -n {mod}"], buggy
+    for after in states:
+        commands.append(solver.edit_command(mod, before, after))
+        before = after
+    messages = build.conversation(task, [(c, "exit code 0\n") for c in commands] + [(build.SUBMIT, "")])
+    return {"messages": messages, "tools": [build.BASH_TOOL]}, states
+
+
+def test_unaddressed_rewrite_keeps_every_file_state(tmp_path):
+    rng, dropped = random.Random(0), 0
+    for i, task in enumerate(TASKS[::9]):
+        episode, states = solver_episode(task, rng)
+        rewritten = build.unaddress_edits(episode, task)
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        (folder / build.module_name(task)).write_text(task["files"][build.module_name(task)])
+        commands = [json.loads(c["function"]["arguments"])["command"] for m in rewritten["messages"]
+                    for c in m.get("tool_calls") or []]
+        edits = [c for c in commands if c.startswith(("sed -i", "python - <<"))]
+        assert len(edits) == len(states)
+        assert [run_bash(c, folder) for c in edits] == states, edits
+        dropped += sum(c.startswith("sed -i 's/") for c in edits)
+    assert dropped > 0  # the form is used, not only allowed
+
+
+def test_apply_edit_refuses_what_it_cannot_follow():
+    assert build.apply_edit("x = 1\n", "rm -rf /") is None
+    assert build.apply_edit("x = 1\n", "sed -i 's/x/y/g' m.py") is None
+    assert build.apply_edit("x = 1\ny = 1\n", "sed -i '2s/1/2/' m.py") == "x = 1\ny = 2\n"
+
+
+@pytest.mark.parametrize("addressed", [True, False])
+def test_teacher_forced_segments_find_the_line_number_and_the_edit(addressed):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "examples" / "swe" / "model")
+    task = next(t for t in TASKS if solver.edit_command(build.module_name(t), t["files"][build.module_name(t)],
+                                                        t["solution"], False).startswith("sed -i 's/"))
+    ids, target = build.tm.chat_sample(tok, build.edit_conversation(task, addressed), [build.BASH_TOOL])
+    a, b = build.turn_runs(target)[-1]
+    segs = build._segments(tok, ids[a:b])
+    call = build.edit_conversation(task, addressed)[-1]["tool_calls"][0]
+    command = json.loads(call["function"]["arguments"])["command"]
+    line = "".join(tok.decode([ids[a + k]]) for k in segs["line"])
+    assert line == (command.split("'")[1].split("s/")[0] if addressed else "")
+    assert "".join(tok.decode([ids[a + k]]) for k in segs["edit"]).strip().endswith(build.module_name(task))
+    part = lambda name: "".join(tok.decode([ids[a + k]]) for k in segs[name])  # noqa: E731 (tokens may overhang)
+    span, repl = command.split("s/", 1)[1].split("/")[:2]
+    assert span in part("span") and repl in part("repl") and build.module_name(task) in part("file")
+    assert "sed" not in part("span") + part("repl") and build.module_name(task) not in part("span")
+
+
+def test_renamed_project_episode_names_only_the_new_project():
+    task = next(t for t in TASKS if t["project"] == "strutil")
+    episode, _ = solver_episode(task, random.Random(1))
+    renamed = build.rename_project(episode, "strutil", "zokafu")
+    text = json.dumps(renamed["messages"])
+    assert "strutil" not in text and "zokafu.py" in text and "test_zokafu.py" in text
+    assert json.dumps(episode["messages"]).replace("strutil", "zokafu") == text
+    assert "strutil" in json.dumps(episode["messages"])  # the original is left as it was
+
+
+def test_sft_tokenises_as_the_saved_model_is_served(tmp_path):
+    """The ids SFT trains on are the ids AutoTokenizer (vLLM, the trainer) gives for the saved model;
+    the freshly built BPE alone would not give them (transformers 5 loads a qwen2 model's tokenizer as
+    Qwen2Tokenizer, with Qwen's pre-tokenizer)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    # conversations with a `cat -n` listing (where the two pre-tokenizers differ)
+    episodes = [{"messages": build.edit_conversation(t), "tools": [build.BASH_TOOL]} for t in TASKS[::10]]
+    built = build.make_tokenizer(episodes, vocab=2048, max_len=4096)
+    config = build.tm.model_config(built, layers=1, hidden=64, heads=1, max_positions=2048)
+    served = build.served_tokenizer(built, config)
+    torch.manual_seed(0)
+    build.tm.save_checkpoint(Qwen2ForCausalLM(config), served, tmp_path / "m")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "m")
+    text = "".join(built.apply_chat_template(e["messages"], tools=e["tools"], tokenize=False) for e in episodes)
+    ids = lambda tok: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert ids(served) == ids(loaded)
+    assert ids(built) != ids(loaded)  # what the fix is for: without it SFT saw other ids than serving
