@@ -184,11 +184,9 @@ class TrainingRun:
         rep["time/compact_s"] = time.monotonic() - t1
         rep["store/files"] = sum(r.files_after for r in compacted.values())
         t1 = time.monotonic()
-        gids = sorted(g.group_id for g in groups)
-        where = "split = 'train' AND group_id IN (" + ", ".join("'" + g.replace("'", "''") + "'" for g in gids) + ")"
-        s = cfg.samples
+        s = cfg.samples  # the groups consumed are selected by their rollouts (bound parameters)
         table, stats = build_samples(self.traces, mode=s.mode, advantage=s.advantage,
-                                     weight_mode=s.weight_mode, where=where,
+                                     weight_mode=s.weight_mode, where="split = 'train'",
                                      include_secret_spans=s.include_secret_spans,
                                      rollouts=[r.rollout_id for g in groups for r in g.rollouts],
                                      **(s.extra or {}))

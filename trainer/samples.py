@@ -273,7 +273,7 @@ def _kept_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions, stats: d
     # a rollout without a group (proxy used alone) is its own group: explicit, and reported
     raw_group = ro["group_key"].to_pylist()
     no_group = np.array([g is None for g in raw_group], dtype=bool)
-    gkey = np.array([g if g is not None else f"rollout:{r}~{a}" for g, r, a in
+    gkey = np.array([g if g is not None else f"rollout:{w_mod.rollout_key(r, a)}" for g, r, a in
                      zip(raw_group, ro["rollout_id"].to_pylist(), ro["attempt"].to_pylist())], dtype=object)
     ro = ro.set_column(ro.schema.get_field_index("group_key"), "group_key", pa.array(gkey.tolist(), pa.string()))
     kept_idx = np.flatnonzero(keep)
