@@ -12,6 +12,8 @@ if ! "$ROOT/.venv/bin/ruff" check .; then
   echo "ruff: the findings above fail the suite (\`.venv/bin/ruff check --fix .\` applies the safe fixes)" >&2
   exit 1
 fi
+# The core's shape (no function over 100 lines, no signature over 12 parameters but click commands)
+"$ROOT/.venv/bin/python" scripts/check_shape.py || { echo "check_shape: the core is over a limit above" >&2; exit 1; }
 # The run viewer's tests open its page in Debian's Chromium (headless); they skip, saying why, without it.
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   echo "installing chromium for the report viewer's browser tests (apt-get, ~150 MB)"
