@@ -18,7 +18,6 @@ trainer renders it with the chat template where a span has no token ids).
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from .anthropic import MESSAGES, MessageAssembler, message_token_fields, to_chat
@@ -67,12 +66,11 @@ class ResponsesAssembler:
         self.chunks += 1
         if event.get("type") in ("response.completed", "response.incomplete", "response.failed"):
             self.finished = True
-        # copies: the relay's filters then strip injected fields from the event in place
-        resp = event.get("response")
+        resp = event.get("response")  # (the relay's own parse: its filters rewrite another copy)
         if isinstance(resp, dict):
-            self.response = copy.deepcopy(resp)
+            self.response = resp
         if event.get("type") == "response.output_item.done" and isinstance(event.get("item"), dict):
-            self.items[int(event.get("output_index") or 0)] = copy.deepcopy(event["item"])
+            self.items[int(event.get("output_index") or 0)] = event["item"]
 
     def result(self) -> dict:
         obj = dict(self.response or {"object": "response"})

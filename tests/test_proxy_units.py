@@ -40,8 +40,20 @@ def test_relay_passes_chunks_through_unchanged_when_not_rewriting():
     stream = _ev({"a": 1}) + _ev({"b": 2}) + b"data: [DONE]\n\n"
     pieces = [stream[i : i + 7] for i in range(0, len(stream), 7)]  # events split across chunks
     out = [relay(p) for p in pieces]
-    assert out == pieces and seen == [{"a": 1}, {"b": 2}] and relay.done
-    assert relay(b"") == []
+    assert out == pieces and relay.done
+    assert seen == []  # held as bytes until the stream ends (or settle())
+    assert relay(b"") == [] and seen == [{"a": 1}, {"b": 2}] and relay.events == 2
+
+
+def test_relay_gives_the_sink_events_in_order_in_batches_and_never_the_rewritten_object():
+    seen = []
+    relay = SSERelay(seen.append, [lambda o: o.pop("secret", None)])
+    relay.SETTLE_EVERY = 3
+    sent = [relay(_ev({"i": i, "secret": i})) for i in range(4)]
+    assert sent == [b'data: {"i":' + str(i).encode() + b"}\n\n" for i in range(4)]
+    assert seen == [{"i": i, "secret": i} for i in range(3)]  # the batch of three, as upstream sent them
+    relay.settle()  # what a cut-short stream's span reads
+    assert [o["i"] for o in seen] == [0, 1, 2, 3] and relay(b"") == [] and relay.events == 4
 
 
 def test_relay_rewrites_whole_events_and_never_returns_empty_bytes_mid_stream():

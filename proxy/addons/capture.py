@@ -211,6 +211,7 @@ class Capture:
     def _streamed_json(call: Call) -> str:
         """The assembled stream so far as the span's response (and its salvaged flag on the call)."""
         relay, asm = call.sse
+        relay.settle()  # a stream cut short: the events held so far
         call.response_obj = asm.result()
         call.salvaged |= relay.salvaged
         return fastjson.dumps_text(call.response_obj)
