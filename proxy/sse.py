@@ -12,6 +12,7 @@ filters rewrite).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from . import fastjson
@@ -51,6 +52,7 @@ class SSERelay:
         self.salvaged = False
         self.events = 0  # object events the sink got
         self.bytes = 0
+        self.last_chunk: float | None = None
 
     def __call__(self, chunk: bytes) -> bytes | list[bytes]:
         if not chunk:  # end of stream
@@ -61,6 +63,7 @@ class SSERelay:
             self.settle()
             return rest if rest else []
         self.bytes += len(chunk)
+        self.last_chunk = time.time()  # (an idle upstream is told from a client that left by it)
         if self.oversize:
             return chunk
         buf = self.buf
@@ -68,7 +71,19 @@ class SSERelay:
         # the general scan below (which gives the same result for the same bytes, at more calls)
         if not buf and chunk[:5] == b"data:" and chunk.find(b"\n") == len(chunk) - 2 and chunk[-2:] == b"\n\n" \
                 and b"\r" not in chunk:
-            new = self._event(chunk[5:-2].lstrip(b" "), ())
+            payload = chunk[5:-2].lstrip(b" ")
+            if payload[:1] == b"{":  # an object: _event's work inlined (this runs for every token)
+                filters = self.filters
+                if not filters:
+                    self._hold(payload)
+                    return chunk
+                obj = self._loads(payload)
+                if type(obj) is dict:
+                    self._hold(payload)  # the sink reads it again at settle: filters rewrite ``obj``
+                    for f in filters:
+                        f(obj)
+                    return b"data: " + fastjson.dumps_bytes(obj) + b"\n\n"
+            new = self._event(payload, ())  # anything else: [DONE], not JSON, not an object
             return chunk if new is None else new + b"\n\n"
         rewrite = bool(self.filters)
         if buf:
@@ -173,6 +188,14 @@ class SSERelay:
             f(obj)
         head = b"\n".join(other) + b"\n" if other else b""
         return head + b"data: " + fastjson.dumps_bytes(obj)
+
+    @staticmethod
+    def _loads(payload: bytes):
+        """orjson's parse, or None where it fails (the general path then decides and reports)."""
+        try:
+            return fastjson.orjson.loads(payload)
+        except Exception:  # no orjson (AttributeError), not UTF-8, or a value orjson refuses
+            return None
 
     def _hold(self, payload: bytes) -> None:
         self.pending.append(payload)

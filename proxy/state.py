@@ -72,8 +72,7 @@ class Call:
     done: bool = False
     # response
     first_byte: float | None = None
-    last_chunk: float | None = None
-    sse: Any = None  # sse.SSECapture when streaming
+    sse: Any = None  # (SSERelay, assembler) when streaming
     response_obj: dict | None = None
     response_error: str | None = None
     event_filters: list[Callable[[dict], None]] = field(default_factory=list)

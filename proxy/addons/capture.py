@@ -167,12 +167,7 @@ class Capture:
             relay = SSERelay(asm.add, call.event_filters, on_error=self._sse_error(call),
                              max_event=self.state.config.max_decoded_size)
             call.sse = (relay, asm)
-
-            def stream(chunk: bytes, relay=relay, call=call):
-                call.last_chunk = time.time()
-                return relay(chunk)
-
-            flow.response.stream = stream
+            flow.response.stream = relay
 
     @staticmethod
     def _sse_error(call: Call):
@@ -279,7 +274,8 @@ class Capture:
     def _classify_error(self, flow: http.HTTPFlow, call: Call, msg: str) -> tuple[str, int | None, str]:
         low = msg.lower()
         idle = self.state.config.idle_timeout
-        last_activity = call.last_chunk or call.first_byte or call.started or call.received
+        last_chunk = call.sse[0].last_chunk if call.sse is not None else None
+        last_activity = last_chunk or call.first_byte or call.started or call.received
         if "client disconnected" in low and time.time() - last_activity >= idle * 0.95:
             # mitmproxy's inactivity watchdog closes the client side: it reads as a disconnect
             return "timeout", None, f"no bytes from upstream for {idle:g} s (idle timeout); connection closed: {msg}"
