@@ -121,29 +121,21 @@ class ProxyState:
         self._later_scheduled = False
 
     # -- work done after the answer has gone out -------------------------------------------
-    RECORD_DELAY = 0.005  # seconds a finished span may wait to be recorded
-    RECORD_BATCH = 256  # ... or until this many wait
-
     def later(self, work: Callable[[], None]) -> None:
-        """Run ``work`` shortly after the current hook has returned and mitmproxy has sent what it
-        was about to send, batched with whatever else finished meanwhile (``RECORD_DELAY``), so
-        that recording a span (validating, redacting, buffering it) is not part of the harness's
-        latency: one call at a time, a recording run at the next turn of the loop landed in front
-        of the harness's next call; a few milliseconds later it mostly lands while the proxy waits
-        for an upstream. Outside a running loop: now. Everything that reads what was recorded
-        (:meth:`flush`, :meth:`snapshot`, shutdown) runs the queue first, so nothing is ever missed
-        or reordered."""
+        """Run ``work`` once the current hook has returned and mitmproxy has sent what it was
+        about to send (the next turn of the loop), so that recording a span (validating, redacting,
+        buffering it) is not part of the harness's latency. Outside a running loop: now.
+        Everything that reads what was recorded (:meth:`flush`, :meth:`snapshot`, shutdown) runs
+        the queue first, so nothing is ever missed or reordered."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             work()
             return
         self._later.append(work)
-        if len(self._later) >= self.RECORD_BATCH:
-            loop.call_soon(self.run_later)  # a burst: do not let the queue grow
-        elif not self._later_scheduled:
+        if not self._later_scheduled:
             self._later_scheduled = True
-            loop.call_later(self.RECORD_DELAY, self.run_later)
+            loop.call_soon(self.run_later)
 
     def run_later(self) -> None:
         self._later_scheduled = False
