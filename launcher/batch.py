@@ -223,7 +223,6 @@ class BatchRunner:
             if spec.rollout_id in self._known:
                 raise ValueError(f"rollout {spec.rollout_id} was already submitted to this runner")
             by_group.setdefault(spec.group_id, []).append(spec)
-        ready: list[GroupResult] = []
         with self._lock:
             taken = [gid for gid in by_group if gid in self._groups]
             if taken:  # checked before anything is queued: a refused submit changes nothing
@@ -239,17 +238,10 @@ class BatchRunner:
                     hist = history.get(spec.rollout_id, History())
                     final = hist.final(self.settings.retries)
                     if final is not None:
-                        res = RolloutResult.from_row(final, skipped=True)
-                        group.final[spec.rollout_id] = res
-                        self._results[spec.rollout_id] = res
-                        self._count_final(res, ran=False)
+                        self._finalize(group, RolloutResult.from_row(final, skipped=True), ran=False)
                         continue
                     attempt = max(hist.last_attempt, self._last_attempt_on_disk(spec)) + 1
                     self._queue.put(_Item((gnum, spec.sample_index, attempt), spec, attempt, hist.failures))
-                if group.done:
-                    group.reported = True
-                    ready.append(group.result())
-            self._finished_groups.extend(ready)
             self._lock.notify_all()
         self._ensure_workers()
         if self.progress is not None:
@@ -283,18 +275,13 @@ class BatchRunner:
 
         Returns fewer on timeout or cancel. Groups still running keep running.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        def enough() -> bool:
+            waiting = len(self._finished_groups)
+            reachable = waiting + sum(1 for g in self._groups.values() if not g.reported)
+            return waiting >= (reachable if n is None else min(n, reachable))
+
         with self._lock:
-            while True:
-                outstanding = sum(1 for g in self._groups.values() if not g.reported)
-                need = outstanding + len(self._finished_groups) if n is None else n
-                need = min(need, outstanding + len(self._finished_groups))
-                if len(self._finished_groups) >= need or self._cancel.is_set():
-                    break
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._lock.wait(0.5 if left is None else min(0.5, left))
+            self._wait_until(enough, timeout)
             out, self._finished_groups = self._finished_groups, []
         if self.progress is not None:
             self.progress.update()
@@ -302,19 +289,24 @@ class BatchRunner:
 
     def wait(self, timeout: float | None = None) -> list[RolloutResult]:
         """Block until every submitted rollout is final; final attempts in submission order."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while not all(g.done for g in self._groups.values()) and not self._cancel.is_set():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._lock.wait(0.5 if left is None else min(0.5, left))
+            self._wait_until(lambda: all(g.done for g in self._groups.values()), timeout)
             complete = all(g.done for g in self._groups.values()) and not self._cancel.is_set()
         if self._cancel.is_set():
             self._join_workers()
         if complete:
             self._check_capture()
         return self.results()
+
+    def _wait_until(self, ready: Callable[[], bool], timeout: float | None) -> None:
+        """With the lock held: until ``ready()``, a cancel or the timeout. Polls too, since not every
+        cancel notifies."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ready() and not self._cancel.is_set():
+            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if left <= 0:
+                return
+            self._lock.wait(left)
 
     def _check_capture(self) -> None:
         """After the phase: a proxy that could not record every call marks the batch failed
@@ -429,7 +421,6 @@ class BatchRunner:
     def _after_attempt(self, item: _Item, result: RolloutResult) -> None:
         failures = item.failures + (result.state in RETRY_FAILURES)
         retry = result.state in RETRY_FAILURES and failures <= self.settings.retries and not self._cancel.is_set()
-        ready = None
         with self._lock:
             if retry:
                 self.stats.retried += 1
@@ -438,21 +429,20 @@ class BatchRunner:
                                       item.ran + 1))
             elif result.state != CANCELLED:
                 result.attempts_run = item.ran + 1
-                group = self._groups[item.spec.group_id]
-                group.final[item.spec.rollout_id] = result
-                self._results[item.spec.rollout_id] = result
-                self._count_final(result, ran=True)
-                if group.done and not group.reported:
-                    group.reported = True
-                    ready = group.result()
-                    self._finished_groups.append(ready)
+                self._finalize(self._groups[item.spec.group_id], result, ran=True)
             self._lock.notify_all()
         if self.progress is not None:
             self.progress.update()
         if self.settings.on_result is not None and not retry and result.state != CANCELLED:
             self.settings.on_result(result)
 
-    def _count_final(self, r: RolloutResult, *, ran: bool) -> None:
+    def _finalize(self, group: _Group, r: RolloutResult, *, ran: bool) -> None:
+        """With the lock held: ``r`` is the rollout's final attempt; a group complete with it is reported."""
+        group.final[r.rollout_id] = r
+        self._results[r.rollout_id] = r
+        if group.done and not group.reported:
+            group.reported = True
+            self._finished_groups.append(group.result())
         s = self.stats
         s.finished += 1
         s.ran += ran
