@@ -430,11 +430,9 @@ class MessageAssembler:
     def __init__(self) -> None:
         self.message: dict[str, Any] = {"type": "message", "content": []}
         self.blocks: dict[int, dict] = {}
-        self.chunks = 0
         self.finished = False  # saw message_stop
 
     def add(self, event: dict) -> None:
-        self.chunks += 1
         kind = event.get("type")
         if kind == "message_start" and isinstance(event.get("message"), dict):
             self.message.update(json.loads(json.dumps(event["message"])))
