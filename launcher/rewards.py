@@ -121,13 +121,12 @@ class RewardsTable:
         for path in sorted(self.base.glob("**/*.parquet")):
             if path in self._seen or path.name.startswith("."):
                 continue
+            self._seen.add(path)
             try:
                 rows = pq.read_table(path, columns=["rollout_id", "attempt", "reward", "created_at", "source",
                                                     "info_json"]).to_pylist()
             except Exception:  # a foreign or broken file must not stop the batch; skip it
-                self._seen.add(path)
                 continue
-            self._seen.add(path)
             for r in rows:
                 self._add(r)
 

@@ -160,7 +160,7 @@ def env(rollout_id, attempt, config_path, public_host, api_key, anthropic_api_ke
     eval "$(lightning-proxy env my-rollout --token SECRET)"; python my_agent.py
     """
     cfg = _load(config_path, **proxy_flags)
-    host = public_host or ("127.0.0.1" if cfg.listen_host in ("0.0.0.0", "::") else cfg.listen_host)
+    host = public_host or cfg.local_host
     bundle = cfg.resolved_confdir / BUNDLE_NAME
     if not bundle.exists():
         click.echo(f"warning: {bundle} does not exist yet; start `lightning-proxy serve` first", err=True)
