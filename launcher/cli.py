@@ -18,7 +18,7 @@ import click
 from rich.console import Console
 
 from lightning_harness.proxy.cli import proxy_options
-from lightning_harness.proxy.config import ProxyConfig, parse_pairs
+from lightning_harness.proxy.config import CONTROL_TOKEN_VAR, TOKEN_VAR, ProxyConfig, parse_pairs
 from lightning_harness.schemas.states import FINISHED, RETRY_FAILURES
 
 from .identity import batch_run_id
@@ -275,8 +275,7 @@ def _warn_secret_argv() -> None:
     """Every user can read a process's command line (/proc/<pid>/cmdline): secrets given there reach
     the --run-as user too; the environment variables do not."""
     ctx = click.get_current_context()
-    for name, env in (("proxy_token", "LIGHTNING_PROXY_TOKEN"),
-                      ("proxy_control_token", "LIGHTNING_PROXY_CONTROL_TOKEN"),
+    for name, env in (("proxy_token", TOKEN_VAR), ("proxy_control_token", CONTROL_TOKEN_VAR),
                       ("api_key", "LIGHTNING_API_KEY")):
         if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
             opt = "--" + name.replace("_", "-")

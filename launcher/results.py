@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -105,9 +104,8 @@ class History:
         return None
 
 
-def load_history(traces_dir: str | Path, rollout_ids: Iterable[str] | None = None, *,
-                 run_id: str | None = None) -> dict[str, History]:
-    """Rows already in ``TRACES/rollouts`` grouped by rollout id (optionally one run, or given ids)."""
+def load_history(traces_dir: str | Path, *, run_id: str | None = None) -> dict[str, History]:
+    """Rows already in ``TRACES/rollouts`` grouped by rollout id (optionally of one run only)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -117,8 +115,6 @@ def load_history(traces_dir: str | Path, rollout_ids: Iterable[str] | None = Non
         return out
     if run_id is not None:
         table = table.filter(pc.equal(table["run_id"], pa.scalar(run_id, pa.string())))
-    if rollout_ids is not None:
-        table = table.filter(pc.is_in(table["rollout_id"], value_set=pa.array(sorted(set(rollout_ids)), pa.string())))
     for row in table.to_pylist():
         out.setdefault(row["rollout_id"], History()).rows.append(row)
     return out

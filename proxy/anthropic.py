@@ -93,13 +93,6 @@ def _tool_message(block: dict, where: str) -> dict:
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": _text(content, f"{where}.content")}
 
 
-def _content(parts: list, images: bool) -> Any:
-    """Chat content: one string (texts joined), or a list of parts when there are images."""
-    if not images:
-        return "\n".join(p["text"] for p in parts)
-    return parts
-
-
 def _message(msg: Any, i: int) -> list[dict]:
     """One Messages turn as the chat messages it renders like."""
     where = f"messages[{i}]"
@@ -129,7 +122,8 @@ def _message(msg: Any, i: int) -> list[dict]:
             raise MessagesError(f"{at}: content block of type {kind!r} is not supported here")
     out = list(tools)
     if parts or calls or not tools:
-        chat = {"role": role, "content": _content(parts, images)}
+        # chat content: one string (texts joined), or the list of parts when there are images
+        chat = {"role": role, "content": parts if images else "\n".join(p["text"] for p in parts)}
         if calls:
             chat["tool_calls"] = calls
         out.append(chat)
@@ -154,10 +148,8 @@ def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
     """(chat ``tool_choice``, ``parallel_tool_calls`` or None)."""
     kind = choice.get("type") if isinstance(choice, dict) else None
     parallel = False if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") else None
-    if kind == "auto":
-        return "auto", parallel
-    if kind == "any":
-        return "required", parallel
+    if kind in ("auto", "any"):
+        return {"auto": "auto", "any": "required"}[kind], parallel
     if kind == "none":
         return "none", None
     if kind == "tool" and isinstance(choice.get("name"), str):
