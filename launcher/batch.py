@@ -124,7 +124,7 @@ class BatchSettings:
     retries: int = 0
     reward_cmd: str | None = None
     reward_timeout: float = 300.0
-    self_reward: bool = True
+    self_reward: bool = True  # may the harness's own report (file, POST) be the reward when there is no reward_cmd
     run_as: Any = None
     step: int | None = None
     split: str = "train"
@@ -174,12 +174,8 @@ class BatchRunner:
         self._rewards = PartWriter(self.traces_dir, "rewards", flush_seconds=s.flush_seconds)
         control = self.proxy.control if self.proxy else None
         self._capture_baseline = capture_baseline(control) if control else None  # see _check_capture
-        self._settings = AttemptSettings(
-            traces_dir=self.traces_dir, harness=harness, runner=self.runner, proxy=self.proxy,
-            reward_table=RewardsTable(self.traces_dir, control.flush if control else None), timeout=s.timeout,
-            cwd=s.cwd, extra_env=dict(s.extra_env or {}), reward_cmd=s.reward_cmd, reward_timeout=s.reward_timeout,
-            self_reward=s.self_reward,
-        )
+        self._settings = AttemptSettings(s, harness, self.runner, self.proxy,
+                                         RewardsTable(self.traces_dir, control.flush if control else None))
         self._queue: queue.PriorityQueue[_Item] = queue.PriorityQueue()
         self._lock = threading.Condition()
         self._cancel = threading.Event()
