@@ -203,10 +203,9 @@ def _describe_runner(runner, o) -> None:
     if o.run_as:
         who = ", ".join(f"{u.user} ({u.uid}:{u.gid})" for u in runner.run_as)
         console.print(f"harnesses run as {who}, no supplementary groups, one user per running attempt")
-        if len(runner.run_as) < o.concurrency:
-            console.print(f"[yellow]--run-as: {len(runner.run_as)} user(s), so at most {len(runner.run_as)} "
-                          f"harness(es) "
-                          f"at once (--concurrency {o.concurrency}); give one user per running attempt[/]")
+        if (users := len(runner.run_as)) < o.concurrency:
+            console.print(f"[yellow]--run-as: {users} user(s), so at most {users} harness(es) at once (--concurrency "
+                          f"{o.concurrency}); give one user per running attempt[/]")
         _warn_secret_argv()
 
 

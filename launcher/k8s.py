@@ -126,8 +126,7 @@ def render_job(
     manifest.setdefault("apiVersion", "batch/v1")
     meta = manifest.setdefault("metadata", {}) or {}
     manifest["metadata"] = meta
-    meta["name"] = name
-    meta["namespace"] = namespace
+    meta.update(name=name, namespace=namespace)
     labels = {
         f"{LABEL_PREFIX}/rollout": label_value(job.rollout_id),
         f"{LABEL_PREFIX}/attempt": str(job.attempt),

@@ -26,6 +26,7 @@ Pure functions over JSON values; no mitmproxy here.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +38,7 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                529: "overloaded_error"}
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n")  # what ends a server-sent event
 _PASSED = ("temperature", "top_p", "top_k")  # sampling parameters with the same meaning on both APIs
 # Messages fields translated above or with no chat equivalent (dropped); any other field (a vLLM
 # sampling extension such as ``seed`` or ``allowed_token_ids`` sent as extra body) passes through
@@ -392,15 +394,11 @@ class EventStream:
         return b"".join(out) if out else []
 
     def _events(self) -> Iterator[bytes]:
-        buf, start = self.buf, 0
-        while True:
-            i, j = buf.find(b"\n\n", start), buf.find(b"\r\n\r\n", start)
-            if i < 0 and j < 0:
-                break
-            end, n = (j, 4) if j >= 0 and (i < 0 or j < i) else (i, 2)
-            yield from self._block(bytes(buf[start:end]))
-            start = end + n
-        del buf[:start]
+        start = 0
+        for end in _EVENT_END.finditer(self.buf):
+            yield from self._block(bytes(self.buf[start:end.start()]))
+            start = end.end()
+        del self.buf[:start]
 
     def _block(self, block: bytes) -> list[bytes]:
         data = b"\n".join(line[5:].lstrip(b" ") for line in block.splitlines() if line.startswith(b"data:"))
