@@ -182,12 +182,10 @@ class BatchRunner:
         self._closed = threading.Event()
         self._groups: dict[str, _Group] = {}
         self._group_order = itertools.count()
-        self._order: list[str] = []  # rollout ids in submission order
-        self._known: set[str] = set()
+        self._order: dict[str, None] = {}  # rollout ids in submission order
         self._history: dict[str, History] | None = None
         self._results: dict[str, RolloutResult] = {}
         self._finished_groups: list[GroupResult] = []
-        self._running = 0
         self._workers: list[threading.Thread] = []
         self._progress_started = False
 
@@ -216,7 +214,7 @@ class BatchRunner:
         history = self._history
         by_group: dict[str, list[RolloutSpec]] = {}
         for spec in specs:
-            if spec.rollout_id in self._known:
+            if spec.rollout_id in self._order:
                 raise ValueError(f"rollout {spec.rollout_id} was already submitted to this runner")
             by_group.setdefault(spec.group_id, []).append(spec)
         with self._lock:
@@ -228,8 +226,7 @@ class BatchRunner:
                 self._groups[gid] = group
                 gnum = next(self._group_order)
                 for spec in gspecs:
-                    self._known.add(spec.rollout_id)
-                    self._order.append(spec.rollout_id)
+                    self._order[spec.rollout_id] = None
                     self.stats.total += 1
                     hist = history.get(spec.rollout_id, History())
                     final = hist.final(self.settings.retries)
@@ -399,8 +396,7 @@ class BatchRunner:
                 self._abort(problem)
                 return
             with self._lock:
-                self._running += 1
-                self.stats.running = self._running
+                self.stats.running += 1
             try:
                 result = self._run_attempt(item)
             except Exception as exc:  # a launcher bug must not lose the rollout silently
@@ -410,8 +406,7 @@ class BatchRunner:
                 self._rollouts.append(result.row())
             finally:
                 with self._lock:
-                    self._running -= 1
-                    self.stats.running = self._running
+                    self.stats.running -= 1
             self._after_attempt(item, result)
 
     def _after_attempt(self, item: _Item, result: RolloutResult) -> None:

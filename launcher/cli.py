@@ -364,11 +364,9 @@ def summary(traces, run_id) -> None:
     from .results import RolloutResult, load_history
 
     finals = []
-    for _, hist in sorted(load_history(traces).items()):
-        rows = [r for r in hist.rows if run_id is None or r["run_id"] == run_id]
-        if rows:  # the attempt that finished the rollout, else its latest
-            done = [r for r in rows if r["state"] in FINISHED] or rows
-            finals.append(RolloutResult.from_row(max(done, key=lambda r: int(r["attempt"]))))
+    for _, hist in sorted(load_history(traces, run_id=run_id).items()):
+        done = [r for r in hist.rows if r["state"] in FINISHED] or hist.rows  # the finishing attempt, else the latest
+        finals.append(RolloutResult.from_row(max(done, key=lambda r: int(r["attempt"]))))
     if not finals:
         raise click.ClickException(f"no rollouts in {traces}" + (f" for run {run_id}" if run_id else ""))
     for table in summary_tables(finals):
