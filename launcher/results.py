@@ -9,7 +9,6 @@ attempts never finish a rollout (the states and what each counts as: ``schemas/s
 from __future__ import annotations
 
 import datetime as dt
-import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -53,10 +52,6 @@ class RolloutResult:
     def from_row(cls, row: dict[str, Any], *, skipped: bool = False) -> RolloutResult:
         values = {name: row.get(name) for name in ROLLOUTS.names}
         return cls(**values, skipped=skipped, attempts_run=0)
-
-    @property
-    def task(self) -> dict[str, Any]:
-        return json.loads(self.task_json) if self.task_json else {}
 
     @property
     def ok(self) -> bool:

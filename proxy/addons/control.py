@@ -101,11 +101,8 @@ class Control:
             return json_answer(flow, 200, st.snapshot())
         if req.method != "POST":
             return json_answer(flow, 405, {"error": f"{req.method} {path} is not a control call"})
-        if name == "pause":
-            st.pause()
-            return json_answer(flow, 200, st.snapshot())
-        if name == "resume":
-            st.resume()
+        if name in ("pause", "resume"):
+            getattr(st, name)()
             return json_answer(flow, 200, st.snapshot())
         if name == "drain":
             try:
