@@ -12,20 +12,18 @@ import signal
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 
 from lightning_harness.proxy.cli import proxy_options
+from lightning_harness.proxy.client import ProxyError, ProxyProcess
 from lightning_harness.proxy.config import CONTROL_TOKEN_VAR, TOKEN_VAR, ProxyConfig, parse_pairs
 from lightning_harness.schemas.states import FINISHED, RETRY_FAILURES
 
 from .identity import batch_run_id
+from .proxy_link import ProxyLink
 from .tasks import TaskFileError, load_tasks
-
-if TYPE_CHECKING:
-    from .proxy_link import ProxyLink
 
 console = Console(stderr=True)
 EXIT_FAILURES = 1
@@ -298,10 +296,6 @@ def _services(stack, checks, o) -> ProxyLink:
 
 
 def _attach_proxy(o) -> ProxyLink:
-    from lightning_harness.proxy.client import ProxyError
-
-    from .proxy_link import ProxyLink
-
     try:
         link = ProxyLink.attach(o.proxy_url, o.proxy_token, forward_url=o.proxy_forward_url, ca_bundle=o.proxy_ca,
                                 control_token=o.proxy_control_token, api_key=o.api_key)
@@ -329,10 +323,7 @@ def _start_engine(stack, checks, o) -> str:
 
 
 def _start_proxy(stack, checks, config: ProxyConfig, logs: Path, api_key: str | None) -> ProxyLink:
-    from lightning_harness.proxy.client import ProxyProcess
-
     from .batch import process_check
-    from .proxy_link import ProxyLink
 
     proc = ProxyProcess(config, log_path=logs / "proxy.log")  # with a control token of its own: harnesses never hold it
     stack.callback(proc.stop)  # registered first: a signal during start still stops it
