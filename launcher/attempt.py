@@ -14,9 +14,9 @@ import os
 import shutil
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_harness.schemas.rewards import SELF_SOURCES, RewardError
 from lightning_harness.schemas.states import RolloutState
@@ -28,6 +28,9 @@ from .proxy_link import ProxyLink
 from .results import RolloutResult
 from .rewards import Reward, RewardsTable, read_reward_file, run_reward_cmd, winner
 
+if TYPE_CHECKING:
+    from .batch import BatchSettings
+
 log = logging.getLogger("lightning.launcher")
 WORK_DIR = "launch"  # TRACES/launch/<run_id>/<rollout_id>/<attempt>/ holds task.json, reward.json, harness.log, out/
 NO_REWARD_ERROR = "no reward reported (no reward file, nothing POSTed to LIGHTNING_REWARD_URL)"
@@ -36,19 +39,13 @@ SELF_REWARD_OFF = "no verifier reward: self-reports are off (--no-self-reward) a
 
 @dataclass
 class AttemptSettings:
-    """What every attempt of a batch shares."""
+    """What every attempt of a batch shares: the batch's settings and what the batch runner built from them."""
 
-    traces_dir: Path
+    batch: BatchSettings
     harness: Sequence[str] | str | None
     runner: Any
     proxy: ProxyLink | None
     reward_table: RewardsTable
-    timeout: float | None = None
-    cwd: str | None = None
-    extra_env: Mapping[str, str] = field(default_factory=dict)
-    reward_cmd: str | None = None
-    reward_timeout: float = 300.0
-    self_reward: bool = True  # may the harness's own report (file, POST) be the reward when there is no reward_cmd
 
 
 def attempt_dir(traces_dir: Path, spec: RolloutSpec, attempt: int) -> Path:
@@ -72,7 +69,7 @@ def make_result(spec: RolloutSpec, attempt: int, state: str, outcome: AttemptOut
 def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel,
                 model_version: int | None) -> tuple[RolloutResult, Reward | None]:
     """Prepare, run and judge one attempt; returns its row and the reward (if any)."""
-    work = attempt_dir(s.traces_dir, spec, attempt)
+    work = attempt_dir(s.batch.traces_dir, spec, attempt)
     (work / "out").mkdir(parents=True, exist_ok=True)
     task_file, log_path = work / "task.json", work / "harness.log"
     fields = {k: v for k, v in spec.task.fields.items() if k not in spec.task.private}  # the reward's alone
@@ -82,14 +79,14 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel,
     paths_in = getattr(s.runner, "harness_paths", None)  # paths as the harness sees them (a pod mounts them elsewhere)
     paths = paths_in(work) if paths_in else local_paths(work)
     named = named_values(spec, attempt, paths)
-    env = {**s.extra_env, **proxy_env(s, spec, attempt, work), **contract_env(named, seen, model_version)}
+    env = {**(s.batch.extra_env or {}), **proxy_env(s, spec, attempt, work), **contract_env(named, seen, model_version)}
     files = {"task.json": task_file}
     if s.proxy is not None and Path(s.proxy.ca_bundle).exists():
         files["ca-bundle.pem"] = Path(s.proxy.ca_bundle)
     job = AttemptJob(
         rollout_id=spec.rollout_id, attempt=attempt,
         command=render_command(s.harness, {**fields, **named}) if s.harness else None, env=env, workdir=work,
-        log_path=log_path, timeout=s.timeout, cwd=s.cwd, task_json=seen,
+        log_path=log_path, timeout=s.batch.timeout, cwd=s.batch.cwd, task_json=seen,
         labels={"run_id": spec.run_id, "task_id": spec.task.id, "group_id": spec.group_id}, files=files,
     )
     outcome = s.runner.run(job, cancel)
@@ -175,7 +172,7 @@ def collect_reward(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Pa
         return s.reward_table.lookup(spec.rollout_id, attempt, ended_mono=ended_mono, sources=sources)
 
     errors: list[str] = []
-    if s.reward_cmd:
+    if s.batch.reward_cmd:
         try:
             return score(s, spec, attempt, work, outcome), None
         except RewardError as exc:
@@ -183,9 +180,9 @@ def collect_reward(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Pa
     operator = lookup(("api",))  # the operator's word ranks with the verifier (and is latest when the scorer failed)
     if operator is not None:
         return operator, None
-    if s.reward_cmd:
+    if s.batch.reward_cmd:
         return None, "; ".join(errors)
-    if not s.self_reward:
+    if not s.batch.self_reward:
         claimed = lookup(SELF_SOURCES) or (outcome.reward_file_local and (work / "reward.json").exists())
         return None, SELF_REWARD_OFF + ("; the harness's own report was ignored" if claimed else "")
     from_file = None
@@ -214,6 +211,6 @@ def score(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outco
         raise RewardError(f"cannot write the reward command's task file: {exc}") from None
     named = named_values(spec, attempt, {**local_paths(work), "log_file": str(log_path)})
     env = {**contract_env(named, whole), "LIGHTNING_EXIT_CODE": str(outcome.exit_code)}
-    return run_reward_cmd(substitute(s.reward_cmd, {**spec.task.fields, **named}, quote=True), env,
-                          timeout=s.reward_timeout,
-                          cwd=s.cwd, log_path=log_path)
+    return run_reward_cmd(substitute(s.batch.reward_cmd, {**spec.task.fields, **named}, quote=True), env,
+                          timeout=s.batch.reward_timeout,
+                          cwd=s.batch.cwd, log_path=log_path)

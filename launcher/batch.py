@@ -124,7 +124,7 @@ class BatchSettings:
     retries: int = 0
     reward_cmd: str | None = None
     reward_timeout: float = 300.0
-    self_reward: bool = True
+    self_reward: bool = True  # may the harness's own report (file, POST) be the reward when there is no reward_cmd
     run_as: Any = None
     step: int | None = None
     split: str = "train"
@@ -174,24 +174,18 @@ class BatchRunner:
         self._rewards = PartWriter(self.traces_dir, "rewards", flush_seconds=s.flush_seconds)
         control = self.proxy.control if self.proxy else None
         self._capture_baseline = capture_baseline(control) if control else None  # see _check_capture
-        self._settings = AttemptSettings(
-            traces_dir=self.traces_dir, harness=harness, runner=self.runner, proxy=self.proxy,
-            reward_table=RewardsTable(self.traces_dir, control.flush if control else None), timeout=s.timeout,
-            cwd=s.cwd, extra_env=dict(s.extra_env or {}), reward_cmd=s.reward_cmd, reward_timeout=s.reward_timeout,
-            self_reward=s.self_reward,
-        )
+        self._settings = AttemptSettings(s, harness, self.runner, self.proxy,
+                                         RewardsTable(self.traces_dir, control.flush if control else None))
         self._queue: queue.PriorityQueue[_Item] = queue.PriorityQueue()
         self._lock = threading.Condition()
         self._cancel = threading.Event()
         self._closed = threading.Event()
         self._groups: dict[str, _Group] = {}
         self._group_order = itertools.count()
-        self._order: list[str] = []  # rollout ids in submission order
-        self._known: set[str] = set()
+        self._order: dict[str, None] = {}  # rollout ids in submission order
         self._history: dict[str, History] | None = None
         self._results: dict[str, RolloutResult] = {}
         self._finished_groups: list[GroupResult] = []
-        self._running = 0
         self._workers: list[threading.Thread] = []
         self._progress_started = False
 
@@ -220,10 +214,9 @@ class BatchRunner:
         history = self._history
         by_group: dict[str, list[RolloutSpec]] = {}
         for spec in specs:
-            if spec.rollout_id in self._known:
+            if spec.rollout_id in self._order:
                 raise ValueError(f"rollout {spec.rollout_id} was already submitted to this runner")
             by_group.setdefault(spec.group_id, []).append(spec)
-        ready: list[GroupResult] = []
         with self._lock:
             taken = [gid for gid in by_group if gid in self._groups]
             if taken:  # checked before anything is queued: a refused submit changes nothing
@@ -233,23 +226,15 @@ class BatchRunner:
                 self._groups[gid] = group
                 gnum = next(self._group_order)
                 for spec in gspecs:
-                    self._known.add(spec.rollout_id)
-                    self._order.append(spec.rollout_id)
+                    self._order[spec.rollout_id] = None
                     self.stats.total += 1
                     hist = history.get(spec.rollout_id, History())
                     final = hist.final(self.settings.retries)
                     if final is not None:
-                        res = RolloutResult.from_row(final, skipped=True)
-                        group.final[spec.rollout_id] = res
-                        self._results[spec.rollout_id] = res
-                        self._count_final(res, ran=False)
+                        self._finalize(group, RolloutResult.from_row(final, skipped=True), ran=False)
                         continue
                     attempt = max(hist.last_attempt, self._last_attempt_on_disk(spec)) + 1
                     self._queue.put(_Item((gnum, spec.sample_index, attempt), spec, attempt, hist.failures))
-                if group.done:
-                    group.reported = True
-                    ready.append(group.result())
-            self._finished_groups.extend(ready)
             self._lock.notify_all()
         self._ensure_workers()
         if self.progress is not None:
@@ -283,18 +268,13 @@ class BatchRunner:
 
         Returns fewer on timeout or cancel. Groups still running keep running.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        def enough() -> bool:
+            waiting = len(self._finished_groups)
+            reachable = waiting + sum(1 for g in self._groups.values() if not g.reported)
+            return waiting >= (reachable if n is None else min(n, reachable))
+
         with self._lock:
-            while True:
-                outstanding = sum(1 for g in self._groups.values() if not g.reported)
-                need = outstanding + len(self._finished_groups) if n is None else n
-                need = min(need, outstanding + len(self._finished_groups))
-                if len(self._finished_groups) >= need or self._cancel.is_set():
-                    break
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._lock.wait(0.5 if left is None else min(0.5, left))
+            self._wait_until(enough, timeout)
             out, self._finished_groups = self._finished_groups, []
         if self.progress is not None:
             self.progress.update()
@@ -302,19 +282,24 @@ class BatchRunner:
 
     def wait(self, timeout: float | None = None) -> list[RolloutResult]:
         """Block until every submitted rollout is final; final attempts in submission order."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while not all(g.done for g in self._groups.values()) and not self._cancel.is_set():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._lock.wait(0.5 if left is None else min(0.5, left))
+            self._wait_until(lambda: all(g.done for g in self._groups.values()), timeout)
             complete = all(g.done for g in self._groups.values()) and not self._cancel.is_set()
         if self._cancel.is_set():
             self._join_workers()
         if complete:
             self._check_capture()
         return self.results()
+
+    def _wait_until(self, ready: Callable[[], bool], timeout: float | None) -> None:
+        """With the lock held: until ``ready()``, a cancel or the timeout. Polls too, since not every
+        cancel notifies."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ready() and not self._cancel.is_set():
+            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if left <= 0:
+                return
+            self._lock.wait(left)
 
     def _check_capture(self) -> None:
         """After the phase: a proxy that could not record every call marks the batch failed
@@ -411,8 +396,7 @@ class BatchRunner:
                 self._abort(problem)
                 return
             with self._lock:
-                self._running += 1
-                self.stats.running = self._running
+                self.stats.running += 1
             try:
                 result = self._run_attempt(item)
             except Exception as exc:  # a launcher bug must not lose the rollout silently
@@ -422,14 +406,12 @@ class BatchRunner:
                 self._rollouts.append(result.row())
             finally:
                 with self._lock:
-                    self._running -= 1
-                    self.stats.running = self._running
+                    self.stats.running -= 1
             self._after_attempt(item, result)
 
     def _after_attempt(self, item: _Item, result: RolloutResult) -> None:
         failures = item.failures + (result.state in RETRY_FAILURES)
         retry = result.state in RETRY_FAILURES and failures <= self.settings.retries and not self._cancel.is_set()
-        ready = None
         with self._lock:
             if retry:
                 self.stats.retried += 1
@@ -438,21 +420,20 @@ class BatchRunner:
                                       item.ran + 1))
             elif result.state != CANCELLED:
                 result.attempts_run = item.ran + 1
-                group = self._groups[item.spec.group_id]
-                group.final[item.spec.rollout_id] = result
-                self._results[item.spec.rollout_id] = result
-                self._count_final(result, ran=True)
-                if group.done and not group.reported:
-                    group.reported = True
-                    ready = group.result()
-                    self._finished_groups.append(ready)
+                self._finalize(self._groups[item.spec.group_id], result, ran=True)
             self._lock.notify_all()
         if self.progress is not None:
             self.progress.update()
         if self.settings.on_result is not None and not retry and result.state != CANCELLED:
             self.settings.on_result(result)
 
-    def _count_final(self, r: RolloutResult, *, ran: bool) -> None:
+    def _finalize(self, group: _Group, r: RolloutResult, *, ran: bool) -> None:
+        """With the lock held: ``r`` is the rollout's final attempt; a group complete with it is reported."""
+        group.final[r.rollout_id] = r
+        self._results[r.rollout_id] = r
+        if group.done and not group.reported:
+            group.reported = True
+            self._finished_groups.append(group.result())
         s = self.stats
         s.finished += 1
         s.ran += ran

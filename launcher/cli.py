@@ -12,20 +12,18 @@ import signal
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 
 from lightning_harness.proxy.cli import proxy_options
-from lightning_harness.proxy.config import ProxyConfig, parse_pairs
+from lightning_harness.proxy.client import ProxyError, ProxyProcess
+from lightning_harness.proxy.config import CONTROL_TOKEN_VAR, TOKEN_VAR, ProxyConfig, parse_pairs
 from lightning_harness.schemas.states import FINISHED, RETRY_FAILURES
 
 from .identity import batch_run_id
+from .proxy_link import ProxyLink
 from .tasks import TaskFileError, load_tasks
-
-if TYPE_CHECKING:
-    from .proxy_link import ProxyLink
 
 console = Console(stderr=True)
 EXIT_FAILURES = 1
@@ -203,10 +201,9 @@ def _describe_runner(runner, o) -> None:
     if o.run_as:
         who = ", ".join(f"{u.user} ({u.uid}:{u.gid})" for u in runner.run_as)
         console.print(f"harnesses run as {who}, no supplementary groups, one user per running attempt")
-        if len(runner.run_as) < o.concurrency:
-            console.print(f"[yellow]--run-as: {len(runner.run_as)} user(s), so at most {len(runner.run_as)} "
-                          f"harness(es) "
-                          f"at once (--concurrency {o.concurrency}); give one user per running attempt[/]")
+        if (users := len(runner.run_as)) < o.concurrency:
+            console.print(f"[yellow]--run-as: {users} user(s), so at most {users} harness(es) at once (--concurrency "
+                          f"{o.concurrency}); give one user per running attempt[/]")
         _warn_secret_argv()
 
 
@@ -275,8 +272,7 @@ def _warn_secret_argv() -> None:
     """Every user can read a process's command line (/proc/<pid>/cmdline): secrets given there reach
     the --run-as user too; the environment variables do not."""
     ctx = click.get_current_context()
-    for name, env in (("proxy_token", "LIGHTNING_PROXY_TOKEN"),
-                      ("proxy_control_token", "LIGHTNING_PROXY_CONTROL_TOKEN"),
+    for name, env in (("proxy_token", TOKEN_VAR), ("proxy_control_token", CONTROL_TOKEN_VAR),
                       ("api_key", "LIGHTNING_API_KEY")):
         if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
             opt = "--" + name.replace("_", "-")
@@ -300,10 +296,6 @@ def _services(stack, checks, o) -> ProxyLink:
 
 
 def _attach_proxy(o) -> ProxyLink:
-    from lightning_harness.proxy.client import ProxyError
-
-    from .proxy_link import ProxyLink
-
     try:
         link = ProxyLink.attach(o.proxy_url, o.proxy_token, forward_url=o.proxy_forward_url, ca_bundle=o.proxy_ca,
                                 control_token=o.proxy_control_token, api_key=o.api_key)
@@ -331,10 +323,7 @@ def _start_engine(stack, checks, o) -> str:
 
 
 def _start_proxy(stack, checks, config: ProxyConfig, logs: Path, api_key: str | None) -> ProxyLink:
-    from lightning_harness.proxy.client import ProxyProcess
-
     from .batch import process_check
-    from .proxy_link import ProxyLink
 
     proc = ProxyProcess(config, log_path=logs / "proxy.log")  # with a control token of its own: harnesses never hold it
     stack.callback(proc.stop)  # registered first: a signal during start still stops it
@@ -366,11 +355,9 @@ def summary(traces, run_id) -> None:
     from .results import RolloutResult, load_history
 
     finals = []
-    for _, hist in sorted(load_history(traces).items()):
-        rows = [r for r in hist.rows if run_id is None or r["run_id"] == run_id]
-        if rows:  # the attempt that finished the rollout, else its latest
-            done = [r for r in rows if r["state"] in FINISHED] or rows
-            finals.append(RolloutResult.from_row(max(done, key=lambda r: int(r["attempt"]))))
+    for _, hist in sorted(load_history(traces, run_id=run_id).items()):
+        done = [r for r in hist.rows if r["state"] in FINISHED] or hist.rows  # the finishing attempt, else the latest
+        finals.append(RolloutResult.from_row(max(done, key=lambda r: int(r["attempt"]))))
     if not finals:
         raise click.ClickException(f"no rollouts in {traces}" + (f" for run {run_id}" if run_id else ""))
     for table in summary_tables(finals):

@@ -21,8 +21,6 @@ def _text(value: Any) -> str:
         return ""
     if isinstance(value, str):
         return value
-    if isinstance(value, (int, float, bool)):
-        return json.dumps(value)
     return json.dumps(value, sort_keys=True, default=str)
 
 

@@ -82,7 +82,6 @@ class VLLMEngine:
         self.served_name = served_name
         self.process = process
         self.log_path = log_path
-        self.startup_s: float | None = None  # seconds start() waited for readiness
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers, trust_env=False)
 
@@ -114,13 +113,11 @@ class VLLMEngine:
         process = start_in_session(cmd, log_path, child_env)
         engine = cls(f"http://{host}:{port}", served_name=served_name, process=process, log_path=log_path)
         _STARTED.add(engine)
-        t0 = time.monotonic()
         try:
             engine.wait_ready(startup_timeout)
         except BaseException:
             engine.stop()
             raise
-        engine.startup_s = time.monotonic() - t0
         return engine
 
     @classmethod

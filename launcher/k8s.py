@@ -108,7 +108,7 @@ def render_job(
         "timeout": timeout,
         "env": dict(job.env),
         "command": _command(job.command),
-        **{k: v for k, v in job.labels.items()},
+        **job.labels,
     }
     try:
         text = jinja2.Environment(undefined=jinja2.StrictUndefined,
@@ -126,8 +126,7 @@ def render_job(
     manifest.setdefault("apiVersion", "batch/v1")
     meta = manifest.setdefault("metadata", {}) or {}
     manifest["metadata"] = meta
-    meta["name"] = name
-    meta["namespace"] = namespace
+    meta.update(name=name, namespace=namespace)
     labels = {
         f"{LABEL_PREFIX}/rollout": label_value(job.rollout_id),
         f"{LABEL_PREFIX}/attempt": str(job.attempt),
@@ -202,21 +201,19 @@ def _get(obj: Any, *names: str) -> Any:
     return obj
 
 
-def _harness_container_status(pods: Sequence[Any], container: str | None) -> tuple[Any, Any]:
-    """(pod, container status) of the harness container in the newest pod."""
-    best = (None, None)
+def _harness_container_status(pods: Sequence[Any], container: str | None) -> Any:
+    """The status of the harness container in the newest pod (the last listed that has it)."""
+    found = None
     for pod in pods or []:
-        for cs in _get(pod, "status", "container_statuses") or []:
-            if container is None or _get(cs, "name") == container:
-                best = (pod, cs)
-                break
-    return best
+        found = next((cs for cs in _get(pod, "status", "container_statuses") or []
+                      if container is None or _get(cs, "name") == container), found)
+    return found
 
 
 def job_phase(job: Any, pods: Sequence[Any] = (), container: str | None = None) -> JobPhase:
     """Map a V1Job (and its pods) to a JobPhase. Works on kubernetes model objects or dicts."""
     status = _get(job, "status")
-    _, cs = _harness_container_status(pods, container)
+    cs = _harness_container_status(pods, container)
     terminated = _get(cs, "state", "terminated")
     exit_code = _get(terminated, "exit_code")
     term_reason = _get(terminated, "reason")

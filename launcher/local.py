@@ -32,6 +32,12 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+def launcher_env(extra: Mapping[str, str]) -> dict[str, str]:
+    """What a harness or reward command starts from: the launcher's environment without its own
+    LIGHTNING_* (control tokens stay with us), plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}, **extra}
+
+
 @dataclass
 class AttemptJob:
     """What a runner needs to start one attempt: command, environment, files, limits."""
@@ -138,21 +144,12 @@ class LocalRunner:
 
     name = "local"
 
-    def __init__(self, *, kill_grace: float = 3.0, max_log_bytes: int = 1 << 20, inherit_env: bool = True,
-                 run_as=None) -> None:
+    def __init__(self, *, kill_grace: float = 3.0, max_log_bytes: int = 1 << 20, run_as=None) -> None:
         """``run_as``: a user (``RunAs`` spec) or several, one per attempt running at once (launcher/runas.py)."""
         self.kill_grace = kill_grace
         self.max_log_bytes = max_log_bytes
-        self.inherit_env = inherit_env
         self.users = UserPool(run_as) if run_as is not None else None
         self.run_as: tuple[RunAs, ...] = self.users.users if self.users else ()
-
-    def _environ(self, job: AttemptJob, user: RunAs | None) -> dict[str, str]:
-        """The launcher's environment minus its own LIGHTNING_* (control tokens stay with us), plus the job's."""
-        base = os.environ if self.inherit_env else {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-        env = {k: v for k, v in base.items() if not k.startswith("LIGHTNING_")}
-        env.update(job.env)
-        return user.environ(env, job.workdir) if user else env
 
     def run(self, job: AttemptJob, cancel: threading.Event) -> AttemptOutcome:
         job.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,11 +169,12 @@ class LocalRunner:
 
     def _run(self, job: AttemptJob, cancel: threading.Event, user: RunAs | None) -> AttemptOutcome:
         started = utcnow()
+        env = user.environ(launcher_env(job.env), job.workdir) if user else launcher_env(job.env)
         with open_log(job.log_path) as log:  # kept open: the harness may replace the file, not our descriptor
             try:
                 tree, proc = start_tree(
                     job.command, shell=isinstance(job.command, str),
-                    executable="/bin/sh" if isinstance(job.command, str) else None, env=self._environ(job, user),
+                    executable="/bin/sh" if isinstance(job.command, str) else None, env=env,
                     cwd=job.cwd or (job.workdir if user else None), stdout=log, stderr=subprocess.STDOUT,
                     privileges=user and user.preexec,
                 )

@@ -152,17 +152,15 @@ def summary_tables(results: Iterable[RolloutResult]) -> list[Table]:
             fmt(fmean(vals) if vals else None), fmt(min(vals) if vals else None), fmt(max(vals) if vals else None),
             str(sum(r.state == NO_REWARD for r in rs)), str(sum(r.state in RETRY_FAILURES for r in rs)),
         )
-    causes = Counter(failure_cause(r) for r in results if r.state != SUCCEEDED)
+    failures = [r for r in results if r.state != SUCCEEDED]
+    causes = Counter(failure_cause(r) for r in failures)
+    example = {failure_cause(r): r.log_path or "" for r in reversed(failures)}  # the first of each cause
     t2 = Table(title="Failures by cause")
     t2.add_column("cause")
     t2.add_column("rollouts", justify="right")
     t2.add_column("example log")
-    example = {}
-    for r in results:
-        if r.state != SUCCEEDED:
-            example.setdefault(failure_cause(r), r.log_path or "")
     for cause, n in causes.most_common():
-        t2.add_row(cause, str(n), example.get(cause, ""))
+        t2.add_row(cause, str(n), example[cause])
     if not causes:
         t2.add_row("none", "0", "")
     return [t1, t2]

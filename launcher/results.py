@@ -9,8 +9,6 @@ attempts never finish a rollout (the states and what each counts as: ``schemas/s
 from __future__ import annotations
 
 import datetime as dt
-import json
-from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -54,10 +52,6 @@ class RolloutResult:
     def from_row(cls, row: dict[str, Any], *, skipped: bool = False) -> RolloutResult:
         values = {name: row.get(name) for name in ROLLOUTS.names}
         return cls(**values, skipped=skipped, attempts_run=0)
-
-    @property
-    def task(self) -> dict[str, Any]:
-        return json.loads(self.task_json) if self.task_json else {}
 
     @property
     def ok(self) -> bool:
@@ -105,9 +99,8 @@ class History:
         return None
 
 
-def load_history(traces_dir: str | Path, rollout_ids: Iterable[str] | None = None, *,
-                 run_id: str | None = None) -> dict[str, History]:
-    """Rows already in ``TRACES/rollouts`` grouped by rollout id (optionally one run, or given ids)."""
+def load_history(traces_dir: str | Path, *, run_id: str | None = None) -> dict[str, History]:
+    """Rows already in ``TRACES/rollouts`` grouped by rollout id (optionally of one run only)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -117,8 +110,6 @@ def load_history(traces_dir: str | Path, rollout_ids: Iterable[str] | None = Non
         return out
     if run_id is not None:
         table = table.filter(pc.equal(table["run_id"], pa.scalar(run_id, pa.string())))
-    if rollout_ids is not None:
-        table = table.filter(pc.is_in(table["rollout_id"], value_set=pa.array(sorted(set(rollout_ids)), pa.string())))
     for row in table.to_pylist():
         out.setdefault(row["rollout_id"], History()).rows.append(row)
     return out

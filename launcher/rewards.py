@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from lightning_harness.schemas.rewards import RewardError, parse_reward, precedence
 
-from .local import open_log, open_regular
+from .local import launcher_env, open_log, open_regular
 from .proctree import finish_tree, start_tree
 
 MAX_REWARD_FILE = 1 << 16  # a reward is a number and a little info; more is not a reward
@@ -73,13 +73,11 @@ def run_reward_cmd(
     ``LIGHTNING_OUTPUT_DIR``, ``LIGHTNING_LOG_FILE`` and ``LIGHTNING_EXIT_CODE``. Its stderr is appended
     to the attempt log. Raises RewardError when it fails, hangs or prints no reward.
     """
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}
-    full_env.update(env)
     with contextlib.ExitStack() as files:
         stdout = files.enter_context(tempfile.TemporaryFile())  # a file, not a pipe: nothing to drain while waiting
         stderr = files.enter_context(open_log(log_path)) if log_path else subprocess.DEVNULL
         try:  # the scorer's leftovers end with it, like a harness's
-            tree, proc = start_tree(command, shell=True, executable="/bin/sh", env=full_env, cwd=cwd,
+            tree, proc = start_tree(command, shell=True, executable="/bin/sh", env=launcher_env(env), cwd=cwd,
                                     stdout=stdout, stderr=stderr)
         except (OSError, subprocess.SubprocessError) as exc:
             raise RewardError(f"reward command could not start: {exc}") from None
@@ -121,13 +119,12 @@ class RewardsTable:
         for path in sorted(self.base.glob("**/*.parquet")):
             if path in self._seen or path.name.startswith("."):
                 continue
+            self._seen.add(path)
             try:
                 rows = pq.read_table(path, columns=["rollout_id", "attempt", "reward", "created_at", "source",
                                                     "info_json"]).to_pylist()
             except Exception:  # a foreign or broken file must not stop the batch; skip it
-                self._seen.add(path)
                 continue
-            self._seen.add(path)
             for r in rows:
                 self._add(r)
 

@@ -57,10 +57,14 @@ def _task_from_row(row: Any, where: str, id_field: str | None) -> Task:
 
 def tasks_from_rows(rows: Iterable[Any], *, source: str = "<rows>", id_field: str | None = None) -> list[Task]:
     """Validate rows (dicts or Task) into Tasks; ids must be unique."""
+    return _unique_tasks(((f"{source}: row {i}", row) for i, row in enumerate(rows, 1)), id_field)
+
+
+def _unique_tasks(located: Iterable[tuple[str, Any]], id_field: str | None) -> list[Task]:
+    """Tasks of ``(where, row)`` pairs; a repeated id is an error naming both places."""
     tasks: list[Task] = []
     seen: dict[str, str] = {}
-    for i, row in enumerate(rows, 1):
-        where = f"{source}: row {i}"
+    for where, row in located:
         task = row if isinstance(row, Task) else _task_from_row(row, where, id_field)
         if task.id in seen:
             raise TaskFileError(f"{where}: duplicate task id {task.id!r} (first at {seen[task.id]})")
@@ -129,14 +133,7 @@ def load_tasks(path: str | os.PathLike, *, id_field: str | None = None, limit: i
         raise TaskFileError(f"{p}: unknown task file type {suffix!r} (use .jsonl, .json or .parquet)")
     if not located:
         raise TaskFileError(f"{p}: no tasks in file")
-    tasks: list[Task] = []
-    seen: dict[str, str] = {}
-    for where, row in located:
-        task = _task_from_row(row, where, id_field)
-        if task.id in seen:
-            raise TaskFileError(f"{where}: duplicate task id {task.id!r} (first at {seen[task.id]})")
-        seen[task.id] = where
-        tasks.append(task)
+    tasks = _unique_tasks(located, id_field)
     private = frozenset(private_fields)
     if unknown := private.difference(*(t.fields for t in tasks)):
         raise TaskFileError(f"{p}: private field(s) {sorted(unknown)} are in no task (fields: "

@@ -26,6 +26,7 @@ Pure functions over JSON values; no mitmproxy here.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +38,7 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                529: "overloaded_error"}
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n")  # what ends a server-sent event
 _PASSED = ("temperature", "top_p", "top_k")  # sampling parameters with the same meaning on both APIs
 # Messages fields translated above or with no chat equivalent (dropped); any other field (a vLLM
 # sampling extension such as ``seed`` or ``allowed_token_ids`` sent as extra body) passes through
@@ -93,13 +95,6 @@ def _tool_message(block: dict, where: str) -> dict:
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": _text(content, f"{where}.content")}
 
 
-def _content(parts: list, images: bool) -> Any:
-    """Chat content: one string (texts joined), or a list of parts when there are images."""
-    if not images:
-        return "\n".join(p["text"] for p in parts)
-    return parts
-
-
 def _message(msg: Any, i: int) -> list[dict]:
     """One Messages turn as the chat messages it renders like."""
     where = f"messages[{i}]"
@@ -129,7 +124,8 @@ def _message(msg: Any, i: int) -> list[dict]:
             raise MessagesError(f"{at}: content block of type {kind!r} is not supported here")
     out = list(tools)
     if parts or calls or not tools:
-        chat = {"role": role, "content": _content(parts, images)}
+        # chat content: one string (texts joined), or the list of parts when there are images
+        chat = {"role": role, "content": parts if images else "\n".join(p["text"] for p in parts)}
         if calls:
             chat["tool_calls"] = calls
         out.append(chat)
@@ -154,10 +150,8 @@ def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
     """(chat ``tool_choice``, ``parallel_tool_calls`` or None)."""
     kind = choice.get("type") if isinstance(choice, dict) else None
     parallel = False if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") else None
-    if kind == "auto":
-        return "auto", parallel
-    if kind == "any":
-        return "required", parallel
+    if kind in ("auto", "any"):
+        return {"auto": "auto", "any": "required"}[kind], parallel
     if kind == "none":
         return "none", None
     if kind == "tool" and isinstance(choice.get("name"), str):
@@ -400,15 +394,11 @@ class EventStream:
         return b"".join(out) if out else []
 
     def _events(self) -> Iterator[bytes]:
-        buf, start = self.buf, 0
-        while True:
-            i, j = buf.find(b"\n\n", start), buf.find(b"\r\n\r\n", start)
-            if i < 0 and j < 0:
-                break
-            end, n = (j, 4) if j >= 0 and (i < 0 or j < i) else (i, 2)
-            yield from self._block(bytes(buf[start:end]))
-            start = end + n
-        del buf[:start]
+        start = 0
+        for end in _EVENT_END.finditer(self.buf):
+            yield from self._block(bytes(self.buf[start:end.start()]))
+            start = end.end()
+        del self.buf[:start]
 
     def _block(self, block: bytes) -> list[bytes]:
         data = b"\n".join(line[5:].lstrip(b" ") for line in block.splitlines() if line.startswith(b"data:"))
@@ -430,11 +420,9 @@ class MessageAssembler:
     def __init__(self) -> None:
         self.message: dict[str, Any] = {"type": "message", "content": []}
         self.blocks: dict[int, dict] = {}
-        self.chunks = 0
         self.finished = False  # saw message_stop
 
     def add(self, event: dict) -> None:
-        self.chunks += 1
         kind = event.get("type")
         if kind == "message_start" and isinstance(event.get("message"), dict):
             self.message.update(json.loads(json.dumps(event["message"])))

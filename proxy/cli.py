@@ -96,7 +96,6 @@ def serve(config_path, **flags) -> None:
 def _reexec_if_no_mitmproxy() -> None:
     """Run from the training environment (no mitmproxy there): hand over to the proxy's Python."""
     import importlib.util
-    import os
 
     if importlib.util.find_spec("mitmproxy") is not None:
         return
@@ -161,7 +160,7 @@ def env(rollout_id, attempt, config_path, public_host, api_key, anthropic_api_ke
     eval "$(lightning-proxy env my-rollout --token SECRET)"; python my_agent.py
     """
     cfg = _load(config_path, **proxy_flags)
-    host = public_host or ("127.0.0.1" if cfg.listen_host in ("0.0.0.0", "::") else cfg.listen_host)
+    host = public_host or cfg.local_host
     bundle = cfg.resolved_confdir / BUNDLE_NAME
     if not bundle.exists():
         click.echo(f"warning: {bundle} does not exist yet; start `lightning-proxy serve` first", err=True)
@@ -201,25 +200,18 @@ def _run(fn, *args):
         raise click.ClickException(f"cannot reach the proxy: {exc}") from None
 
 
-@ctl.command()
-@click.pass_obj
-def state(c: ProxyControl) -> None:
-    """paused, in_flight, held, spans_written, model_version, rewards_written, ..."""
-    _run(c.state)
+def _plain_call(name: str, doc: str) -> None:
+    """A ``ctl`` command that makes one control call without arguments and prints the answer."""
+    @ctl.command(name, help=doc)
+    @click.pass_obj
+    def command(c: ProxyControl) -> None:
+        _run(getattr(c, name))
 
 
-@ctl.command()
-@click.pass_obj
-def pause(c: ProxyControl) -> None:
-    """Hold new model requests until resume."""
-    _run(c.pause)
-
-
-@ctl.command()
-@click.pass_obj
-def resume(c: ProxyControl) -> None:
-    """Release held requests."""
-    _run(c.resume)
+for _name, _doc in (("state", "paused, in_flight, held, spans_written, model_version, rewards_written, ..."),
+                    ("pause", "Hold new model requests until resume."), ("resume", "Release held requests."),
+                    ("flush", "Write buffered spans and rewards now.")):
+    _plain_call(_name, _doc)
 
 
 @ctl.command()
@@ -228,13 +220,6 @@ def resume(c: ProxyControl) -> None:
 def drain(c: ProxyControl, timeout) -> None:
     """Wait until no model call is in flight (or the timeout)."""
     _run(c.drain, timeout)
-
-
-@ctl.command()
-@click.pass_obj
-def flush(c: ProxyControl) -> None:
-    """Write buffered spans and rewards now."""
-    _run(c.flush)
 
 
 @ctl.command("model-version")

@@ -177,8 +177,7 @@ class ProxyProcess:
             token=config.token if config.token is not None else secrets.token_urlsafe(18),
             control_token=config.control_token if config.control_token is not None else secrets.token_urlsafe(24))
         self.log_path = Path(log_path) if log_path else self.traces_dir.parent / "proxy.log"
-        host = config.listen_host
-        self.public_host = public_host or ("127.0.0.1" if host in ("0.0.0.0", "::") else host)
+        self.public_host = public_host or config.local_host
         self.extra_args = list(extra_args)
         self.python = python or proxy_python()
         self.ready_timeout = ready_timeout
@@ -234,7 +233,7 @@ class ProxyProcess:
         """Start and wait until ready; retries with new ports if a port was taken meanwhile."""
         self.traces_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        host = self.config.listen_host if self.config.listen_host != "0.0.0.0" else "127.0.0.1"
+        host = self.config.local_host
         for tries_left in (2, 1, 0):
             port = free_port(host)
             self.config.forward_port = self.config.reverse_port = port

@@ -90,10 +90,8 @@ class StreamDecoder:
 
     def _check(self, n: int, budget: int | None) -> None:
         if budget is not None and n > budget:
-            raise TooLarge(f"{self.coding} body expands past the limit of {self._cap_text()}")
-
-    def _cap_text(self) -> str:
-        return " / ".join(f"{c} bytes" for c in (self.limit, self.total) if c is not None)
+            caps = " / ".join(f"{c} bytes" for c in (self.limit, self.total) if c is not None)
+            raise TooLarge(f"{self.coding} body expands past the limit of {caps}")
 
     def feed(self, chunk: bytes) -> bytes:
         if self._d is None:  # deflate: wait for the 2 header bytes

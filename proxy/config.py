@@ -141,6 +141,11 @@ class ProxyConfig:
         return self.control_token or None
 
     @property
+    def local_host(self) -> str:
+        """Where this machine reaches the listeners: the listen host, or 127.0.0.1 for a wildcard one."""
+        return "127.0.0.1" if self.listen_host in ("0.0.0.0", "::") else self.listen_host
+
+    @property
     def resolved_confdir(self) -> Path:
         return Path(self.confdir).expanduser() if self.confdir else default_confdir()
 

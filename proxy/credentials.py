@@ -45,30 +45,25 @@ def check_rollout_id(value: object) -> str:
     return value
 
 
-def _integer(value: object) -> int | None:
-    """Any integral value (int, numpy integer) as int; None for bools, floats, strings."""
-    if isinstance(value, bool):
-        return None
+def _bounded(value: object, top: int, what: str, rule: str) -> int:
+    """Any integral value (int, numpy integer) within 0..``top`` as int; bools, floats and strings refused."""
     try:
-        return operator.index(value)
+        n = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
-        return None
+        n = None
+    if n is None or not 0 <= n <= top:
+        raise InvalidId(f"invalid {what} {short_repr(value)}: {rule}")
+    return n
 
 
 def check_attempt(value: object) -> int:
-    """An integer within 0..2**31-1 (the ``attempt`` column is int32); bools, floats, strings refused."""
-    n = _integer(value)
-    if n is None or not 0 <= n <= MAX_ATTEMPT:
-        raise InvalidId(f"invalid attempt {short_repr(value)}: {ATTEMPT_RULE}")
-    return n
+    """An integer within 0..2**31-1 (the ``attempt`` column is int32)."""
+    return _bounded(value, MAX_ATTEMPT, "attempt", ATTEMPT_RULE)
 
 
 def check_model_version(value: object) -> int:
     """An integer within 0..2**63-1 (the ``model_version`` column is int64)."""
-    n = _integer(value)
-    if n is None or not 0 <= n <= MAX_MODEL_VERSION:
-        raise InvalidId(f"invalid model version {short_repr(value)}: {MODEL_VERSION_RULE}")
-    return n
+    return _bounded(value, MAX_MODEL_VERSION, "model version", MODEL_VERSION_RULE)
 
 
 def rollout_user(rollout_id: str, attempt: int = 0) -> str:

@@ -82,7 +82,7 @@ def _jwt_header(segment: str) -> bool:
 
 def _is_key(m: re.Match) -> bool:
     kind = next(k for k in _KINDS if m.group(k))
-    body = m.group(f"{kind}_body") if f"{kind}_body" in _BODIES else ""
+    body = m.groupdict().get(f"{kind}_body") or ""
     if kind in ("aws", "pem"):
         return True
     if kind == "jwt":
@@ -95,7 +95,6 @@ def _is_key(m: re.Match) -> bool:
 
 
 _KINDS = ("sk", "stripe", "aws", "gh", "ghpat", "slack", "google", "jwt", "pem")
-_BODIES = {f"{k}_body" for k in ("sk", "stripe", "gh", "ghpat", "slack", "google")}
 
 
 def mask_keys(text: str, mask: str) -> str:

@@ -50,6 +50,17 @@ def test_reward_cmd_reads_last_line_and_reports_failures(tmp_path):
         run_reward_cmd("sleep 30", env, timeout=0.5)
 
 
+def test_reward_cmd_starts_from_the_launcher_environment_without_its_lightning_variables(tmp_path, monkeypatch):
+    """The scorer gets the launcher's environment (PATH, HOME) and the variables it is given, never the
+    launcher's own LIGHTNING_* (the proxy's control token), like a harness (launcher/local.py launcher_env)."""
+    monkeypatch.setenv("LIGHTNING_PROXY_CONTROL_TOKEN", "secret-control")
+    monkeypatch.setenv("LH_FROM_LAUNCHER", "kept")
+    show = "import json,os; print(json.dumps({'reward': 1, 'info': {k: os.environ.get(k) for k in " \
+           "('LIGHTNING_PROXY_CONTROL_TOKEN', 'LH_FROM_LAUNCHER', 'LIGHTNING_TASK')}}))"
+    got = run_reward_cmd(f'python3 -c "{show}"', {"LIGHTNING_TASK": "{}"})
+    assert got.info == {"LIGHTNING_PROXY_CONTROL_TOKEN": None, "LH_FROM_LAUNCHER": "kept", "LIGHTNING_TASK": "{}"}
+
+
 def _reward_row(rid, attempt, value, source="proxy", at=None):
     return {"reward_id": uuid.uuid4().hex, "rollout_id": rid, "attempt": attempt, "reward": value,
             "created_at": at or dt.datetime.now(dt.UTC), "source": source, "info_json": '{"k": 1}'}

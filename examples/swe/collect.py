@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from lightning_harness.process import PROXY_VARS
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import harness  # noqa: E402
@@ -54,7 +56,7 @@ class Recorder:
 
 def quiet_client_env() -> None:
     """The agent talks to the local solver directly: no proxy variables, a placeholder key."""
-    for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
+    for k in PROXY_VARS:
         os.environ.pop(k, None)
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
     os.environ.setdefault("OPENAI_API_KEY", "sk-collect-placeholder")

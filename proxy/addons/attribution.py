@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import logging
 import re
 import urllib.parse
@@ -30,6 +29,7 @@ from ..assemble import endpoint_of
 from ..client import NO_TOKEN
 from ..credentials import InvalidId, credential_ok, log_safe, parse_user
 from ..state import CONTROL, META, MODEL, OTHER, REWARD, Call, ProxyState
+from .answers import error_answer
 
 log = logging.getLogger("lightning.proxy")
 
@@ -247,14 +247,9 @@ class Attribution:
         if call is not None:
             call.kind = OTHER
             call.done = True
-        headers = {"Content-Type": "application/json"}
-        if status == 407:
-            headers["Proxy-Authenticate"] = 'Basic realm="lightning-proxy"'
-        elif status == 401:
-            headers["WWW-Authenticate"] = 'Bearer realm="lightning-proxy"'
-        body = {"error": {
-            "message": f"lightning-proxy: {why}; use the environment printed by `lightning-proxy env ROLLOUT_ID`",
-            "type": "proxy_auth" if status in (401, 407) else "invalid_request", "code": status,
-        }}
-        flow.response = http.Response.make(status, json.dumps(body).encode(), headers)
+        challenge = {407: {"Proxy-Authenticate": 'Basic realm="lightning-proxy"'},
+                     401: {"WWW-Authenticate": 'Bearer realm="lightning-proxy"'}}.get(status)
+        hint = "use the environment printed by `lightning-proxy env ROLLOUT_ID`"
+        error_answer(flow, status, "proxy_auth" if challenge else "invalid_request", f"lightning-proxy: {why}; {hint}",
+                     challenge)
         log.info("refused %s %s (%s): %s", log_safe(flow.request.method, 20), loggable_url(flow), status, log_safe(why))

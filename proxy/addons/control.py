@@ -28,16 +28,13 @@ from ...schemas import BufferFull
 from ...schemas.rewards import RewardError, reward_from_object
 from ..credentials import InvalidId, check_attempt, check_model_version, check_rollout_id, log_safe
 from ..state import CONTROL, META, REWARD, ProxyState
+from .answers import json_answer
 
 log = logging.getLogger("lightning.proxy")
 
 
 class BadRequest(ValueError):
     pass
-
-
-def _json_response(flow: http.HTTPFlow, status: int, body: dict) -> None:
-    flow.response = http.Response.make(status, json.dumps(body).encode(), {"Content-Type": "application/json"})
 
 
 def _body(flow: http.HTTPFlow) -> dict:
@@ -65,26 +62,26 @@ class Control:
             if call.kind == REWARD:
                 return self._harness_reward(flow, call)
             if not self._authorized(flow):
-                return _json_response(flow, 401, {"error": "control API needs Authorization: Bearer <control token>"})
+                return json_answer(flow, 401, {"error": "control API needs Authorization: Bearer <control token>"})
             await self._dispatch(flow)
         except (BadRequest, InvalidId, RewardError) as exc:
-            _json_response(flow, 400, {"error": str(exc)})
+            json_answer(flow, 400, {"error": str(exc)})
         except BufferFull as exc:  # rewards cannot be buffered while writes fail: the caller retries
-            _json_response(flow, 503, {"error": str(exc)})
+            json_answer(flow, 503, {"error": str(exc)})
         except Exception as exc:  # answered here, never forwarded (see module doc)
             log.exception("control call %s failed", log_safe(call.path or ""))
-            _json_response(flow, 500, {"error": f"control call failed: {type(exc).__name__}: {exc}"})
+            json_answer(flow, 500, {"error": f"control call failed: {type(exc).__name__}: {exc}"})
         finally:
             flow.request.headers.pop("Authorization", None)
             if flow.response is None:
-                _json_response(flow, 500, {"error": "control call not answered"})
+                json_answer(flow, 500, {"error": "control call not answered"})
 
     def _harness_reward(self, flow: http.HTTPFlow, call) -> None:
         if flow.request.method != "POST":
-            return _json_response(flow, 405, {"error": "POST {\"reward\": number, \"info\": {...}}"})
+            return json_answer(flow, 405, {"error": "POST {\"reward\": number, \"info\": {...}}"})
         value, info = reward_from_object(_body(flow))
         row = self.write_reward(call.rollout_id, call.attempt, value, info, "proxy", call.secrets)
-        return _json_response(flow, 200, {"ok": True, "reward_id": row})
+        return json_answer(flow, 200, {"ok": True, "reward_id": row})
 
     def _authorized(self, flow: http.HTTPFlow) -> bool:
         secret = self.state.config.control_secret
@@ -101,15 +98,12 @@ class Control:
         query = dict(urllib.parse.parse_qsl(req.path.split("?", 1)[1])) if "?" in req.path else {}
         st = self.state
         if name == "state" and req.method == "GET":
-            return _json_response(flow, 200, st.snapshot())
+            return json_answer(flow, 200, st.snapshot())
         if req.method != "POST":
-            return _json_response(flow, 405, {"error": f"{req.method} {path} is not a control call"})
-        if name == "pause":
-            st.pause()
-            return _json_response(flow, 200, st.snapshot())
-        if name == "resume":
-            st.resume()
-            return _json_response(flow, 200, st.snapshot())
+            return json_answer(flow, 405, {"error": f"{req.method} {path} is not a control call"})
+        if name in ("pause", "resume"):
+            getattr(st, name)()
+            return json_answer(flow, 200, st.snapshot())
         if name == "drain":
             try:
                 timeout = float(query.get("timeout", _body(flow).get("timeout", 60)))
@@ -120,13 +114,11 @@ class Control:
                 await asyncio.wait_for(st.idle_event.wait(), timeout=max(0.0, timeout))
             except TimeoutError:
                 pass
-            waited = time.monotonic() - t0
-            return _json_response(
-                flow, 200, {"drained": st.in_flight == 0, "in_flight": st.in_flight, "waited_s": round(waited, 3)}
-            )
+            waited = round(time.monotonic() - t0, 3)
+            return json_answer(flow, 200, {"drained": st.in_flight == 0, "in_flight": st.in_flight, "waited_s": waited})
         if name == "model_version":
             st.model_version = check_model_version(_body(flow).get("version"))
-            return _json_response(flow, 200, st.snapshot())
+            return json_answer(flow, 200, st.snapshot())
         if name == "reward":
             body = _body(flow)
             rid, attempt = check_rollout_id(body.get("rollout_id")), check_attempt(body.get("attempt", 0))
@@ -135,16 +127,16 @@ class Control:
                 raise BadRequest("source must be a string of at most 64 characters")
             value, info = reward_from_object(body)
             rid_row = self.write_reward(rid, attempt, value, info, source)
-            return _json_response(flow, 200, {"ok": True, "reward_id": rid_row})
+            return json_answer(flow, 200, {"ok": True, "reward_id": rid_row})
         if name == "end":
             body = _body(flow)
             rid, attempt = check_rollout_id(body.get("rollout_id")), check_attempt(body.get("attempt", 0))
             st.revoked.revoke(rid, attempt)
-            return _json_response(flow, 200, {"ok": True, "ended": f"{rid}~{attempt}", "revoked": len(st.revoked)})
+            return json_answer(flow, 200, {"ok": True, "ended": f"{rid}~{attempt}", "revoked": len(st.revoked)})
         if name == "flush":
             await asyncio.get_running_loop().run_in_executor(None, st.flush)
-            return _json_response(flow, 200, st.snapshot())
-        return _json_response(flow, 404, {"error": f"unknown control call {path}"})
+            return json_answer(flow, 200, st.snapshot())
+        return json_answer(flow, 404, {"error": f"unknown control call {path}"})
 
     def write_reward(self, rollout_id, attempt, value: float, info: dict | None, source: str, secrets=()) -> str:
         """Append one reward row; ``secrets``: the posting harness's credentials, masked in ``info``."""

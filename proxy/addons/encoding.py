@@ -13,13 +13,13 @@ Runs after capture (which set the request up) and before rewrite (which re-encod
 
 from __future__ import annotations
 
-import json
 import logging
 
 from mitmproxy import http
 
 from ..codec import StreamDecoder, TooLarge, client_accepts, decode_body, join_chunks
 from ..state import META, MODEL, Call, ProxyState
+from .answers import error_answer
 
 log = logging.getLogger("lightning.proxy")
 
@@ -83,9 +83,7 @@ class Encoding:
         try:
             body = decode_body(flow.response.raw_content or b"", coding, self.state.config.max_decoded_size)
         except TooLarge as exc:
-            body = {"error": {"message": f"lightning-proxy: upstream answer {exc} (max_decoded_size)",
-                              "type": "too_large", "code": 502}}
-            flow.response = http.Response.make(502, json.dumps(body).encode(), {"Content-Type": "application/json"})
+            error_answer(flow, 502, "too_large", f"lightning-proxy: upstream answer {exc} (max_decoded_size)")
             return
         except ValueError as exc:
             log.warning("cannot decode a %r-encoded response: %s", coding, exc)

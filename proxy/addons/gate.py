@@ -14,11 +14,10 @@ cannot be recorded is counted (``spans_dropped``) instead.
 
 from __future__ import annotations
 
-import json
-
 from mitmproxy import http
 
 from ..state import META, MODEL, Call, ProxyState
+from .answers import error_answer
 
 
 class Gate:
@@ -47,12 +46,7 @@ class Gate:
         st.capture_rejected += 1
         call.done = True  # nothing downstream records or forwards it
         health = st.capture_health()
-        body = {"error": {
-            "message": "lightning-proxy cannot record model calls right now "
-                       f"({health['capture_error'] or 'buffer full'}); retry later",
-            "type": "capture_unavailable", "code": 503,
-        }}
-        flow.response = http.Response.make(
-            503, json.dumps(body), {"Content-Type": "application/json", "Retry-After": str(st.retry_after_s())},
-        )
+        error_answer(flow, 503, "capture_unavailable", "lightning-proxy cannot record model calls right now "
+                     f"({health['capture_error'] or 'buffer full'}); retry later",
+                     {"Retry-After": str(st.retry_after_s())})
         return True

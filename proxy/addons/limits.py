@@ -20,7 +20,6 @@ counted in ``rejected`` and the capture addon records it as an error span (``too
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from mitmproxy import http
@@ -28,6 +27,7 @@ from mitmproxy import http
 from ..codec import TooLarge, decode_body
 from ..credentials import log_safe
 from ..state import META, MODEL, OTHER, Call, ProxyState
+from .answers import error_answer
 from .attribution import loggable_url
 
 log = logging.getLogger("lightning.proxy")
@@ -159,6 +159,5 @@ class Limits:
         """Answer the call now with an OpenAI-style error; capture turns it into an error span."""
         self.state.rejected += 1
         flow.metadata[REFUSED] = (kind, why, status)
-        body = {"error": {"message": f"lightning-proxy: {why}", "type": kind, "code": status}}
-        flow.response = http.Response.make(status, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        error_answer(flow, status, kind, f"lightning-proxy: {why}")
         log.info("refused %s %s: %s", log_safe(flow.request.method), loggable_url(flow), why)

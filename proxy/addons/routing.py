@@ -15,6 +15,7 @@ from mitmproxy import http
 
 from ..config import Upstream, parse_upstream
 from ..state import META, MODEL, OTHER, ProxyState
+from .answers import json_answer
 
 
 class Routing:
@@ -45,10 +46,7 @@ class Routing:
                 call.upstream_display = self.reverse_target.display
                 return
             else:
-                flow.response = http.Response.make(
-                    502, b'{"error": {"message": "lightning-proxy: no upstream configured (--upstream)"}}',
-                    {"Content-Type": "application/json"},
-                )
+                json_answer(flow, 502, {"error": {"message": "lightning-proxy: no upstream configured (--upstream)"}})
                 return
         elif cfg.upstreams and self.routes(req.host, req.port):
             target = self.state.replica_for(call.rollout_id)
