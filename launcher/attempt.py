@@ -8,7 +8,6 @@ when it happens. Runners (local.py, k8s.py) only start and stop things.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -62,7 +61,7 @@ def make_result(spec: RolloutSpec, attempt: int, state: str, outcome: AttemptOut
         duration_s=(ended - started).total_seconds(), reward=reward.value if reward else None,
         reward_source=reward.source if reward else None, error=error,
         log_path=str(log_path) if log_path else None, model_version=model_version,
-        runner=runner, task_json=spec.task.to_json(),
+        runner=runner, task_json=spec.task.public_json(),  # the traces are readable by a harness user
     )
 
 
@@ -72,8 +71,7 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel,
     work = attempt_dir(s.batch.traces_dir, spec, attempt)
     (work / "out").mkdir(parents=True, exist_ok=True)
     task_file, log_path = work / "task.json", work / "harness.log"
-    fields = {k: v for k, v in spec.task.fields.items() if k not in spec.task.private}  # the reward's alone
-    seen = json.dumps(fields, sort_keys=True, default=str)
+    fields, seen = spec.task.public, spec.task.public_json()  # private fields are the reward's alone
     write_task_file(task_file, seen)
     (work / "reward.json").unlink(missing_ok=True)
     paths_in = getattr(s.runner, "harness_paths", None)  # paths as the harness sees them (a pod mounts them elsewhere)
@@ -203,7 +201,7 @@ def score(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outco
     """Run ``--reward-cmd`` (the verifier) on a finished attempt; raises RewardError when it gives no reward.
 
     The scorer is ours: it sees the whole task row (private fields too: ``task.json`` is rewritten now
-    that the harness is gone), local paths, and no capture proxy."""
+    that the harness is gone, and back to the public row after), local paths, and no capture proxy."""
     log_path, whole = work / "harness.log", spec.task.to_json()
     try:
         write_task_file(work / "task.json", whole)
@@ -211,6 +209,12 @@ def score(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outco
         raise RewardError(f"cannot write the reward command's task file: {exc}") from None
     named = named_values(spec, attempt, {**local_paths(work), "log_file": str(log_path)})
     env = {**contract_env(named, whole), "LIGHTNING_EXIT_CODE": str(outcome.exit_code)}
-    return run_reward_cmd(substitute(s.batch.reward_cmd, {**spec.task.fields, **named}, quote=True), env,
-                          timeout=s.batch.reward_timeout,
-                          cwd=s.batch.cwd, log_path=log_path)
+    try:
+        return run_reward_cmd(substitute(s.batch.reward_cmd, {**spec.task.fields, **named}, quote=True), env,
+                              timeout=s.batch.reward_timeout,
+                              cwd=s.batch.cwd, log_path=log_path)
+    finally:  # the whole row leaves with the scorer: the folder stays readable to this harness user
+        try:
+            write_task_file(work / "task.json", spec.task.public_json())
+        except OSError as exc:
+            log.warning("cannot restore the harness's task file in %s: %s", work, exc)

@@ -33,6 +33,14 @@ class Task:
     def to_json(self) -> str:
         return json.dumps(dict(self.fields), sort_keys=True, default=str)
 
+    @property
+    def public(self) -> dict[str, Any]:
+        """The row without its private fields: what the harness gets and what the traces keep."""
+        return {k: v for k, v in self.fields.items() if k not in self.private}
+
+    def public_json(self) -> str:
+        return json.dumps(self.public, sort_keys=True, default=str)
+
 
 def _task_from_row(row: Any, where: str, id_field: str | None) -> Task:
     if not isinstance(row, dict):

@@ -135,7 +135,7 @@ ROLLOUTS = _schema(
         _f("log_path", pa.string(), "File holding the tail of the harness's stdout/stderr."),
         _f("model_version", pa.int64(), "Policy version when the attempt started."),
         _f("runner", pa.string(), "'local' or 'k8s'."),
-        _f("task_json", pa.string(), "The task row as JSON."),
+        _f("task_json", pa.string(), "The task row as JSON, without its private fields."),
     ],
 )
 

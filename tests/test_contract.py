@@ -139,7 +139,9 @@ def test_a_harness_never_sees_a_private_field_while_the_reward_does(tmp_path, st
     assert seen["argv"][1:] == ["fix it", "{solution}"]  # a private field is no placeholder of the harness
     assert "SECRET-fix-8c1f" not in seen_text and "assert 1" not in seen_text
     assert "SECRET" not in open(row.log_path).read()
-    assert json.loads(row.task_json)["solution"] == "SECRET-fix-8c1f"  # the table keeps the whole row
+    assert json.loads(row.task_json) == {"id": "t1", "task_id": "t1", "prompt": "fix it"}  # nor do the traces
+    left = [f for f in traces.rglob("*") if f.is_file() and b"SECRET-fix-8c1f" in f.read_bytes()]
+    assert left == []  # the scorer's task.json went back to the public row
 
 
 def test_a_private_field_that_no_task_has_is_an_error(tmp_path):
