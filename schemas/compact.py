@@ -42,7 +42,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .checked import COMPACTED_FROM, finished_parts, part_error, replaced_parts
-from .tables import SCHEMA_VERSION, TABLES
+from .parts import write_part
+from .tables import TABLES
 
 log = logging.getLogger("lightning.schemas")
 
@@ -239,30 +240,21 @@ def _write_compacted(folder: Path, table: str, batch: list[Path], rep: CompactRe
     if data is None:
         return
     expected = sum(pq.read_metadata(p).num_rows for p in batch)
-    meta = dict(data.schema.metadata or {})
-    meta[b"lightning.schema_version"] = str(SCHEMA_VERSION).encode()
-    meta[COMPACTED_FROM] = json.dumps([p.name for p in batch]).encode()
-    data = data.replace_schema_metadata(meta)
     in_bytes = sum(p.stat().st_size for p in batch)
     rows_per_group = max(256, int(data.num_rows * ROW_GROUP_BYTES / max(in_bytes, 1)))
     # the first input's name (without an earlier compaction's suffix) keeps the folder in time
     # order; the suffix makes it unique
     name = f"{batch[0].stem.split('-c', 1)[0]}-c{int(time.time() * 1000)}-{os.getpid()}.parquet"
-    tmp = folder / f"{_TMP_PREFIX}{name}.tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            pq.write_table(data, fh, compression="zstd", row_group_size=rows_per_group)
-            fh.flush()
-            if fsync:
-                os.fsync(fh.fileno())
+
+    def check(tmp: Path) -> None:
         written = pq.read_metadata(tmp).num_rows
         if written != expected:
             raise RuntimeError(f"compacted part holds {written} rows, its inputs {expected}")
         step("written")
-        os.replace(tmp, folder / name)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    meta = {**(data.schema.metadata or {}), COMPACTED_FROM: json.dumps([p.name for p in batch]).encode()}
+    write_part(data, folder / name, meta, fsync=fsync, tmp=folder / f"{_TMP_PREFIX}{name}.tmp", check=check,
+               row_group_size=rows_per_group)
     _fsync_dir(folder, fsync)
     rep.parts_written += 1
     rep.parts_replaced += len(batch)
