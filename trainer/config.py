@@ -293,7 +293,7 @@ def explain(exc: ValidationError, cls: type) -> list[str]:
         key = ".".join(str(part) for part in err["loc"])
         if err["type"] == "unexpected_keyword_argument":
             known = _known_keys(cls, err["loc"][:-1])
-            lines.append(f"unknown key '{key}'{_suggest(str(err['loc'][-1]), known)}; known: {known}")
+            lines.append(f"unknown key '{key}'{suggest(str(err['loc'][-1]), known)}; known: {known}")
         elif err["type"] == "dataclass_type":
             lines.append(f"{key}: expected a mapping of {_known_keys(cls, err['loc'])}, got {err['input']!r}")
         else:
@@ -309,7 +309,7 @@ def _known_keys(cls: type, loc: tuple) -> list[str]:
     return sorted(f.name for f in dataclasses.fields(node))
 
 
-def _suggest(key: str, known: list[str]) -> str:
+def suggest(key: str, known: list[str]) -> str:
     """The closest known key: a near spelling ('lr_shedule'), else the key a typo extends by a word
     ('lr_rate' -> 'lr'), else a looser spelling, else a shared prefix."""
     extended = sorted((k for k in known if key.startswith(k + "_")), key=len, reverse=True)

@@ -62,9 +62,6 @@ class MetricsLog:
         self._each_tracker("close")
         self.trackers.clear()
 
-    def history(self) -> dict[str, dict[int, float]]:
-        return read_metrics(self.root, self.run_id)
-
 
 def read_metrics(traces_root: str | os.PathLike, run_id: str | None = None) -> dict[str, dict[int, float]]:
     """``{name: {step: value}}``, the latest value per (step, name) of ``run_id`` (or every run)."""

@@ -86,18 +86,11 @@ def traces_of(run_dir: Path) -> Path:
                       f"or a traces directory with spans/ or rollouts/)")
 
 
-def _read_json(path: Path) -> dict:
+def _read_mapping(path: Path, load=json.loads) -> dict:
+    """A run file's mapping (``load``: json.loads or yaml.safe_load); {} when missing or damaged."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _read_yaml(path: Path) -> dict:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
+        data = load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -329,10 +322,6 @@ def rollouts_with_calls(con, tokens: TokenText, *, split: str | None, step: int 
 # ---------------------------------------------------------------------------------------------
 # the reward curve as inline SVG
 # ---------------------------------------------------------------------------------------------
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    return [lo + (hi - lo) * i / (n - 1) for i in range(n)]
-
-
 def curve(series: dict[str, list], width: int = 640, height: int = 260) -> dict[str, Any]:
     """Screen coordinates of the train and held-out reward series (the template draws them)."""
     left, right, top, bottom = 48, 16, 12, 36
@@ -356,7 +345,7 @@ def curve(series: dict[str, list], width: int = 640, height: int = 260) -> dict[
     every = max(1, math.ceil(len(steps) / 10))
     return {"empty": False, "width": width, "height": height, "left": left, "right": width - right,
             "top": top, "bottom": height - bottom, "lines": lines,
-            "yticks": [(round(sy(v), 1), f"{v:.3g}") for v in _ticks(y0, y1)],
+            "yticks": [(round(sy(v), 1), f"{v:.3g}") for v in (y0 + (y1 - y0) * i / 4 for i in range(5))],
             "xticks": [(round(sx(s), 1), s) for s in steps[::every]]}
 
 
@@ -370,8 +359,8 @@ def collect(run_dir: str | os.PathLike, *, tokenizer: str | None = None, split: 
     if not run.is_dir():
         raise ReportError(f"{run} is not a folder (expected a run folder from lightning-train run)")
     traces = traces_of(run)
-    state, config = _read_json(run / "state.json"), _read_yaml(run / "config.yaml")
-    summary = _read_json(run / "summary.json")
+    state, config = _read_mapping(run / "state.json"), _read_mapping(run / "config.yaml", yaml.safe_load)
+    summary = _read_mapping(run / "summary.json")
     run_id = state.get("run_id") or config.get("name") or None
     tokens = TokenText(tokenizer_folder(run, state, config, tokenizer))
     con = connect(traces)

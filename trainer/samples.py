@@ -47,7 +47,7 @@ import json
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import duckdb
@@ -283,7 +283,7 @@ def _kept_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions, stats: d
     stats["rollouts_dropped"] = fcounts.pop("dropped")
     stats["rollouts_by_state"] = fcounts
     stats["rollouts_without_group"] = int(no_group[kept_idx].sum())
-    stats.update({f"adv_{k}": v for k, v in adv_report.as_dict().items()})
+    stats.update({f"adv_{k}": v for k, v in asdict(adv_report).items()})
     table = ro.take(pa.array(kept_idx, type=pa.int64()))
     table = table.append_column("ridx", pa.array(np.arange(len(kept_idx)), pa.int64()))
     return _Kept(table, eff_reward[kept_idx], adv)

@@ -12,7 +12,6 @@ uploads later), MLflow into a file store under the run folder.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import importlib
 import json
@@ -21,6 +20,8 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from .config import suggest
 
 # name -> (module to import, pyproject extra that installs it)
 TRACKERS: dict[str, tuple[str, str]] = {
@@ -45,8 +46,7 @@ def tracker_names(value: Any) -> list[str]:
         if name in ("console", "parquet"):  # always on: the progress line and the metrics table
             continue
         if name not in TRACKERS:
-            close = difflib.get_close_matches(name, TRACKERS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = suggest(name, list(TRACKERS))
             raise TrackerError(f"logger: unknown tracker {name!r}{hint}; choose from {sorted(TRACKERS)}")
         require(name)
         if name not in out:
