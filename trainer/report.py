@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import click
 import yaml
 
 from .views import connect
@@ -416,39 +417,32 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     return path
 
 
-def _click_command():
-    import click
+@click.command("report", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Where to write the page (default RUN_DIR/report.html).")
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Folder with tokenizer.json to show token text (default: the run's model).")
+@click.option("--split", default=None, help="Only rollouts of this split ('train', 'eval').")
+@click.option("--step", type=int, default=None, help="Only rollouts launched at this training step.")
+@click.option("--max-rollouts", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="At most this many rollouts on the page (in step order).")
+def report_command(run_dir, output, tokenizer, split, step, max_rollouts):
+    """Write one self-contained HTML page to read a run: reward curve, per-step metrics, and every
+    rollout as a conversation with its tool calls, reward, advantage and trained tokens.
 
-    @click.command("report", context_settings={"help_option_names": ["-h", "--help"]})
-    @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-    @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
-                  help="Where to write the page (default RUN_DIR/report.html).")
-    @click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
-                  help="Folder with tokenizer.json to show token text (default: the run's model).")
-    @click.option("--split", default=None, help="Only rollouts of this split ('train', 'eval').")
-    @click.option("--step", type=int, default=None, help="Only rollouts launched at this training step.")
-    @click.option("--max-rollouts", type=click.IntRange(min=1), default=1000, show_default=True,
-                  help="At most this many rollouts on the page (in step order).")
-    def report_command(run_dir, output, tokenizer, split, step, max_rollouts):
-        """Write one self-contained HTML page to read a run: reward curve, per-step metrics, and every
-        rollout as a conversation with its tool calls, reward, advantage and trained tokens.
+    \b
+    The page needs no server and no network (open it from disk). RUN_DIR is a run folder of
+    `lightning-train run` (or a bare traces directory).
 
-        \b
-        The page needs no server and no network (open it from disk). RUN_DIR is a run folder of
-        `lightning-train run` (or a bare traces directory).
+    \b
+    Example:
+      lightning-train report runs/calc -o calc.html --split train
+    """
+    try:
+        path = write_report(run_dir, output, tokenizer=tokenizer, split=split, step=step,
+                            max_rollouts=max_rollouts)
+    except (ReportError, FileNotFoundError) as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
 
-        \b
-        Example:
-          lightning-train report runs/calc -o calc.html --split train
-        """
-        try:
-            path = write_report(run_dir, output, tokenizer=tokenizer, split=split, step=step,
-                                max_rollouts=max_rollouts)
-        except (ReportError, FileNotFoundError) as exc:
-            raise click.UsageError(str(exc)) from None
-        click.echo(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
-
-    return report_command
-
-
-report_command = _click_command()
