@@ -211,7 +211,7 @@ class TokenArrays:
     def of(cls, calls: pa.Table) -> TokenArrays:
         p_val, p_off, _ = flat(calls["prompt_token_ids"], pa.int32())
         r_val, r_off, _ = flat(calls["response_token_ids"], pa.int32())
-        ridx = calls["ridx"].to_numpy().astype(np.int64) if calls.num_rows else np.zeros(0, np.int64)
+        ridx = calls["ridx"].to_numpy().astype(np.int64)
         first = np.ones(calls.num_rows, dtype=bool)
         first[1:] = ridx[1:] != ridx[:-1]
         return cls(p_val, p_off, r_val, r_off, np.diff(p_off), np.diff(r_off), ridx, first)

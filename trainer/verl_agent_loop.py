@@ -70,12 +70,8 @@ def pack_samples(table, rows: int, *, max_prompt_len: int, max_response_len: int
     p0, r0 = t["prompts"].shape[1], t["responses"].shape[1]
 
     def widen(x, width, left, fill=0):  # [S, w] -> [rows, width]: pad columns, then padding rows
-        out = torch.full((rows, width), fill, dtype=x.dtype)
-        if left:
-            out[:S, width - x.shape[1]:] = x
-        else:
-            out[:S, : x.shape[1]] = x
-        return out
+        cols = (width - x.shape[1], 0) if left else (0, width - x.shape[1])
+        return torch.nn.functional.pad(x, (*cols, 0, rows - S), value=fill)
 
     prompts = widen(t["prompts"], P, True, pad_id)
     prompt_att = widen(t["attention_mask"][:, :p0], P, True)
