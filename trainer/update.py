@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..launcher.engine import detect_device
 from . import checkpoint as ckpt
 from .config import UpdateConfig
 from .weights import aggregate_loss, rollout_index, rollout_key
@@ -57,12 +58,6 @@ def scheduled_lr(cfg: UpdateConfig, step: int, total: int) -> float:
     if cfg.lr_schedule == "linear":
         return cfg.lr - (cfg.lr - low) * frac
     return low + (cfg.lr - low) * 0.5 * (1.0 + math.cos(math.pi * frac))
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +300,7 @@ class PolicyUpdater:
         config with random weights); ``model_dir`` then only names where checkpoints come from."""
         self.cfg = cfg or UpdateConfig()
         self.model_dir = Path(model_dir)
-        self.device = resolve_device(self.cfg.device)
+        self.device = torch.device(detect_device() if self.cfg.device == "auto" else self.cfg.device)
         torch.manual_seed(self.cfg.seed)
         self.gen = torch.Generator().manual_seed(self.cfg.seed)
         self.model = model if model is not None else ckpt.load_model(self.model_dir, self.device, self.cfg.dtype)
