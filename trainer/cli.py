@@ -183,11 +183,14 @@ def step_command(samples, model_dir, out_dir, overrides, step_filter, no_optimiz
     from rich.console import Console
 
     from .checkpoint import read_version
-    from .config import UpdateConfig, parse_overrides
+    from .config import ConfigError, UpdateConfig, parse_overrides
     from .update import PolicyUpdater
 
     console = Console(stderr=True)
-    cfg = UpdateConfig.from_dict(parse_overrides(overrides))
+    try:
+        cfg = UpdateConfig.from_dict(parse_overrides(overrides))
+    except ConfigError as exc:  # a usage error, as `run` reports it: no traceback
+        raise click.UsageError(str(exc)) from None
     table = read_samples(samples)
     if step_filter is not None:
         import pyarrow.compute as pc
