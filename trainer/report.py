@@ -27,6 +27,7 @@ from typing import Any
 import click
 import yaml
 
+from ..proxy.assemble import as_chat
 from .views import connect
 
 # metrics shown first in the step table (the rest follow, sorted)
@@ -187,29 +188,27 @@ def _tool_calls(calls: Any) -> list[dict]:
 def _message(m: Any) -> dict:
     if not isinstance(m, dict):
         return {"role": "user", "content": _text(m), "tool_calls": []}
-    kind = m.get("type")
-    if kind == "function_call":  # Responses API input items
-        return {"role": "assistant", "content": "", "tool_calls": _tool_calls([m])}
-    if kind == "function_call_output":
-        return {"role": "tool", "content": _text(m.get("output")), "tool_calls": [],
-                "tool_call_id": str(m.get("call_id") or "")}
-    out = {"role": str(m.get("role") or kind or "user"), "content": _text(m.get("content")),
+    out = {"role": str(m.get("role") or m.get("type") or "user"), "content": _text(m.get("content")),
            "tool_calls": _tool_calls(m.get("tool_calls"))}
     if m.get("tool_call_id"):
         out["tool_call_id"] = str(m["tool_call_id"])
     return out
 
 
+def _chat_form(endpoint: str | None, request: dict, response: dict) -> tuple[dict, dict]:
+    """A call in its chat form (``proxy.assemble.as_chat``: the code that knows the Messages and
+    Responses formats); a body too malformed to convert is shown as it is."""
+    try:
+        return as_chat(endpoint, request, response)
+    except Exception:  # hostile or damaged bodies: the page shows what it can
+        return request, response
+
+
 def request_messages(endpoint: str | None, request: dict) -> list[dict]:
-    """The conversation a call sent, whatever the API (chat, Responses, completions)."""
+    """The conversation a call sent, whatever the API (chat, Messages, Responses, completions)."""
+    request = _chat_form(endpoint, request, {})[0]
     if "messages" in request:
         return [_message(m) for m in request.get("messages") or []]
-    if "input" in request or "instructions" in request:
-        msgs = [{"role": "system", "content": _text(request["instructions"]), "tool_calls": []}] \
-            if request.get("instructions") else []
-        items = request.get("input")
-        items = [items] if isinstance(items, str) else (items or [])
-        return msgs + [_message(m) for m in items]
     if "prompt" in request:
         return [{"role": "prompt", "content": _text(request.get("prompt")), "tool_calls": []}]
     return []
@@ -217,6 +216,8 @@ def request_messages(endpoint: str | None, request: dict) -> list[dict]:
 
 def response_message(response: dict) -> dict:
     """The model's answer (choice 0, or the Responses API's output items) as one assistant message."""
+    if "output" in response and "choices" not in response:
+        response = _chat_form("responses", {"input": []}, response)[1]
     choices = response.get("choices") or []
     if choices and isinstance(choices[0], dict):
         c = choices[0]
@@ -226,13 +227,7 @@ def response_message(response: dict) -> dict:
                     "reasoning": _text(m.get("reasoning_content") or m.get("reasoning")),
                     "tool_calls": _tool_calls(m.get("tool_calls"))}
         return {"role": "assistant", "content": _text(c.get("text")), "tool_calls": []}
-    texts, calls = [], []
-    for item in response.get("output") or []:
-        if isinstance(item, dict) and item.get("type") == "function_call":
-            calls += _tool_calls([item])
-        elif isinstance(item, dict) and item.get("type") == "message":
-            texts.append(_text([p for p in item.get("content") or [] if isinstance(p, dict)]))
-    return {"role": "assistant", "content": "".join(texts), "tool_calls": calls}
+    return {"role": "assistant", "content": "", "tool_calls": []}
 
 
 def _same(a: dict, b: dict) -> bool:
