@@ -13,6 +13,8 @@ rollout that had already finished. The command line and what it prints live in c
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -322,12 +324,11 @@ class TrainingRun:
         from lightning_harness.launcher.tasks import load_tasks
 
         cfg = self.cfg
-        self.train_tasks = load_tasks(cfg.path(cfg.tasks.train), id_field=cfg.tasks.id_field,
-                                      private_fields=cfg.tasks.private_fields)
+        load = functools.partial(load_tasks, id_field=cfg.tasks.id_field, private_fields=cfg.tasks.private_fields)
+        self.train_tasks = load(cfg.path(cfg.tasks.train))
         self.eval_tasks = []
         if cfg.tasks.eval:
-            self.eval_tasks = load_tasks(cfg.path(cfg.tasks.eval), id_field=cfg.tasks.id_field,
-                                         limit=cfg.eval.max_tasks, private_fields=cfg.tasks.private_fields)
+            self.eval_tasks = load(cfg.path(cfg.tasks.eval), limit=cfg.eval.max_tasks)
             overlap = {t.id for t in self.train_tasks} & {t.id for t in self.eval_tasks}
             if overlap:
                 raise ConfigError(f"train and eval tasks overlap on ids {sorted(overlap)[:5]}")
@@ -480,11 +481,9 @@ class TrainingRun:
         self._compact_at_exit()
         if self.engine is not None:
             if self.cfg.engine.url:  # attached: leave it serving, not paused
-                try:
+                with contextlib.suppress(Exception):
                     if self.engine.is_paused():
                         self.engine.resume()
-                except Exception:
-                    pass
             self.engine.stop()  # a no-op for attached engines
         (self.run_dir / PIDS_FILE).unlink(missing_ok=True)
 

@@ -67,13 +67,7 @@ def require(name: str) -> Any:
 
 def numeric(values: Mapping[str, Any]) -> dict[str, float]:
     """The values a step logs, as the metrics table stores them: numbers (bools as 0/1) only."""
-    out = {}
-    for name, value in values.items():
-        if isinstance(value, bool):
-            value = float(value)
-        if isinstance(value, (int, float)):
-            out[str(name)] = float(value)
-    return out
+    return {str(name): float(value) for name, value in values.items() if isinstance(value, (int, float))}
 
 
 class TensorBoardTracker:
