@@ -28,13 +28,14 @@ compacted part plus inputs that every reader already ignores (removed later): no
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -85,7 +86,7 @@ def compact_store(root: str | os.PathLike, tables: Iterable[str] | None = None, 
 
 def _finish_table(root: str | os.PathLike, table: str, grace_s: float, rep: CompactReport, fsync: bool) -> None:
     base = Path(root) / table
-    with _Lock(base / LOCK_NAME) as locked:
+    with _locked(base / LOCK_NAME) as locked:
         if locked:
             for folder in sorted({p.parent for p in base.glob("**/*.parquet")}):
                 _remove_replaced(folder, grace_s, rep, fsync, lambda stage: None)
@@ -119,7 +120,7 @@ def compact_table(
         rep.skipped = "no such table folder"
         return rep
     step = on_step or (lambda stage: None)
-    with _Lock(base / LOCK_NAME) as locked:
+    with _locked(base / LOCK_NAME) as locked:
         if not locked:
             rep.skipped = "another compaction holds the lock"
             return rep
@@ -131,25 +132,19 @@ def compact_table(
     return rep
 
 
-class _Lock:
-    """A non-blocking exclusive ``flock``: ``with _Lock(path) as locked`` (False when busy)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.fd = path, -1
-
-    def __enter__(self) -> bool:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            self.fd = -1
-            return False
-        return True
-
-    def __exit__(self, *exc: object) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)  # closing releases the lock
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[bool]:
+    """A non-blocking exclusive ``flock``: ``with _locked(path) as locked`` (False when busy)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        locked = True
+    except BlockingIOError:
+        locked = False
+    try:
+        yield locked
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _visible_parts(folder: Path) -> list[Path]:

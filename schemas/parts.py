@@ -261,10 +261,8 @@ class PartWriter:
         """A flush that respects the retry backoff and never raises (the error is in health())."""
         if time.monotonic() < self._retry_at:
             return
-        try:
+        with contextlib.suppress(Exception):  # recorded and logged by _failed
             self.flush()
-        except Exception:
-            pass  # recorded and logged by _failed
 
     def _ticker(self) -> None:
         # A row is flushed at the last check before it turns flush_seconds old, never after: what a

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -311,10 +312,9 @@ class PolicyUpdater:
         self.model.train()
         self.base_dir = Path(ckpt.read_version(self.model_dir).get("base_model", self.model_dir))
         self.ref = None
-        if self.cfg.kl_coef > 0:
+        if self.cfg.kl_coef > 0:  # frozen: eval mode, no gradients
             self.ref = ckpt.load_model(reference_dir or self.base_dir, self.device, self.cfg.dtype).eval()
-            for p in self.ref.parameters():
-                p.requires_grad_(False)
+            self.ref.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.eps,
             weight_decay=self.cfg.weight_decay,
@@ -354,7 +354,7 @@ class PolicyUpdater:
         single = cfg.mini_batches == 1 and cfg.epochs == 1
         prox = None if single else self.frozen_logprobs(self.model, rows, useful)
         ref = self.frozen_logprobs(self.ref, rows, useful) if self.ref is not None else None
-        sums: dict[str, float] = {}
+        sums: Counter[str] = Counter()
         n_steps, grad_norms = 0, []
         for _epoch in range(cfg.epochs):
             for group in _split_by_rollout(rows, cfg.mini_batches, self.gen):
@@ -366,8 +366,7 @@ class PolicyUpdater:
                 stats = self.accumulate_gradients([rows[i] for i in group], n_units=n_units,
                                                   prox=None if prox is None else [prox[i] for i in group],
                                                   ref=None if ref is None else [ref[i] for i in group])
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v
+                sums.update(stats)
                 grad_norms.append(self._clip_and_step())
                 n_steps += 1
         tokens = max(sums.pop("tokens", 0.0), 1.0)
