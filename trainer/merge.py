@@ -84,12 +84,9 @@ def merge_calls(calls: Iterable[tuple[Sequence[int], Sequence[int], Sequence[flo
 def flat(col: pa.ChunkedArray | pa.Array, value_type: pa.DataType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(values, offsets[n+1], valid[n]) of a list column; null lists have length 0 and valid False."""
     arr = col
+    # one chunk is taken as it is: combine_chunks would copy it (500 MB of prompts at 100k spans)
     if isinstance(col, pa.ChunkedArray):
-        # combine_chunks copies even a single chunk (500 MB of prompts at 100k spans): avoid it
-        if col.num_chunks == 1:
-            arr = col.chunk(0)
-        else:
-            arr = col.combine_chunks() if col.num_chunks else pa.array([], pa.list_(value_type))
+        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     arr = arr.cast(pa.list_(value_type)) if arr.type != pa.list_(value_type) else arr
     valid = ~np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool) if len(arr) else np.zeros(0, bool)
     offsets = np.asarray(arr.offsets.to_numpy(), dtype=np.int64)  # n + 1 entries, even for n = 0

@@ -326,7 +326,7 @@ def curve(series: dict[str, list], width: int = 640, height: int = 260) -> dict[
         return {"empty": True, "width": width, "height": height}
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs)
-    y0, y1 = min(min(ys), 0.0), max(max(ys), 1.0) if max(ys) <= 1.0 else max(ys)
+    y0, y1 = min(min(ys), 0.0), max(max(ys), 1.0)
     if x1 == x0:
         x0, x1 = x0 - 1, x1 + 1
     sx = lambda x: left + (x - x0) / (x1 - x0) * (width - left - right)  # noqa: E731

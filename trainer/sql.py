@@ -126,7 +126,7 @@ def render(table: pa.Table, fmt: str, *, out=None, max_rows: int = 100, output: 
         return
     rows = table.to_pylist()
     if fmt == "json":
-        out.write(json.dumps([_jsonable(r) for r in rows], indent=None) + "\n")
+        out.write(json.dumps([_jsonable(r) for r in rows]) + "\n")
     elif fmt == "csv":
         w = csv.writer(out)
         w.writerow(table.column_names)
@@ -222,9 +222,8 @@ def shell(con: duckdb.DuckDBPyConnection, traces_dir: str, fmt: str = "table", m
                 out.write(SHELL_HELP.format(views=", ".join(VIEW_NAMES)) + "\n")
             elif cmd == ".tables":
                 define_views(con, traces_dir)
-                counts = [(v,
-                           con.sql(f"SELECT count(*) FROM {quote_identifier(v)}").fetchall()[0][0]) for v in VIEW_NAMES]
-                render(pa.table({"view": [c[0] for c in counts], "rows": [c[1] for c in counts]}), fmt, out=out)
+                counts = [con.sql(f"SELECT count(*) FROM {quote_identifier(v)}").fetchall()[0][0] for v in VIEW_NAMES]
+                render(pa.table({"view": list(VIEW_NAMES), "rows": counts}), fmt, out=out)
             elif cmd == ".schema" and args:
                 _shell_exec(con, f"DESCRIBE {quote_identifier(args[0].rstrip(';'))}", fmt, max_rows, out)
             elif cmd == ".queries":
