@@ -45,9 +45,7 @@ ADV_ESTIMATOR = "lightning_precomputed"
 # ---------------------------------------------------------------------------------------------
 # samples -> padded tensors (torch + pyarrow only) -> DataProto
 # ---------------------------------------------------------------------------------------------
-def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout",
-                       max_prompt_len: int | None = None,
-                       max_response_len: int | None = None) -> tuple[dict, dict, dict]:
+def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout") -> tuple[dict, dict, dict]:
     """``samples`` table -> (tensors, non_tensors, meta) in verl's layout.
 
     Prompts are left-padded to ``P``, responses right-padded to ``R``; ``input_ids`` is their
@@ -63,9 +61,7 @@ def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout",
     B = len(rows)
     if B == 0:
         raise ValueError("no samples to convert")
-    prompts = [s.prompt[-max_prompt_len:] if max_prompt_len else s.prompt for s in rows]  # keep the end, as verl
-    resps, masks, lps = ([x[:max_response_len] if max_response_len else x for x in xs] for xs in
-                         ([s.response for s in rows], [s.mask for s in rows], [s.logprobs for s in rows]))
+    prompts, resps, masks, lps = ([getattr(s, k) for s in rows] for k in ("prompt", "response", "mask", "logprobs"))
     P = max(len(p) for p in prompts)
     R = max(max(len(r) for r in resps), 1)
     prompt_t = padded(prompts, P, torch.long, pad_id, left=True)
