@@ -98,14 +98,12 @@ def compact_table(
     table: str,
     *,
     target_bytes: int = TARGET_BYTES,
-    min_parts: int = 2,
     grace_s: float = GRACE_S,
     fsync: bool = True,
     on_step: Callable[[str], None] | None = None,
 ) -> CompactReport:
     """Compact the closed parts of ``table`` under ``root`` (see the module doc for the protocol).
 
-    ``min_parts``: a folder with fewer small parts is left alone.
     ``on_step(stage)`` is called after each durable step ('written', 'committed', 'removed'): a
     test raises or exits there to play a crash.
     """
@@ -126,7 +124,7 @@ def compact_table(
             return rep
         rep.files_before = len(finished_parts(root, table)[0])
         for folder in sorted({p.parent for p in base.glob("**/*.parquet")}):
-            _compact_folder(folder, table, rep, target_bytes, min_parts, grace_s, fsync, step)
+            _compact_folder(folder, table, rep, target_bytes, grace_s, fsync, step)
         rep.files_after = len(finished_parts(root, table)[0])
     rep.seconds = round(time.monotonic() - t0, 4)
     return rep
@@ -184,16 +182,14 @@ def _remove_replaced(folder: Path, grace_s: float, rep: CompactReport, fsync: bo
     return pending
 
 
-def _compact_folder(folder: Path, table: str, rep: CompactReport, target_bytes: int, min_parts: int,
-                    grace_s: float, fsync: bool, step) -> None:
+def _compact_folder(folder: Path, table: str, rep: CompactReport, target_bytes: int, grace_s: float, fsync: bool,
+                    step) -> None:
     for tmp in folder.glob(f"{_TMP_PREFIX}*.tmp"):  # a killed compaction's leftovers (we hold the lock)
         tmp.unlink(missing_ok=True)
     pending = _remove_replaced(folder, grace_s, rep, fsync, step)
     replaced = {folder / n for p in pending for n in replaced_parts(p)}
     small = [p for p in _visible_parts(folder) if p not in replaced and p not in pending
              and not part_error(p) and p.stat().st_size < target_bytes // 2]
-    if len(small) < max(2, min_parts):
-        return
     for batch in _batches(small, target_bytes):
         if len(batch) >= 2:
             _write_compacted(folder, table, batch, rep, fsync, step)

@@ -28,12 +28,13 @@ import click
 import yaml
 
 from ..proxy.assemble import as_chat
+from .plot import EVAL_KEY, TRAIN_KEY
 from .views import connect
 
 # metrics shown first in the step table (the rest follow, sorted)
 KEY_METRICS = ("train/reward_mean", "train/success", "eval/reward_mean", "eval/success", "update/loss",
                "update/grad_norm", "train/rollouts", "train/failed", "time/step_s")
-TRAIN_KEY, EVAL_KEY = "train/reward_mean", "eval/reward_mean"
+
 
 PICK_ROLLOUTS = """
 CREATE OR REPLACE TEMP TABLE picked AS
