@@ -144,7 +144,8 @@ def print_summary(console, summary: dict[str, Any], traces: Path, run_id: str) -
 
 
 def read_samples(path: str | os.PathLike):
-    """A samples Parquet file, or a folder of parts (a traces root with samples/ or the samples/ folder)."""
+    """A samples Parquet file, or a folder of parts (a traces root with samples/ or the samples/ folder);
+    ``step`` has checked that it exists."""
     import pyarrow.parquet as pq
 
     from lightning_harness.schemas import read_table
@@ -152,8 +153,6 @@ def read_samples(path: str | os.PathLike):
     p = Path(path)
     if p.is_file():
         return pq.read_table(p)
-    if not p.exists():
-        raise FileNotFoundError(f"no samples at {p}")
     root = p.parent if p.name == "samples" else p
     t = read_table(root, "samples")
     if t.num_rows == 0:
