@@ -488,9 +488,7 @@ class TrainingRun:
         (self.run_dir / PIDS_FILE).unlink(missing_ok=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# small pieces: state file, leftovers of a crashed run, phase placeholders, train statistics
-# ---------------------------------------------------------------------------------------------
+# -- small pieces: state file, leftovers of a crashed run, phase placeholders, train statistics ----
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")

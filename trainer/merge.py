@@ -39,9 +39,7 @@ BREAK_REASONS = ("template_change", "retokenization", "truncation", "other")
 _CHUNK = 1 << 23  # tokens compared per numpy chunk (bounds temporary memory to ~100 MB)
 
 
-# --------------------------------------------------------------------------------------------
-# the rule, written plainly
-# --------------------------------------------------------------------------------------------
+# -- the rule, written plainly ---------------------------------------------------------------------
 @dataclass
 class MergedSample:
     """One trajectory sample: the first call's prompt, then every call's context and response."""
@@ -78,9 +76,7 @@ def merge_calls(calls: Iterable[tuple[Sequence[int], Sequence[int], Sequence[flo
     return samples
 
 
-# --------------------------------------------------------------------------------------------
-# flat arrays: a list column as (values, offsets) numpy views, and segment operations
-# --------------------------------------------------------------------------------------------
+# -- flat arrays: a list column as (values, offsets) numpy views, and segment operations -----------
 def flat(col: pa.ChunkedArray | pa.Array, value_type: pa.DataType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(values, offsets[n+1], valid[n]) of a list column; null lists have length 0 and valid False."""
     arr = col
@@ -187,9 +183,7 @@ def _prompt_vs_previous_prompt(p_val: np.ndarray, p_off: np.ndarray, pl: np.ndar
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# the fast path
-# --------------------------------------------------------------------------------------------
+# -- the fast path ---------------------------------------------------------------------------------
 @dataclass
 class TokenArrays:
     """The calls' token ids as flat arrays, one row per call in rollout then ``seq`` order

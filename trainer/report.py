@@ -98,9 +98,7 @@ def _read_mapping(path: Path, load=json.loads) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-# ---------------------------------------------------------------------------------------------
-# token text
-# ---------------------------------------------------------------------------------------------
+# -- token text ------------------------------------------------------------------------------------
 class TokenText:
     """Token id -> its text, through the run's tokenizer (``tokenizer.json``); ids alone without one.
 
@@ -154,9 +152,7 @@ def _num(v: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-# ---------------------------------------------------------------------------------------------
-# conversations: every API's request/response normalised to messages
-# ---------------------------------------------------------------------------------------------
+# -- conversations: every API's request/response normalised to messages ----------------------------
 def _text(content: Any) -> str:
     """Message content as text: a string, or a list of parts (text kept, other parts named)."""
     if content is None:
@@ -267,9 +263,7 @@ def conversation(calls: list[dict], tokens: TokenText, trained_spans: dict[str, 
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# the run's data, through DuckDB
-# ---------------------------------------------------------------------------------------------
+# -- the run's data, through DuckDB ----------------------------------------------------------------
 def _rows(con, sql: str, params: dict | None = None) -> list[dict]:
     cur = con.execute(sql, params or {})
     names = [d[0] for d in cur.description]
@@ -316,9 +310,7 @@ def rollouts_with_calls(con, tokens: TokenText, *, split: str | None, step: int 
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# the reward curve as inline SVG
-# ---------------------------------------------------------------------------------------------
+# -- the reward curve as inline SVG ----------------------------------------------------------------
 def curve(series: dict[str, list], width: int = 640, height: int = 260) -> dict[str, Any]:
     """Screen coordinates of the train and held-out reward series (the template draws them)."""
     left, right, top, bottom = 48, 16, 12, 36
@@ -346,9 +338,7 @@ def curve(series: dict[str, list], width: int = 640, height: int = 260) -> dict[
             "xticks": [(round(sx(s), 1), s) for s in steps[::every]]}
 
 
-# ---------------------------------------------------------------------------------------------
-# the page
-# ---------------------------------------------------------------------------------------------
+# -- the page --------------------------------------------------------------------------------------
 def collect(run_dir: str | os.PathLike, *, tokenizer: str | None = None, split: str | None = None,
             step: int | None = None, max_rollouts: int = 1000) -> dict[str, Any]:
     """Everything the page shows, as plain data."""

@@ -114,9 +114,7 @@ class SampleOptions:
             object.__setattr__(self, "rollouts", tuple(sorted({str(r) for r in self.rollouts})))
 
 
-# --------------------------------------------------------------------------------------------
-# retokenisation
-# --------------------------------------------------------------------------------------------
+# -- retokenisation --------------------------------------------------------------------------------
 def load_tokenizer(path_or_tokenizer: Any) -> Any:
     """A tokenizer object from a local directory (never the hub), or the object itself."""
     if path_or_tokenizer is None or not isinstance(path_or_tokenizer, (str, os.PathLike)):
@@ -180,9 +178,7 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     return prompt, response, logprobs
 
 
-# --------------------------------------------------------------------------------------------
-# the builder
-# --------------------------------------------------------------------------------------------
+# -- the builder -----------------------------------------------------------------------------------
 class _PhaseClock:
     """Wall and CPU seconds per phase (the machine may be shared: CPU time is the steadier one)."""
 
@@ -228,9 +224,7 @@ def build_samples(source: str | os.PathLike | duckdb.DuckDBPyConnection, options
     return table, stats
 
 
-# --------------------------------------------------------------------------------------------
-# selection: rollouts (failure policy, group advantages), then their calls
-# --------------------------------------------------------------------------------------------
+# -- selection: rollouts (failure policy, group advantages), then their calls ----------------------
 def _select_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions) -> pa.Table:
     """The selected rollouts; steps and rollout ids are bound parameters, ``group_by`` and ``where``
     are the operator's SQL expressions."""
@@ -426,9 +420,7 @@ def _retokenize_rows(calls: pa.Table, need: np.ndarray, bodies: dict, tokenizer:
     return calls, retok
 
 
-# --------------------------------------------------------------------------------------------
-# assembly: per-call flags -> the samples table, as array operations
-# --------------------------------------------------------------------------------------------
+# -- assembly: per-call flags -> the samples table, as array operations ----------------------------
 @dataclass
 class _Layout:
     """Every sample's tokens after its prompt, concatenated: per call ``[context (mask 0)]

@@ -42,9 +42,7 @@ from .config import UpdateConfig
 from .weights import aggregate_loss, rollout_index, rollout_key
 from .weights import n_units as count_units
 
-# ---------------------------------------------------------------------------------------------
-# 1. Configuration
-# ---------------------------------------------------------------------------------------------
+# -- 1. Configuration ------------------------------------------------------------------------------
 # UpdateConfig (every knob of an update: lr, clip range, TIS cap, KL, micro-batch size, loss mode...)
 # lives in config.py beside the rest of the run's configuration, so reading a config needs no torch.
 
@@ -61,9 +59,7 @@ def scheduled_lr(cfg: UpdateConfig, step: int, total: int) -> float:
     return low + (cfg.lr - low) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
-# ---------------------------------------------------------------------------------------------
-# 2. Samples -> padded batches
-# ---------------------------------------------------------------------------------------------
+# -- 2. Samples -> padded batches ------------------------------------------------------------------
 REQUIRED_COLUMNS = ("rollout_id", "prompt_token_ids", "response_token_ids", "response_mask",
                     "response_logprobs", "advantage", "loss_weight")
 
@@ -168,9 +164,7 @@ def collate(samples: list[Sample], device: torch.device, pad_id: int = 0) -> Bat
     return Batch(**{k: v.to(device) for k, v in vars(batch).items()})
 
 
-# ---------------------------------------------------------------------------------------------
-# 3. Logprobs and the loss
-# ---------------------------------------------------------------------------------------------
+# -- 3. Logprobs and the loss ----------------------------------------------------------------------
 # Why not ``model(...).logits``: that is a [B, L, V] tensor, and log-softmax over the response
 # positions another [B, R, V] fp32 one; at a 150k vocabulary and 8-32k tokens, tens of GB. Instead the
 # model body runs to hidden states, only the response positions go through the LM head, a chunk of
@@ -266,9 +260,7 @@ def ppo_token_loss(
     return loss, diag
 
 
-# ---------------------------------------------------------------------------------------------
-# 4. The updater: model + optimizer kept in memory across steps
-# ---------------------------------------------------------------------------------------------
+# -- 4. The updater: model + optimizer kept in memory across steps ---------------------------------
 def _split_by_rollout(samples: list[Sample], parts: int, gen: torch.Generator) -> list[list[int]]:
     """Shuffle rollouts and deal them into ``parts`` groups of sample positions; a rollout's samples
     stay together."""

@@ -43,9 +43,7 @@ OUTPUT_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_
                "rollout_log_probs", "rm_scores")
 
 
-# ---------------------------------------------------------------------------------------------
-# samples -> the rows verl's trainer unions with its prompt batch (torch + pyarrow only)
-# ---------------------------------------------------------------------------------------------
+# -- samples -> the rows verl's trainer unions with its prompt batch (torch + pyarrow only) --------
 def pack_samples(table, rows: int, *, max_prompt_len: int, max_response_len: int, pad_id: int = 0,
                  weight_mode: str = "rollout") -> tuple[dict, dict, dict]:
     """``samples`` -> (tensors, non_tensors, meta) with exactly ``rows`` rows, prompts left-padded
@@ -132,9 +130,7 @@ def write_task_dataset(tasks: list[dict], path: str) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-# ---------------------------------------------------------------------------------------------
-# the rollout: launcher + proxy against verl's vLLM servers -> samples
-# ---------------------------------------------------------------------------------------------
+# -- the rollout: launcher + proxy against verl's vLLM servers -> samples --------------------------
 class LauncherRollout:
     """Default rollout function: our launcher runs ``group_size`` harness rollouts per task through
     our proxy, whose upstreams are verl's vLLM servers; the step's samples come from
@@ -233,9 +229,7 @@ class LightningAgentLoopManager:
         return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
 
 
-# ---------------------------------------------------------------------------------------------
-# config
-# ---------------------------------------------------------------------------------------------
+# -- config ----------------------------------------------------------------------------------------
 def agent_loop_overrides(*, train_files: str, harness: str, traces: str, group_size: int, slots: int = 1,
                          concurrency: int = 8) -> list[str]:
     """Overrides (on top of ``verl_backend.verl_overrides``) that route verl's rollout through us."""

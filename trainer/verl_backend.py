@@ -42,9 +42,7 @@ POLICY_LOSS = "lightning_rollout"
 ADV_ESTIMATOR = "lightning_precomputed"
 
 
-# ---------------------------------------------------------------------------------------------
-# samples -> padded tensors (torch + pyarrow only) -> DataProto
-# ---------------------------------------------------------------------------------------------
+# -- samples -> padded tensors (torch + pyarrow only) -> DataProto ---------------------------------
 def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout") -> tuple[dict, dict, dict]:
     """``samples`` table -> (tensors, non_tensors, meta) in verl's layout.
 
@@ -116,9 +114,7 @@ def samples_to_dataproto(table, **kw):
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
 
 
-# ---------------------------------------------------------------------------------------------
-# registrations inside verl
-# ---------------------------------------------------------------------------------------------
+# -- registrations inside verl ---------------------------------------------------------------------
 def lightning_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                           config=None, rollout_is_weights=None):
     """verl's vanilla clipped PPO loss with ``token-mean`` aggregation (weights are folded in A')."""
@@ -148,9 +144,7 @@ def register() -> None:
         core_algos.register_adv_est(ADV_ESTIMATOR)(lightning_precomputed_advantage)
 
 
-# ---------------------------------------------------------------------------------------------
-# config composition for a multi-GPU run
-# ---------------------------------------------------------------------------------------------
+# -- config composition for a multi-GPU run --------------------------------------------------------
 def verl_overrides(cfg, *, model_path: str, train_batch_size: int, n_gpus_per_node: int = 8, nnodes: int = 1,
                    rollout_tp: int = 1, max_prompt_length: int = 2048, max_response_length: int = 2048,
                    micro_batch_size_per_gpu: int = 4) -> list[str]:
