@@ -150,13 +150,10 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     logprobs = token_fields(resp, CHAT)["response_logprobs"]  # read as the proxy reads an answer
     if "messages" in req:
         messages = req["messages"]
-        tools = req.get("tools")
-        kw = {"tools": tools} if tools else {}
+        kw = {"tools": req["tools"]} if req.get("tools") else {}
         prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
         prompt = _encode(tokenizer, prompt_text)
-        msg = dict(choice.get("message") or {})
-        msg.setdefault("role", "assistant")
-        msg = {k: v for k, v in msg.items() if v is not None}
+        msg = {"role": "assistant", **{k: v for k, v in (choice.get("message") or {}).items() if v is not None}}
         full_text = tokenizer.apply_chat_template(messages + [msg], tokenize=False, add_generation_prompt=False, **kw)
         if full_text.startswith(prompt_text):
             response = _encode(tokenizer, full_text[len(prompt_text):])
