@@ -304,9 +304,8 @@ def main(traces_dir, query, name, list_, fmt, output, max_rows, show_sql) -> Non
         result = _run_skipping(con, query, traces_dir)
     except duckdb.Error as exc:
         raise click.ClickException(f"query failed: {exc}") from exc
-    if result is None:
-        return
-    render(result, fmt, max_rows=max_rows, output=output)
+    if result is not None:
+        render(result, fmt, max_rows=max_rows, output=output)
 
 
 if __name__ == "__main__":
