@@ -97,9 +97,7 @@ def aggregate_loss(token_loss, mask, token_weight, n_units, mode: str = "rollout
       number for every micro-batch of the mini-batch.
     * ``mode``: ``rollout`` | ``token-mean`` | ``seq-mean``.
 
-    Summing the results over any split of a mini-batch gives the same value as one call on the
-    whole mini-batch.
-    """
+    Exact under any micro-batching (module doc)."""
     import torch
 
     _check_mode(mode)
