@@ -106,16 +106,14 @@ def pack_samples(table, rows: int, *, max_prompt_len: int, max_response_len: int
 def tasks_of(non_tensor_batch: dict) -> list[dict]:
     """Distinct tasks of verl's prompt rows (each repeated ``rollout.n`` times, interleaved), from
     ``extra_info[TASK_KEY]`` (JSON), in order."""
-    seen, out = set(), []
+    by_id: dict[Any, dict] = {}  # the first row of each task id, in row order
     for i, info in enumerate(non_tensor_batch.get("extra_info", [])):
         raw = (info or {}).get(TASK_KEY)
         if raw is None:
             raise ValueError(f"row {i}: extra_info.{TASK_KEY} missing; write the dataset with write_task_dataset()")
         task = json.loads(raw)
-        if task["id"] not in seen:
-            seen.add(task["id"])
-            out.append(task)
-    return out
+        by_id.setdefault(task["id"], task)
+    return list(by_id.values())
 
 
 def write_task_dataset(tasks: list[dict], path: str) -> None:
