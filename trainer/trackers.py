@@ -73,7 +73,7 @@ def numeric(values: Mapping[str, Any]) -> dict[str, float]:
 class TensorBoardTracker:
     """Scalars into TensorBoard event files (one tag per metric name)."""
 
-    def __init__(self, log_dir: Path, config: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, log_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
@@ -185,7 +185,7 @@ def open_trackers(names: list[str], root: str | os.PathLike, run_id: str, *, pro
     out: dict[str, Any] = {}
     for name in tracker_names(names):
         if name == "tensorboard":
-            out[name] = TensorBoardTracker(root / "tensorboard" / run_id, config)
+            out[name] = TensorBoardTracker(root / "tensorboard" / run_id)
         elif name == "wandb":
             out[name] = WandbTracker(root, run_id, project, wandb_mode, config)
         elif name == "mlflow":
