@@ -8,7 +8,7 @@ doc string per field; every Parquet file carries ``lightning.schema_version`` an
 
 from .checked import finished_parts
 from .compact import CompactReport, compact_store, compact_table
-from .parts import BufferFull, PartWriter, read_table, table_glob
+from .parts import BufferFull, PartWriter, read_table
 from .tables import (
     METRICS,
     REWARDS,
@@ -36,5 +36,4 @@ __all__ = [
     "describe",
     "finished_parts",
     "read_table",
-    "table_glob",
 ]

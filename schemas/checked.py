@@ -39,10 +39,7 @@ _MAX_CACHE = 1_000_000
 
 def part_files(root: str | os.PathLike, table: str) -> list[Path]:
     """Every finished part of ``table`` (``*.parquet``, hidden temporary files excluded), sorted."""
-    base = Path(root) / table
-    if not base.is_dir():
-        return []
-    return sorted(p for p in base.glob("**/*.parquet") if not p.name.startswith("."))
+    return sorted(p for p in (Path(root) / table).glob("**/*.parquet") if not p.name.startswith("."))
 
 
 def _footer(path: str | os.PathLike) -> tuple[str | None, tuple[str, ...]]:

@@ -28,13 +28,14 @@ compacted part plus inputs that every reader already ignores (removed later): no
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -42,7 +43,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .checked import COMPACTED_FROM, finished_parts, part_error, replaced_parts
-from .tables import SCHEMA_VERSION, TABLES
+from .parts import write_part
+from .tables import TABLES
 
 log = logging.getLogger("lightning.schemas")
 
@@ -84,7 +86,7 @@ def compact_store(root: str | os.PathLike, tables: Iterable[str] | None = None, 
 
 def _finish_table(root: str | os.PathLike, table: str, grace_s: float, rep: CompactReport, fsync: bool) -> None:
     base = Path(root) / table
-    with _Lock(base / LOCK_NAME) as locked:
+    with _locked(base / LOCK_NAME) as locked:
         if locked:
             for folder in sorted({p.parent for p in base.glob("**/*.parquet")}):
                 _remove_replaced(folder, grace_s, rep, fsync, lambda stage: None)
@@ -96,14 +98,12 @@ def compact_table(
     table: str,
     *,
     target_bytes: int = TARGET_BYTES,
-    min_parts: int = 2,
     grace_s: float = GRACE_S,
     fsync: bool = True,
     on_step: Callable[[str], None] | None = None,
 ) -> CompactReport:
     """Compact the closed parts of ``table`` under ``root`` (see the module doc for the protocol).
 
-    ``min_parts``: a folder with fewer small parts is left alone.
     ``on_step(stage)`` is called after each durable step ('written', 'committed', 'removed'): a
     test raises or exits there to play a crash.
     """
@@ -118,37 +118,31 @@ def compact_table(
         rep.skipped = "no such table folder"
         return rep
     step = on_step or (lambda stage: None)
-    with _Lock(base / LOCK_NAME) as locked:
+    with _locked(base / LOCK_NAME) as locked:
         if not locked:
             rep.skipped = "another compaction holds the lock"
             return rep
         rep.files_before = len(finished_parts(root, table)[0])
         for folder in sorted({p.parent for p in base.glob("**/*.parquet")}):
-            _compact_folder(folder, table, rep, target_bytes, min_parts, grace_s, fsync, step)
+            _compact_folder(folder, table, rep, target_bytes, grace_s, fsync, step)
         rep.files_after = len(finished_parts(root, table)[0])
     rep.seconds = round(time.monotonic() - t0, 4)
     return rep
 
 
-class _Lock:
-    """A non-blocking exclusive ``flock``: ``with _Lock(path) as locked`` (False when busy)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.fd = path, -1
-
-    def __enter__(self) -> bool:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            self.fd = -1
-            return False
-        return True
-
-    def __exit__(self, *exc: object) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)  # closing releases the lock
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[bool]:
+    """A non-blocking exclusive ``flock``: ``with _locked(path) as locked`` (False when busy)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        locked = True
+    except BlockingIOError:
+        locked = False
+    try:
+        yield locked
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _visible_parts(folder: Path) -> list[Path]:
@@ -188,16 +182,14 @@ def _remove_replaced(folder: Path, grace_s: float, rep: CompactReport, fsync: bo
     return pending
 
 
-def _compact_folder(folder: Path, table: str, rep: CompactReport, target_bytes: int, min_parts: int,
-                    grace_s: float, fsync: bool, step) -> None:
+def _compact_folder(folder: Path, table: str, rep: CompactReport, target_bytes: int, grace_s: float, fsync: bool,
+                    step) -> None:
     for tmp in folder.glob(f"{_TMP_PREFIX}*.tmp"):  # a killed compaction's leftovers (we hold the lock)
         tmp.unlink(missing_ok=True)
     pending = _remove_replaced(folder, grace_s, rep, fsync, step)
     replaced = {folder / n for p in pending for n in replaced_parts(p)}
     small = [p for p in _visible_parts(folder) if p not in replaced and p not in pending
              and not part_error(p) and p.stat().st_size < target_bytes // 2]
-    if len(small) < max(2, min_parts):
-        return
     for batch in _batches(small, target_bytes):
         if len(batch) >= 2:
             _write_compacted(folder, table, batch, rep, fsync, step)
@@ -239,30 +231,21 @@ def _write_compacted(folder: Path, table: str, batch: list[Path], rep: CompactRe
     if data is None:
         return
     expected = sum(pq.read_metadata(p).num_rows for p in batch)
-    meta = dict(data.schema.metadata or {})
-    meta[b"lightning.schema_version"] = str(SCHEMA_VERSION).encode()
-    meta[COMPACTED_FROM] = json.dumps([p.name for p in batch]).encode()
-    data = data.replace_schema_metadata(meta)
     in_bytes = sum(p.stat().st_size for p in batch)
     rows_per_group = max(256, int(data.num_rows * ROW_GROUP_BYTES / max(in_bytes, 1)))
     # the first input's name (without an earlier compaction's suffix) keeps the folder in time
     # order; the suffix makes it unique
     name = f"{batch[0].stem.split('-c', 1)[0]}-c{int(time.time() * 1000)}-{os.getpid()}.parquet"
-    tmp = folder / f"{_TMP_PREFIX}{name}.tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            pq.write_table(data, fh, compression="zstd", row_group_size=rows_per_group)
-            fh.flush()
-            if fsync:
-                os.fsync(fh.fileno())
+
+    def check(tmp: Path) -> None:
         written = pq.read_metadata(tmp).num_rows
         if written != expected:
             raise RuntimeError(f"compacted part holds {written} rows, its inputs {expected}")
         step("written")
-        os.replace(tmp, folder / name)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    meta = {**(data.schema.metadata or {}), COMPACTED_FROM: json.dumps([p.name for p in batch]).encode()}
+    write_part(data, folder / name, meta, fsync=fsync, tmp=folder / f"{_TMP_PREFIX}{name}.tmp", check=check,
+               row_group_size=rows_per_group)
     _fsync_dir(folder, fsync)
     rep.parts_written += 1
     rep.parts_replaced += len(batch)

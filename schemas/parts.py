@@ -8,6 +8,7 @@ and a process killed mid-write leaves at most a ``.*.tmp`` file that no ``*.parq
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import itertools
 import logging
@@ -28,11 +29,6 @@ from .tables import SCHEMA_VERSION, TABLES
 log = logging.getLogger("lightning.schemas")
 
 _counter = itertools.count()
-
-
-def table_glob(root: str | os.PathLike, table: str) -> str:
-    """The glob a reader uses for one table under a traces root."""
-    return str(Path(root) / table / "**" / "*.parquet")
 
 
 def _row_bytes(row: dict[str, Any]) -> int:
@@ -265,10 +261,8 @@ class PartWriter:
         """A flush that respects the retry backoff and never raises (the error is in health())."""
         if time.monotonic() < self._retry_at:
             return
-        try:
+        with contextlib.suppress(Exception):  # recorded and logged by _failed
             self.flush()
-        except Exception:
-            pass  # recorded and logged by _failed
 
     def _ticker(self) -> None:
         # A row is flushed at the last check before it turns flush_seconds old, never after: what a
@@ -302,27 +296,33 @@ class PartWriter:
         folder = self.root / self.table / f"day={day}"
         folder.mkdir(parents=True, exist_ok=True)
         name = f"part-{int(time.time() * 1000)}-{os.getpid()}-{next(_counter):06d}.parquet"
-        tmp = folder / f".{name}.tmp"
-        table = table.replace_schema_metadata(
-            {**(self.schema.metadata or {}), b"lightning.schema_version": str(SCHEMA_VERSION).encode()}
-        )
-        try:
-            with open(tmp, "wb") as fh:
-                pq.write_table(table, fh, compression="zstd")
-                fh.flush()
-                if self.fsync:
-                    os.fsync(fh.fileno())
-            final = folder / name
-            os.replace(tmp, final)
-        except BaseException:
-            try:
-                tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind (disk full: frees the space)
-            except OSError:
-                pass
-            raise
+        final = write_part(table, folder / name, self.schema.metadata or {}, fsync=self.fsync)
         self.rows_written += table.num_rows
         self.parts_written += 1
         return final
+
+
+def write_part(table: pa.Table, final: Path, metadata: dict, *, fsync: bool, tmp: Path | None = None,
+               check: Callable[[Path], None] | None = None, **options: Any) -> Path:
+    """Write ``table`` (``metadata`` + the schema version in its footer) under a hidden temporary name
+    (``tmp``), fsync it, ``check(tmp)`` it, rename it to ``final``: a reader never sees half a file,
+    and a failed write leaves nothing behind (disk full: frees the space). ``options``: pq.write_table's."""
+    tmp = tmp or final.with_name(f".{final.name}.tmp")
+    table = table.replace_schema_metadata({**metadata, b"lightning.schema_version": str(SCHEMA_VERSION).encode()})
+    try:
+        with open(tmp, "wb") as fh:
+            pq.write_table(table, fh, compression="zstd", **options)
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        if check is not None:
+            check(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    return final
 
 
 def read_table(root: str | os.PathLike, table: str) -> pa.Table:

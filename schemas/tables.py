@@ -19,14 +19,8 @@ def _f(name: str, type_: pa.DataType, doc: str, nullable: bool = True) -> pa.Fie
 
 
 def _schema(table: str, doc: str, fields: list[pa.Field]) -> pa.Schema:
-    return pa.schema(
-        fields,
-        metadata={
-            "lightning.table": table,
-            "lightning.schema_version": str(SCHEMA_VERSION),
-            "doc": doc,
-        },
-    )
+    meta = {"lightning.table": table, "lightning.schema_version": str(SCHEMA_VERSION), "doc": doc}
+    return pa.schema(fields, metadata=meta)
 
 
 SPANS = _schema(

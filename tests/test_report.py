@@ -186,6 +186,23 @@ def test_tool_calls_of_chat_and_responses_requests_become_messages():
     assert response_message(TOOL_RESPONSE)["content"] == "ANSWER: 42"
 
 
+def test_messages_requests_show_their_system_prompt_tool_uses_and_results():
+    """An Anthropic Messages call reads like the chat request the proxy sent upstream (proxy.assemble.as_chat);
+    a body too malformed to convert shows what it can instead of failing the page."""
+    from lightning_harness.trainer.report import request_messages
+
+    msgs = request_messages("messages", {"model": "m", "max_tokens": 9, "system": "Use the calculator.", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is 6 times 7?"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "tu_1", "name": "calculator",
+                                           "input": {"expr": "6*7"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_1", "content": "42"}]}]})
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool"]
+    assert msgs[0]["content"] == "Use the calculator." and msgs[1]["content"] == "What is 6 times 7?"
+    assert msgs[2]["tool_calls"][0]["name"] == "calculator" and msgs[3]["tool_call_id"] == "tu_1"
+    assert msgs[3]["content"] == "42"
+    assert request_messages("responses", {"input": [1, "x"]}) == []
+
+
 @needs_chromium
 def test_a_tool_using_rollout_shows_its_tool_calls(tmp_path):
     """A proxy-only traces directory (no launcher rows) with an OpenAI tool-calling conversation."""

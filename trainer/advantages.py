@@ -41,9 +41,6 @@ class AdvantageReport:
     equal_reward_group_ids: list = field(default_factory=list)  # first 20, for display
     rollouts_in_equal_groups: int = 0
 
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
 
 def group_advantages(
     rewards: np.ndarray,
@@ -85,16 +82,11 @@ def group_advantages(
     np.minimum.at(gmin, inv, r)
     equal = (~single) & (gmax == gmin)
 
-    if method == "grpo":
-        mean_eff = np.where(single, 0.0, mean)
-        std_eff = np.where(single, 1.0, std)
-        adv = r - mean_eff[inv]
-        if norm_by_std:
-            adv = adv / (std_eff[inv] + epsilon)
-    else:  # rloo
-        scale = np.where(single, 1.0, n / np.maximum(n - 1, 1))
-        mean_eff = np.where(single, 0.0, mean)
-        adv = (r - mean_eff[inv]) * scale[inv]
+    adv = r - np.where(single, 0.0, mean)[inv]
+    if method == "grpo" and norm_by_std:
+        adv = adv / (np.where(single, 1.0, std)[inv] + epsilon)
+    elif method == "rloo":
+        adv = adv * np.where(single, 1.0, n / np.maximum(n - 1, 1))[inv]
     # Equal rewards: the exact answer is 0; float noise in the mean must not become a tiny signal.
     adv[equal[inv]] = 0.0
 

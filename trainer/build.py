@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ..schemas import PartWriter
+from .advantages import ESTIMATORS, FAILED_POLICIES
+from .samples import MODES, build_samples
+from .views import past_damaged_parts
+from .weights import MODES as WEIGHT_MODES
 
 
 def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
@@ -65,20 +70,20 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
 @click.argument("traces_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Directory to write the samples table under (default: TRACES_DIR, i.e. TRACES_DIR/samples/).")
-@click.option("--mode", type=click.Choice(["trajectory", "transition"]), default="trajectory", show_default=True,
+@click.option("--mode", type=click.Choice(MODES), default="trajectory", show_default=True,
               help="trajectory: merge calls whose prompt continues the history; transition: one sample per call.")
 @click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
               help="Local HF tokenizer directory: rebuilds token ids of calls that have none, and measures drift.")
 @click.option("--group-by", default="group_id", show_default=True,
               help="SQL expression over the `rollouts` view giving the advantage group (e.g. task_id).")
-@click.option("--advantage", type=click.Choice(["grpo", "rloo"]), default="grpo", show_default=True)
+@click.option("--advantage", type=click.Choice(ESTIMATORS), default="grpo", show_default=True)
 @click.option("--no-std", is_flag=True, help="GRPO without dividing by the group std (Dr. GRPO).")
-@click.option("--failed-policy", type=click.Choice(["drop", "keep", "penalize"]), default="drop", show_default=True,
+@click.option("--failed-policy", type=click.Choice(FAILED_POLICIES), default="drop", show_default=True,
               help="Failed / timed-out / reward-less rollouts: drop them, keep failed ones with a reward, or give them "
                    "--failed-reward.")
 @click.option("--failed-reward", type=float, default=None,
               help="Reward given by --failed-policy penalize (required there).")
-@click.option("--weight-mode", type=click.Choice(["rollout", "token-mean", "seq-mean"]), default="rollout",
+@click.option("--weight-mode", type=click.Choice(WEIGHT_MODES), default="rollout",
               show_default=True,
               help="rollout: each rollout weighs the same however many samples/tokens it produced.")
 @click.option("--max-prompt-len", type=int, default=None, help="Drop samples whose prompt is longer (reported).")
@@ -101,11 +106,6 @@ def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std,
       lightning-train build runs/exp1/traces --tokenizer models/tiny --max-response-len 2048
       lightning-sql runs/exp1/traces -q merge_breaks
     """
-    import json
-
-    from .samples import build_samples
-    from .views import past_damaged_parts
-
     console = Console(stderr=as_json)
     out_root = Path(out) if out else Path(traces_dir)
     old_parts = sorted((out_root / "samples").glob("**/*.parquet")) if (out_root / "samples").exists() else []

@@ -144,7 +144,8 @@ def print_summary(console, summary: dict[str, Any], traces: Path, run_id: str) -
 
 
 def read_samples(path: str | os.PathLike):
-    """A samples Parquet file, or a folder of parts (a traces root with samples/ or the samples/ folder)."""
+    """A samples Parquet file, or a folder of parts (a traces root with samples/ or the samples/ folder);
+    ``step`` has checked that it exists."""
     import pyarrow.parquet as pq
 
     from lightning_harness.schemas import read_table
@@ -152,8 +153,6 @@ def read_samples(path: str | os.PathLike):
     p = Path(path)
     if p.is_file():
         return pq.read_table(p)
-    if not p.exists():
-        raise FileNotFoundError(f"no samples at {p}")
     root = p.parent if p.name == "samples" else p
     t = read_table(root, "samples")
     if t.num_rows == 0:
@@ -183,11 +182,14 @@ def step_command(samples, model_dir, out_dir, overrides, step_filter, no_optimiz
     from rich.console import Console
 
     from .checkpoint import read_version
-    from .config import UpdateConfig, parse_overrides
+    from .config import ConfigError, UpdateConfig, parse_overrides
     from .update import PolicyUpdater
 
     console = Console(stderr=True)
-    cfg = UpdateConfig.from_dict(parse_overrides(overrides))
+    try:
+        cfg = UpdateConfig.from_dict(parse_overrides(overrides))
+    except ConfigError as exc:  # a usage error, as `run` reports it: no traceback
+        raise click.UsageError(str(exc)) from None
     table = read_samples(samples)
     if step_filter is not None:
         import pyarrow.compute as pc

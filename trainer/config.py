@@ -13,13 +13,14 @@ dataclasses (``dataclasses.asdict`` and ``field`` work as before), so the rest o
 ``cfg.update.lr`` unchanged. OmegaConf structured configs were the other choice: their dotlist merge
 is built in, but they have no ``Literal`` (choices become Enum members, not the strings the trainer
 compares), are not in the training environment, and hand back DictConfig objects without our methods;
-the merge they would save is ``parse_overrides`` + ``merge`` below. What stays ours: the ``--set``
+the merge they would save is ``parse_overrides`` below. What stays ours: the ``--set``
 syntax, the closest-key hint, the keys a run cannot do without, the rules between sections, and how
 paths resolve.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -293,7 +294,7 @@ def explain(exc: ValidationError, cls: type) -> list[str]:
         key = ".".join(str(part) for part in err["loc"])
         if err["type"] == "unexpected_keyword_argument":
             known = _known_keys(cls, err["loc"][:-1])
-            lines.append(f"unknown key '{key}'{_suggest(str(err['loc'][-1]), known)}; known: {known}")
+            lines.append(f"unknown key '{key}'{suggest(str(err['loc'][-1]), known)}; known: {known}")
         elif err["type"] == "dataclass_type":
             lines.append(f"{key}: expected a mapping of {_known_keys(cls, err['loc'])}, got {err['input']!r}")
         else:
@@ -309,7 +310,7 @@ def _known_keys(cls: type, loc: tuple) -> list[str]:
     return sorted(f.name for f in dataclasses.fields(node))
 
 
-def _suggest(key: str, known: list[str]) -> str:
+def suggest(key: str, known: list[str]) -> str:
     """The closest known key: a near spelling ('lr_shedule'), else the key a typo extends by a word
     ('lr_rate' -> 'lr'), else a looser spelling, else a shared prefix."""
     extended = sorted((k for k in known if key.startswith(k + "_")), key=len, reverse=True)
@@ -320,9 +321,10 @@ def _suggest(key: str, known: list[str]) -> str:
 
 
 # -- overrides ----------------------------------------------------------------------------------
-def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
-    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML)."""
-    out: dict[str, Any] = {}
+def parse_overrides(items: Iterable[str], base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` (values parsed as YAML) set on a copy of ``base``: ``{"a": {"b": 1}, "c": "x"}``;
+    sections merge, values replace."""
+    out = copy.deepcopy(base or {})
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected KEY=VALUE (dotted keys for sections, e.g. update.lr=1e-5)")
@@ -335,23 +337,14 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
         except yaml.YAMLError as exc:
             raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
         node = out
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
+        *sections, name = key.split(".")
+        for p in sections:
+            if node.get(p) is None:  # a new section, or one left empty in the file ('eval:')
+                node[p] = {}
+            node = node[p]
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {p!r} is not a section")
-        node[parts[-1]] = value
-    return out
-
-
-def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """Deep-merge ``extra`` into a copy of ``base`` (sections merge, values replace)."""
-    out = dict(base)
-    for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = merge(out[k], v)
-        else:
-            out[k] = v
+        node[name] = value
     return out
 
 
@@ -372,7 +365,7 @@ def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = (), *
             raise ConfigError(f"{p}: expected a mapping of keys, got {type(data).__name__}")
         if base_dir is None:
             base_dir = p.resolve().parent
-    data = merge(data, parse_overrides(overrides))
+    data = parse_overrides(overrides, data)
     data.pop("base_dir", None)
     cfg = RunConfig.from_dict(data)
     cfg.base_dir = str(base_dir) if base_dir is not None else None

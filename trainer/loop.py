@@ -13,6 +13,8 @@ rollout that had already finished. The command line and what it prints live in c
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -20,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_harness.process import stop_group
+from lightning_harness.process import log_tail, stop_group
 
 from .config import ConfigError, RunConfig, save_config
 from .scheduler import Schedule, Scheduler, staleness_filter
@@ -138,11 +140,8 @@ class TrainingRun:
         if not rollouts or any(r.ok for r in rollouts):
             return
         r = rollouts[0]
-        tail = ""
-        if r.log_path and Path(r.log_path).exists():
-            tail = "\n".join(Path(r.log_path).read_text(errors="replace").splitlines()[-15:])
         msg = (f"all {len(rollouts)} rollouts of this step failed; first: state={r.state} error={r.error!r}\n"
-               f"log {r.log_path}:\n{tail}")
+               f"log {r.log_path}:\n{log_tail(r.log_path, 15)}")
         if first:
             raise RuntimeError(msg + "\n(check harness.command, harness.cwd and the reward setup)")
         self.progress.print(f"[yellow]warning: {msg}[/]")
@@ -265,14 +264,10 @@ class TrainingRun:
             return {}
         cfg, e = self.cfg, self.cfg.eval
         self.progress.update(phase=f"eval v{version}")
-        command = fill(e.command or cfg.harness.command, self._phase_values(e.temperature))
+        command, settings = self._harness_phase(e.command or cfg.harness.command, e.temperature, step=version,
+                                                run_id=f"{cfg.run_id}-eval", samples=e.group_size, split="eval")
         t0 = time.monotonic()
-        results = run_batch(self.eval_tasks, command, traces_dir=self.traces, run_id=f"{cfg.run_id}-eval",
-                            proxy=self.proxy, samples=e.group_size, concurrency=cfg.harness.concurrency,
-                            timeout=cfg.harness.timeout_s, retries=cfg.harness.retries,
-                            reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward,
-                            run_as=cfg.harness.run_as, step=version, split="eval",
-                            cwd=self._cwd(), extra_env=self._harness_env())
+        results = run_batch(self.eval_tasks, command, settings)
         rewards = [r.reward if r.reward is not None else 0.0 for r in results]
         out = {
             "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
@@ -329,12 +324,11 @@ class TrainingRun:
         from lightning_harness.launcher.tasks import load_tasks
 
         cfg = self.cfg
-        self.train_tasks = load_tasks(cfg.path(cfg.tasks.train), id_field=cfg.tasks.id_field,
-                                      private_fields=cfg.tasks.private_fields)
+        load = functools.partial(load_tasks, id_field=cfg.tasks.id_field, private_fields=cfg.tasks.private_fields)
+        self.train_tasks = load(cfg.path(cfg.tasks.train))
         self.eval_tasks = []
         if cfg.tasks.eval:
-            self.eval_tasks = load_tasks(cfg.path(cfg.tasks.eval), id_field=cfg.tasks.id_field,
-                                         limit=cfg.eval.max_tasks, private_fields=cfg.tasks.private_fields)
+            self.eval_tasks = load(cfg.path(cfg.tasks.eval), limit=cfg.eval.max_tasks)
             overlap = {t.id for t in self.train_tasks} & {t.id for t in self.eval_tasks}
             if overlap:
                 raise ConfigError(f"train and eval tasks overlap on ids {sorted(overlap)[:5]}")
@@ -387,18 +381,25 @@ class TrainingRun:
         from lightning_harness.launcher.batch import BatchRunner
 
         cfg = self.cfg
-        command = fill(cfg.harness.command, self._phase_values(cfg.rollout.temperature))
-        self.runner = BatchRunner(
-            command, traces_dir=self.traces, proxy=self.proxy, run_id=cfg.run_id,
-            samples=cfg.rollout.group_size, concurrency=cfg.harness.concurrency, timeout=cfg.harness.timeout_s,
-            retries=cfg.harness.retries, reward_cmd=self._reward_cmd(), self_reward=cfg.harness.self_reward,
-            run_as=cfg.harness.run_as, split="train",
-            cwd=self._cwd(), extra_env=self._harness_env(), flush_seconds=0.5,
-        )
+        command, settings = self._harness_phase(cfg.harness.command, cfg.rollout.temperature, run_id=cfg.run_id,
+                                                samples=cfg.rollout.group_size, split="train", flush_seconds=0.5)
+        self.runner = BatchRunner(command, settings)
 
-    def _phase_values(self, temperature: float) -> dict[str, Any]:
-        return {"temperature": temperature, "max_tokens": self.cfg.rollout.max_tokens or "",
-                "python": sys.executable}
+    def _harness_phase(self, command: Any, temperature: float, **fields: Any) -> tuple[Any, Any]:
+        """A phase's harness command (phase placeholders filled) and its launcher BatchSettings: what
+        training and evaluation share comes from ``harness``; ``fields`` are what they set apart."""
+        from lightning_harness.launcher.batch import BatchSettings
+
+        c, h = self.cfg, self.cfg.harness
+        env = {str(k): str(v) for k, v in (h.env or {}).items()}
+        if h.model_name:
+            env.setdefault("OPENAI_MODEL", h.model_name)
+        settings = BatchSettings(
+            traces_dir=self.traces, proxy=self.proxy, concurrency=h.concurrency, timeout=h.timeout_s,
+            retries=h.retries, reward_cmd=self._reward_cmd(), self_reward=h.self_reward, run_as=h.run_as,
+            cwd=str(c.path(h.cwd) if h.cwd else (c.base_dir or os.getcwd())), extra_env=env, **fields)
+        values = {"temperature": temperature, "max_tokens": c.rollout.max_tokens or "", "python": sys.executable}
+        return fill(command, values), settings
 
     def _reward_cmd(self) -> str | None:
         rc = self.cfg.harness.reward_cmd
@@ -409,16 +410,6 @@ class TrainingRun:
 
             rc = " ".join(shlex.quote(str(a)) if not str(a).startswith("{") else str(a) for a in rc)
         return fill(rc, {"python": sys.executable})
-
-    def _cwd(self) -> str:
-        c = self.cfg
-        return str(c.path(c.harness.cwd) if c.harness.cwd else (c.base_dir or os.getcwd()))
-
-    def _harness_env(self) -> dict[str, str]:
-        env = {str(k): str(v) for k, v in (self.cfg.harness.env or {}).items()}
-        if self.cfg.harness.model_name:
-            env.setdefault("OPENAI_MODEL", self.cfg.harness.model_name)
-        return env
 
     def load_updater(self) -> None:
         from .update import PolicyUpdater
@@ -490,18 +481,14 @@ class TrainingRun:
         self._compact_at_exit()
         if self.engine is not None:
             if self.cfg.engine.url:  # attached: leave it serving, not paused
-                try:
+                with contextlib.suppress(Exception):
                     if self.engine.is_paused():
                         self.engine.resume()
-                except Exception:
-                    pass
             self.engine.stop()  # a no-op for attached engines
         (self.run_dir / PIDS_FILE).unlink(missing_ok=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# small pieces: state file, leftovers of a crashed run, phase placeholders, train statistics
-# ---------------------------------------------------------------------------------------------
+# -- small pieces: state file, leftovers of a crashed run, phase placeholders, train statistics ----
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")

@@ -39,9 +39,7 @@ BREAK_REASONS = ("template_change", "retokenization", "truncation", "other")
 _CHUNK = 1 << 23  # tokens compared per numpy chunk (bounds temporary memory to ~100 MB)
 
 
-# --------------------------------------------------------------------------------------------
-# the rule, written plainly
-# --------------------------------------------------------------------------------------------
+# -- the rule, written plainly ---------------------------------------------------------------------
 @dataclass
 class MergedSample:
     """One trajectory sample: the first call's prompt, then every call's context and response."""
@@ -78,18 +76,13 @@ def merge_calls(calls: Iterable[tuple[Sequence[int], Sequence[int], Sequence[flo
     return samples
 
 
-# --------------------------------------------------------------------------------------------
-# flat arrays: a list column as (values, offsets) numpy views, and segment operations
-# --------------------------------------------------------------------------------------------
+# -- flat arrays: a list column as (values, offsets) numpy views, and segment operations -----------
 def flat(col: pa.ChunkedArray | pa.Array, value_type: pa.DataType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(values, offsets[n+1], valid[n]) of a list column; null lists have length 0 and valid False."""
     arr = col
+    # one chunk is taken as it is: combine_chunks would copy it (500 MB of prompts at 100k spans)
     if isinstance(col, pa.ChunkedArray):
-        # combine_chunks copies even a single chunk (500 MB of prompts at 100k spans): avoid it
-        if col.num_chunks == 1:
-            arr = col.chunk(0)
-        else:
-            arr = col.combine_chunks() if col.num_chunks else pa.array([], pa.list_(value_type))
+        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     arr = arr.cast(pa.list_(value_type)) if arr.type != pa.list_(value_type) else arr
     valid = ~np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool) if len(arr) else np.zeros(0, bool)
     offsets = np.asarray(arr.offsets.to_numpy(), dtype=np.int64)  # n + 1 entries, even for n = 0
@@ -190,9 +183,7 @@ def _prompt_vs_previous_prompt(p_val: np.ndarray, p_off: np.ndarray, pl: np.ndar
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# the fast path
-# --------------------------------------------------------------------------------------------
+# -- the fast path ---------------------------------------------------------------------------------
 @dataclass
 class TokenArrays:
     """The calls' token ids as flat arrays, one row per call in rollout then ``seq`` order
@@ -211,7 +202,7 @@ class TokenArrays:
     def of(cls, calls: pa.Table) -> TokenArrays:
         p_val, p_off, _ = flat(calls["prompt_token_ids"], pa.int32())
         r_val, r_off, _ = flat(calls["response_token_ids"], pa.int32())
-        ridx = calls["ridx"].to_numpy().astype(np.int64) if calls.num_rows else np.zeros(0, np.int64)
+        ridx = calls["ridx"].to_numpy().astype(np.int64)
         first = np.ones(calls.num_rows, dtype=bool)
         first[1:] = ridx[1:] != ridx[:-1]
         return cls(p_val, p_off, r_val, r_off, np.diff(p_off), np.diff(r_off), ridx, first)

@@ -62,9 +62,6 @@ class MetricsLog:
         self._each_tracker("close")
         self.trackers.clear()
 
-    def history(self) -> dict[str, dict[int, float]]:
-        return read_metrics(self.root, self.run_id)
-
 
 def read_metrics(traces_root: str | os.PathLike, run_id: str | None = None) -> dict[str, dict[int, float]]:
     """``{name: {step: value}}``, the latest value per (step, name) of ``run_id`` (or every run)."""
@@ -111,9 +108,7 @@ class ProgressLine:
         f = self.fields
         el = time.monotonic() - self.t0
         parts = [f"step {f.get('step', 0)}/{self.total}", f"[{f.get('phase', '')}]"]
-        for key in ("version", "reward", "eval", "in_flight", "done"):
-            if key in f:
-                parts.append(f"{key} {_fmt(f[key])}")
+        parts += [f"{key} {_fmt(f[key])}" for key in ("version", "reward", "eval", "in_flight", "done") if key in f]
         parts.append(f"{int(el // 60)}m{int(el % 60):02d}s")
         return Text("  ".join(parts), style="bold cyan")
 

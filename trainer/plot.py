@@ -15,8 +15,7 @@ TRAIN_KEY = "train/reward_mean"
 EVAL_KEY = "eval/reward_mean"
 
 
-def plot_rewards(traces_root: str | os.PathLike, out_png: str | os.PathLike, run_id: str | None = None,
-                 title: str | None = None) -> Path:
+def plot_rewards(traces_root: str | os.PathLike, out_png: str | os.PathLike, run_id: str | None = None) -> Path:
     """Write the reward-curve PNG and return its path (an empty plot if nothing was logged yet)."""
     import matplotlib
 
@@ -33,7 +32,7 @@ def plot_rewards(traces_root: str | os.PathLike, out_png: str | os.PathLike, run
             ax.plot(steps, [series[s] for s in steps], style, label=label, markersize=4)
     ax.set_xlabel("training step (policy version at eval)")
     ax.set_ylabel("mean reward")
-    ax.set_title(title or f"reward curve{f' - {run_id}' if run_id else ''}")
+    ax.set_title(f"reward curve{f' - {run_id}' if run_id else ''}")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best")

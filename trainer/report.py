@@ -24,14 +24,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+import click
 import yaml
 
+from ..proxy.assemble import as_chat
+from .plot import EVAL_KEY, TRAIN_KEY
 from .views import connect
 
 # metrics shown first in the step table (the rest follow, sorted)
 KEY_METRICS = ("train/reward_mean", "train/success", "eval/reward_mean", "eval/success", "update/loss",
                "update/grad_norm", "train/rollouts", "train/failed", "time/step_s")
-TRAIN_KEY, EVAL_KEY = "train/reward_mean", "eval/reward_mean"
+
 
 PICK_ROLLOUTS = """
 CREATE OR REPLACE TEMP TABLE picked AS
@@ -86,25 +89,16 @@ def traces_of(run_dir: Path) -> Path:
                       f"or a traces directory with spans/ or rollouts/)")
 
 
-def _read_json(path: Path) -> dict:
+def _read_mapping(path: Path, load=json.loads) -> dict:
+    """A run file's mapping (``load``: json.loads or yaml.safe_load); {} when missing or damaged."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def _read_yaml(path: Path) -> dict:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-# ---------------------------------------------------------------------------------------------
-# token text
-# ---------------------------------------------------------------------------------------------
+# -- token text ------------------------------------------------------------------------------------
 class TokenText:
     """Token id -> its text, through the run's tokenizer (``tokenizer.json``); ids alone without one.
 
@@ -158,9 +152,7 @@ def _num(v: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-# ---------------------------------------------------------------------------------------------
-# conversations: every API's request/response normalised to messages
-# ---------------------------------------------------------------------------------------------
+# -- conversations: every API's request/response normalised to messages ----------------------------
 def _text(content: Any) -> str:
     """Message content as text: a string, or a list of parts (text kept, other parts named)."""
     if content is None:
@@ -193,29 +185,27 @@ def _tool_calls(calls: Any) -> list[dict]:
 def _message(m: Any) -> dict:
     if not isinstance(m, dict):
         return {"role": "user", "content": _text(m), "tool_calls": []}
-    kind = m.get("type")
-    if kind == "function_call":  # Responses API input items
-        return {"role": "assistant", "content": "", "tool_calls": _tool_calls([m])}
-    if kind == "function_call_output":
-        return {"role": "tool", "content": _text(m.get("output")), "tool_calls": [],
-                "tool_call_id": str(m.get("call_id") or "")}
-    out = {"role": str(m.get("role") or kind or "user"), "content": _text(m.get("content")),
+    out = {"role": str(m.get("role") or m.get("type") or "user"), "content": _text(m.get("content")),
            "tool_calls": _tool_calls(m.get("tool_calls"))}
     if m.get("tool_call_id"):
         out["tool_call_id"] = str(m["tool_call_id"])
     return out
 
 
+def _chat_form(endpoint: str | None, request: dict, response: dict) -> tuple[dict, dict]:
+    """A call in its chat form (``proxy.assemble.as_chat``: the code that knows the Messages and
+    Responses formats); a body too malformed to convert is shown as it is."""
+    try:
+        return as_chat(endpoint, request, response)
+    except Exception:  # hostile or damaged bodies: the page shows what it can
+        return request, response
+
+
 def request_messages(endpoint: str | None, request: dict) -> list[dict]:
-    """The conversation a call sent, whatever the API (chat, Responses, completions)."""
+    """The conversation a call sent, whatever the API (chat, Messages, Responses, completions)."""
+    request = _chat_form(endpoint, request, {})[0]
     if "messages" in request:
         return [_message(m) for m in request.get("messages") or []]
-    if "input" in request or "instructions" in request:
-        msgs = [{"role": "system", "content": _text(request["instructions"]), "tool_calls": []}] \
-            if request.get("instructions") else []
-        items = request.get("input")
-        items = [items] if isinstance(items, str) else (items or [])
-        return msgs + [_message(m) for m in items]
     if "prompt" in request:
         return [{"role": "prompt", "content": _text(request.get("prompt")), "tool_calls": []}]
     return []
@@ -223,6 +213,8 @@ def request_messages(endpoint: str | None, request: dict) -> list[dict]:
 
 def response_message(response: dict) -> dict:
     """The model's answer (choice 0, or the Responses API's output items) as one assistant message."""
+    if "output" in response and "choices" not in response:
+        response = _chat_form("responses", {"input": []}, response)[1]
     choices = response.get("choices") or []
     if choices and isinstance(choices[0], dict):
         c = choices[0]
@@ -232,13 +224,7 @@ def response_message(response: dict) -> dict:
                     "reasoning": _text(m.get("reasoning_content") or m.get("reasoning")),
                     "tool_calls": _tool_calls(m.get("tool_calls"))}
         return {"role": "assistant", "content": _text(c.get("text")), "tool_calls": []}
-    texts, calls = [], []
-    for item in response.get("output") or []:
-        if isinstance(item, dict) and item.get("type") == "function_call":
-            calls += _tool_calls([item])
-        elif isinstance(item, dict) and item.get("type") == "message":
-            texts.append(_text([p for p in item.get("content") or [] if isinstance(p, dict)]))
-    return {"role": "assistant", "content": "".join(texts), "tool_calls": calls}
+    return {"role": "assistant", "content": "", "tool_calls": []}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -277,9 +263,7 @@ def conversation(calls: list[dict], tokens: TokenText, trained_spans: dict[str, 
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# the run's data, through DuckDB
-# ---------------------------------------------------------------------------------------------
+# -- the run's data, through DuckDB ----------------------------------------------------------------
 def _rows(con, sql: str, params: dict | None = None) -> list[dict]:
     cur = con.execute(sql, params or {})
     names = [d[0] for d in cur.description]
@@ -326,13 +310,7 @@ def rollouts_with_calls(con, tokens: TokenText, *, split: str | None, step: int 
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# the reward curve as inline SVG
-# ---------------------------------------------------------------------------------------------
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    return [lo + (hi - lo) * i / (n - 1) for i in range(n)]
-
-
+# -- the reward curve as inline SVG ----------------------------------------------------------------
 def curve(series: dict[str, list], width: int = 640, height: int = 260) -> dict[str, Any]:
     """Screen coordinates of the train and held-out reward series (the template draws them)."""
     left, right, top, bottom = 48, 16, 12, 36
@@ -341,7 +319,7 @@ def curve(series: dict[str, list], width: int = 640, height: int = 260) -> dict[
         return {"empty": True, "width": width, "height": height}
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs)
-    y0, y1 = min(min(ys), 0.0), max(max(ys), 1.0) if max(ys) <= 1.0 else max(ys)
+    y0, y1 = min(min(ys), 0.0), max(max(ys), 1.0)
     if x1 == x0:
         x0, x1 = x0 - 1, x1 + 1
     sx = lambda x: left + (x - x0) / (x1 - x0) * (width - left - right)  # noqa: E731
@@ -356,13 +334,11 @@ def curve(series: dict[str, list], width: int = 640, height: int = 260) -> dict[
     every = max(1, math.ceil(len(steps) / 10))
     return {"empty": False, "width": width, "height": height, "left": left, "right": width - right,
             "top": top, "bottom": height - bottom, "lines": lines,
-            "yticks": [(round(sy(v), 1), f"{v:.3g}") for v in _ticks(y0, y1)],
+            "yticks": [(round(sy(v), 1), f"{v:.3g}") for v in (y0 + (y1 - y0) * i / 4 for i in range(5))],
             "xticks": [(round(sx(s), 1), s) for s in steps[::every]]}
 
 
-# ---------------------------------------------------------------------------------------------
-# the page
-# ---------------------------------------------------------------------------------------------
+# -- the page --------------------------------------------------------------------------------------
 def collect(run_dir: str | os.PathLike, *, tokenizer: str | None = None, split: str | None = None,
             step: int | None = None, max_rollouts: int = 1000) -> dict[str, Any]:
     """Everything the page shows, as plain data."""
@@ -370,8 +346,8 @@ def collect(run_dir: str | os.PathLike, *, tokenizer: str | None = None, split: 
     if not run.is_dir():
         raise ReportError(f"{run} is not a folder (expected a run folder from lightning-train run)")
     traces = traces_of(run)
-    state, config = _read_json(run / "state.json"), _read_yaml(run / "config.yaml")
-    summary = _read_json(run / "summary.json")
+    state, config = _read_mapping(run / "state.json"), _read_mapping(run / "config.yaml", yaml.safe_load)
+    summary = _read_mapping(run / "summary.json")
     run_id = state.get("run_id") or config.get("name") or None
     tokens = TokenText(tokenizer_folder(run, state, config, tokenizer))
     con = connect(traces)
@@ -427,39 +403,32 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     return path
 
 
-def _click_command():
-    import click
+@click.command("report", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Where to write the page (default RUN_DIR/report.html).")
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Folder with tokenizer.json to show token text (default: the run's model).")
+@click.option("--split", default=None, help="Only rollouts of this split ('train', 'eval').")
+@click.option("--step", type=int, default=None, help="Only rollouts launched at this training step.")
+@click.option("--max-rollouts", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="At most this many rollouts on the page (in step order).")
+def report_command(run_dir, output, tokenizer, split, step, max_rollouts):
+    """Write one self-contained HTML page to read a run: reward curve, per-step metrics, and every
+    rollout as a conversation with its tool calls, reward, advantage and trained tokens.
 
-    @click.command("report", context_settings={"help_option_names": ["-h", "--help"]})
-    @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-    @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
-                  help="Where to write the page (default RUN_DIR/report.html).")
-    @click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
-                  help="Folder with tokenizer.json to show token text (default: the run's model).")
-    @click.option("--split", default=None, help="Only rollouts of this split ('train', 'eval').")
-    @click.option("--step", type=int, default=None, help="Only rollouts launched at this training step.")
-    @click.option("--max-rollouts", type=click.IntRange(min=1), default=1000, show_default=True,
-                  help="At most this many rollouts on the page (in step order).")
-    def report_command(run_dir, output, tokenizer, split, step, max_rollouts):
-        """Write one self-contained HTML page to read a run: reward curve, per-step metrics, and every
-        rollout as a conversation with its tool calls, reward, advantage and trained tokens.
+    \b
+    The page needs no server and no network (open it from disk). RUN_DIR is a run folder of
+    `lightning-train run` (or a bare traces directory).
 
-        \b
-        The page needs no server and no network (open it from disk). RUN_DIR is a run folder of
-        `lightning-train run` (or a bare traces directory).
+    \b
+    Example:
+      lightning-train report runs/calc -o calc.html --split train
+    """
+    try:
+        path = write_report(run_dir, output, tokenizer=tokenizer, split=split, step=step,
+                            max_rollouts=max_rollouts)
+    except (ReportError, FileNotFoundError) as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
 
-        \b
-        Example:
-          lightning-train report runs/calc -o calc.html --split train
-        """
-        try:
-            path = write_report(run_dir, output, tokenizer=tokenizer, split=split, step=step,
-                                max_rollouts=max_rollouts)
-        except (ReportError, FileNotFoundError) as exc:
-            raise click.UsageError(str(exc)) from None
-        click.echo(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
-
-    return report_command
-
-
-report_command = _click_command()

@@ -47,7 +47,7 @@ import json
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import duckdb
@@ -114,9 +114,7 @@ class SampleOptions:
             object.__setattr__(self, "rollouts", tuple(sorted({str(r) for r in self.rollouts})))
 
 
-# --------------------------------------------------------------------------------------------
-# retokenisation
-# --------------------------------------------------------------------------------------------
+# -- retokenisation --------------------------------------------------------------------------------
 def load_tokenizer(path_or_tokenizer: Any) -> Any:
     """A tokenizer object from a local directory (never the hub), or the object itself."""
     if path_or_tokenizer is None or not isinstance(path_or_tokenizer, (str, os.PathLike)):
@@ -152,13 +150,10 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     logprobs = token_fields(resp, CHAT)["response_logprobs"]  # read as the proxy reads an answer
     if "messages" in req:
         messages = req["messages"]
-        tools = req.get("tools")
-        kw = {"tools": tools} if tools else {}
+        kw = {"tools": req["tools"]} if req.get("tools") else {}
         prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
         prompt = _encode(tokenizer, prompt_text)
-        msg = dict(choice.get("message") or {})
-        msg.setdefault("role", "assistant")
-        msg = {k: v for k, v in msg.items() if v is not None}
+        msg = {"role": "assistant", **{k: v for k, v in (choice.get("message") or {}).items() if v is not None}}
         full_text = tokenizer.apply_chat_template(messages + [msg], tokenize=False, add_generation_prompt=False, **kw)
         if full_text.startswith(prompt_text):
             response = _encode(tokenizer, full_text[len(prompt_text):])
@@ -180,9 +175,7 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     return prompt, response, logprobs
 
 
-# --------------------------------------------------------------------------------------------
-# the builder
-# --------------------------------------------------------------------------------------------
+# -- the builder -----------------------------------------------------------------------------------
 class _PhaseClock:
     """Wall and CPU seconds per phase (the machine may be shared: CPU time is the steadier one)."""
 
@@ -228,9 +221,7 @@ def build_samples(source: str | os.PathLike | duckdb.DuckDBPyConnection, options
     return table, stats
 
 
-# --------------------------------------------------------------------------------------------
-# selection: rollouts (failure policy, group advantages), then their calls
-# --------------------------------------------------------------------------------------------
+# -- selection: rollouts (failure policy, group advantages), then their calls ----------------------
 def _select_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions) -> pa.Table:
     """The selected rollouts; steps and rollout ids are bound parameters, ``group_by`` and ``where``
     are the operator's SQL expressions."""
@@ -266,7 +257,7 @@ class _Kept:
 def _kept_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions, stats: dict) -> _Kept:
     """Failure policy and group advantages, one row per rollout."""
     ro = _select_rollouts(con, opts)
-    rewards = ro["reward"].to_numpy(zero_copy_only=False).astype(np.float64) if ro.num_rows else np.zeros(0)
+    rewards = ro["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
     states = np.asarray(ro["state"].to_pylist(), dtype=object)
     keep, eff_reward, fcounts = adv_mod.apply_failure_policy(rewards, states, policy=opts.failed_policy,
                                                              failed_reward=opts.failed_reward)
@@ -283,7 +274,7 @@ def _kept_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions, stats: d
     stats["rollouts_dropped"] = fcounts.pop("dropped")
     stats["rollouts_by_state"] = fcounts
     stats["rollouts_without_group"] = int(no_group[kept_idx].sum())
-    stats.update({f"adv_{k}": v for k, v in adv_report.as_dict().items()})
+    stats.update({f"adv_{k}": v for k, v in asdict(adv_report).items()})
     table = ro.take(pa.array(kept_idx, type=pa.int64()))
     table = table.append_column("ridx", pa.array(np.arange(len(kept_idx)), pa.int64()))
     return _Kept(table, eff_reward[kept_idx], adv)
@@ -310,13 +301,11 @@ def _read_calls(con: duckdb.DuckDBPyConnection, kept: pa.Table, include_secret_s
     finally:
         con.unregister("_lh_kept")
     stats["spans_read"] = calls.num_rows
-    err = calls["error_kind"].is_valid().to_numpy(zero_copy_only=False) if calls.num_rows else np.zeros(0, bool)
+    err = calls["error_kind"].is_valid().to_numpy(zero_copy_only=False)
     stats["calls_error"] = int(err.sum())
     if err.any():
         calls = calls.filter(pa.array(~err))
-    secret = np.zeros(0, bool)
-    if calls.num_rows:
-        secret = calls["secret_detected"].to_numpy(zero_copy_only=False).astype(bool)
+    secret = calls["secret_detected"].to_numpy(zero_copy_only=False).astype(bool)
     stats["calls_secret_detected"] = int(secret.sum())
     stats["calls_dropped_secret"] = 0 if include_secret_spans else int(secret.sum())
     calls = calls.drop_columns(["secret_detected"])
@@ -333,7 +322,7 @@ def _without_ids(calls: pa.Table) -> np.ndarray:
 
 def _fill_token_ids(con, calls: pa.Table, tokenizer: Any, stats: dict, drift_check: int) -> tuple[pa.Table, np.ndarray]:
     """Rebuild missing token ids (or drop those calls); count drift on a sample of the others."""
-    missing = _without_ids(calls) if calls.num_rows else np.zeros(0, bool)
+    missing = _without_ids(calls)
     stats["calls_without_token_ids"] = int(missing.sum())
     need = drift_rows = np.zeros(0, dtype=np.int64)
     if tokenizer is not None:
@@ -346,7 +335,7 @@ def _fill_token_ids(con, calls: pa.Table, tokenizer: Any, stats: dict, drift_che
     _count_drift(calls, drift_rows, bodies, tokenizer, stats)
     calls, retok = _retokenize_rows(calls, need, bodies, tokenizer, stats)
     stats["retokenized_calls"] = int(retok.sum())
-    still = _without_ids(calls) if calls.num_rows else np.zeros(0, bool)
+    still = _without_ids(calls)
     stats["calls_dropped_no_token_ids"] = int(still.sum())
     if still.any():
         calls = calls.filter(pa.array(~still))
@@ -428,9 +417,7 @@ def _retokenize_rows(calls: pa.Table, need: np.ndarray, bodies: dict, tokenizer:
     return calls, retok
 
 
-# --------------------------------------------------------------------------------------------
-# assembly: per-call flags -> the samples table, as array operations
-# --------------------------------------------------------------------------------------------
+# -- assembly: per-call flags -> the samples table, as array operations ----------------------------
 @dataclass
 class _Layout:
     """Every sample's tokens after its prompt, concatenated: per call ``[context (mask 0)]
@@ -458,10 +445,7 @@ def _layout(calls: pa.Table, tok: TokenArrays, hist: np.ndarray, new_sample: np.
     if int(ctx.sum()):
         ids[~model] = tok.p_val[segment_index(tok.p_off[:-1] + hist, ctx)]
     # logprobs aligned with responses; NaN where missing or of the wrong length
-    if n:
-        l_val, l_off, l_valid = flat(calls["response_logprobs"], pa.float32())
-    else:
-        l_val, l_off, l_valid = np.zeros(0, np.float32), np.zeros(1, np.int64), np.zeros(0, bool)
+    l_val, l_off, l_valid = flat(calls["response_logprobs"], pa.float32())
     ll = np.diff(l_off)
     lp_ok = l_valid & (ll == rl)
     stats["calls_without_logprobs"] = int((~lp_ok).sum())
@@ -523,7 +507,7 @@ def _assemble(calls: pa.Table, kept: _Kept, tok: TokenArrays, m: Merge, new_samp
     off = pa.array(np.concatenate([[0], np.cumsum((lay.length - cut)[ks])]).astype(np.int32))
     s_index = (np.arange(S) - np.searchsorted(tok.ridx[first], tok.ridx[first], side="left"))[ks]
     reason = m.reason[first][ks] if opts.mode == "trajectory" else np.full(len(ks), -1, np.int8)
-    mv = calls["model_version"].to_numpy(zero_copy_only=False).astype(np.float64) if calls.num_rows else np.zeros(0)
+    mv = calls["model_version"].to_numpy(zero_copy_only=False).astype(np.float64)
 
     def reduce(ufunc, values):  # per kept sample, over its calls
         return ufunc.reduceat(values, first)[ks] if S else values[:0]
@@ -537,9 +521,7 @@ def _assemble(calls: pa.Table, kept: _Kept, tok: TokenArrays, m: Merge, new_samp
     take_r = pa.array(s_ridx, type=pa.int64())
     rid, att = kept.table["rollout_id"].take(take_r), kept.table["attempt"].take(take_r)
     idx_arr = pa.array(s_index.astype(np.int32))
-    span_ids = pa.array([], pa.string())
-    if calls.num_rows:
-        span_ids = calls["span_id"].filter(pa.array(np.repeat(keep_s, lay.n_calls)))
+    span_ids = calls["span_id"].filter(pa.array(np.repeat(keep_s, lay.n_calls))).combine_chunks()
     cols = {
         "sample_id": pc.binary_join_element_wise(rid, pc.cast(att, pa.string()), pc.cast(idx_arr, pa.string()), "~"),
         "rollout_id": rid,
@@ -550,14 +532,13 @@ def _assemble(calls: pa.Table, kept: _Kept, tok: TokenArrays, m: Merge, new_samp
         "index_in_rollout": idx_arr,
         "span_ids": pa.ListArray.from_arrays(
             pa.array(np.concatenate([[0], np.cumsum(n_calls)]).astype(np.int32)),
-            span_ids.combine_chunks() if isinstance(span_ids, pa.ChunkedArray) else span_ids),
+            span_ids),
         "n_calls": pa.array(n_calls.astype(np.int32)),
         "merged": pa.array(n_calls > 1),
         "break_reason": pa.array(np.array([None, *BREAK_REASONS], dtype=object)[reason.astype(np.int64) + 1].tolist(),
                                  pa.string()),
         "retokenized": pa.array(reduce(np.maximum, retok.astype(np.int8)).astype(bool)),
-        "prompt_token_ids": calls["prompt_token_ids"].take(pa.array(first[ks], type=pa.int64())) if calls.num_rows
-        else pa.array([], pa.list_(pa.int32())),
+        "prompt_token_ids": calls["prompt_token_ids"].take(pa.array(first[ks], type=pa.int64())),
         "response_token_ids": per_token(lay.ids, pa.int32()),
         "response_mask": per_token(lay.mask, pa.int8()),
         "response_logprobs": per_token(lay.logprobs, pa.float32()),

@@ -126,7 +126,7 @@ def render(table: pa.Table, fmt: str, *, out=None, max_rows: int = 100, output: 
         return
     rows = table.to_pylist()
     if fmt == "json":
-        out.write(json.dumps([_jsonable(r) for r in rows], indent=None) + "\n")
+        out.write(json.dumps([_jsonable(r) for r in rows]) + "\n")
     elif fmt == "csv":
         w = csv.writer(out)
         w.writerow(table.column_names)
@@ -147,9 +147,7 @@ def render(table: pa.Table, fmt: str, *, out=None, max_rows: int = 100, output: 
 def run_query(con: duckdb.DuckDBPyConnection, query: str) -> pa.Table | None:
     """Run SQL (one or more statements); the last statement's result as Arrow (None if it has none)."""
     rel = con.sql(query)
-    if rel is None:
-        return None
-    return rel.to_arrow_table()
+    return None if rel is None else rel.to_arrow_table()
 
 
 def _run_skipping(con: duckdb.DuckDBPyConnection, query: str, traces_dir: str | None) -> pa.Table | None:
@@ -224,9 +222,8 @@ def shell(con: duckdb.DuckDBPyConnection, traces_dir: str, fmt: str = "table", m
                 out.write(SHELL_HELP.format(views=", ".join(VIEW_NAMES)) + "\n")
             elif cmd == ".tables":
                 define_views(con, traces_dir)
-                counts = [(v,
-                           con.sql(f"SELECT count(*) FROM {quote_identifier(v)}").fetchall()[0][0]) for v in VIEW_NAMES]
-                render(pa.table({"view": [c[0] for c in counts], "rows": [c[1] for c in counts]}), fmt, out=out)
+                counts = [con.sql(f"SELECT count(*) FROM {quote_identifier(v)}").fetchall()[0][0] for v in VIEW_NAMES]
+                render(pa.table({"view": list(VIEW_NAMES), "rows": counts}), fmt, out=out)
             elif cmd == ".schema" and args:
                 _shell_exec(con, f"DESCRIBE {quote_identifier(args[0].rstrip(';'))}", fmt, max_rows, out)
             elif cmd == ".queries":
@@ -262,7 +259,8 @@ def _shell_exec(con, sql: str, fmt: str, max_rows: int, out, traces_dir: str | N
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("traces_dir", type=click.Path(file_okay=False), required=False)
 @click.argument("query", required=False)
-@click.option("-q", "--query-name", "name", default=None, help="Run a canned query by name (see --list).")
+@click.option("-q", "--query-name", "name", type=click.Choice(list(CANNED)), default=None,
+              help="Run a canned query by name (see --list).")
 @click.option("--list", "list_", is_flag=True, help="List the canned queries and exit.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True, help="Output format.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="File for --format parquet.")
@@ -285,8 +283,6 @@ def main(traces_dir, query, name, list_, fmt, output, max_rows, show_sql) -> Non
         list_queries()
         return
     if name and show_sql:
-        if name not in CANNED:
-            raise click.BadParameter(f"unknown query {name!r}; known: {', '.join(CANNED)}", param_hint="-q")
         click.echo(CANNED[name][1])
         return
     if not traces_dir:
@@ -300,8 +296,6 @@ def main(traces_dir, query, name, list_, fmt, output, max_rows, show_sql) -> Non
     except FileNotFoundError as exc:
         raise click.ClickException(str(exc)) from exc
     if name:
-        if name not in CANNED:
-            raise click.BadParameter(f"unknown query {name!r}; known: {', '.join(CANNED)}", param_hint="-q")
         query = CANNED[name][1]
     if query is None:
         shell(con, traces_dir, "table" if fmt == "parquet" else fmt, max_rows)
@@ -310,9 +304,8 @@ def main(traces_dir, query, name, list_, fmt, output, max_rows, show_sql) -> Non
         result = _run_skipping(con, query, traces_dir)
     except duckdb.Error as exc:
         raise click.ClickException(f"query failed: {exc}") from exc
-    if result is None:
-        return
-    render(result, fmt, max_rows=max_rows, output=output)
+    if result is not None:
+        render(result, fmt, max_rows=max_rows, output=output)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ uploads later), MLflow into a file store under the run folder.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import importlib
 import json
@@ -21,6 +20,8 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from .config import suggest
 
 # name -> (module to import, pyproject extra that installs it)
 TRACKERS: dict[str, tuple[str, str]] = {
@@ -45,8 +46,7 @@ def tracker_names(value: Any) -> list[str]:
         if name in ("console", "parquet"):  # always on: the progress line and the metrics table
             continue
         if name not in TRACKERS:
-            close = difflib.get_close_matches(name, TRACKERS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = suggest(name, list(TRACKERS))
             raise TrackerError(f"logger: unknown tracker {name!r}{hint}; choose from {sorted(TRACKERS)}")
         require(name)
         if name not in out:
@@ -67,19 +67,13 @@ def require(name: str) -> Any:
 
 def numeric(values: Mapping[str, Any]) -> dict[str, float]:
     """The values a step logs, as the metrics table stores them: numbers (bools as 0/1) only."""
-    out = {}
-    for name, value in values.items():
-        if isinstance(value, bool):
-            value = float(value)
-        if isinstance(value, (int, float)):
-            out[str(name)] = float(value)
-    return out
+    return {str(name): float(value) for name, value in values.items() if isinstance(value, (int, float))}
 
 
 class TensorBoardTracker:
     """Scalars into TensorBoard event files (one tag per metric name)."""
 
-    def __init__(self, log_dir: Path, config: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, log_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
@@ -191,7 +185,7 @@ def open_trackers(names: list[str], root: str | os.PathLike, run_id: str, *, pro
     out: dict[str, Any] = {}
     for name in tracker_names(names):
         if name == "tensorboard":
-            out[name] = TensorBoardTracker(root / "tensorboard" / run_id, config)
+            out[name] = TensorBoardTracker(root / "tensorboard" / run_id)
         elif name == "wandb":
             out[name] = WandbTracker(root, run_id, project, wandb_mode, config)
         elif name == "mlflow":

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,14 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..launcher.engine import detect_device
 from . import checkpoint as ckpt
 from .config import UpdateConfig
 from .weights import aggregate_loss, rollout_index, rollout_key
 from .weights import n_units as count_units
 
-# ---------------------------------------------------------------------------------------------
-# 1. Configuration
-# ---------------------------------------------------------------------------------------------
+# -- 1. Configuration ------------------------------------------------------------------------------
 # UpdateConfig (every knob of an update: lr, clip range, TIS cap, KL, micro-batch size, loss mode...)
 # lives in config.py beside the rest of the run's configuration, so reading a config needs no torch.
 
@@ -59,15 +59,7 @@ def scheduled_lr(cfg: UpdateConfig, step: int, total: int) -> float:
     return low + (cfg.lr - low) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. Samples -> padded batches
-# ---------------------------------------------------------------------------------------------
+# -- 2. Samples -> padded batches ------------------------------------------------------------------
 REQUIRED_COLUMNS = ("rollout_id", "prompt_token_ids", "response_token_ids", "response_mask",
                     "response_logprobs", "advantage", "loss_weight")
 
@@ -172,9 +164,7 @@ def collate(samples: list[Sample], device: torch.device, pad_id: int = 0) -> Bat
     return Batch(**{k: v.to(device) for k, v in vars(batch).items()})
 
 
-# ---------------------------------------------------------------------------------------------
-# 3. Logprobs and the loss
-# ---------------------------------------------------------------------------------------------
+# -- 3. Logprobs and the loss ----------------------------------------------------------------------
 # Why not ``model(...).logits``: that is a [B, L, V] tensor, and log-softmax over the response
 # positions another [B, R, V] fp32 one; at a 150k vocabulary and 8-32k tokens, tens of GB. Instead the
 # model body runs to hidden states, only the response positions go through the LM head, a chunk of
@@ -270,9 +260,7 @@ def ppo_token_loss(
     return loss, diag
 
 
-# ---------------------------------------------------------------------------------------------
-# 4. The updater: model + optimizer kept in memory across steps
-# ---------------------------------------------------------------------------------------------
+# -- 4. The updater: model + optimizer kept in memory across steps ---------------------------------
 def _split_by_rollout(samples: list[Sample], parts: int, gen: torch.Generator) -> list[list[int]]:
     """Shuffle rollouts and deal them into ``parts`` groups of sample positions; a rollout's samples
     stay together."""
@@ -305,7 +293,7 @@ class PolicyUpdater:
         config with random weights); ``model_dir`` then only names where checkpoints come from."""
         self.cfg = cfg or UpdateConfig()
         self.model_dir = Path(model_dir)
-        self.device = resolve_device(self.cfg.device)
+        self.device = torch.device(detect_device() if self.cfg.device == "auto" else self.cfg.device)
         torch.manual_seed(self.cfg.seed)
         self.gen = torch.Generator().manual_seed(self.cfg.seed)
         self.model = model if model is not None else ckpt.load_model(self.model_dir, self.device, self.cfg.dtype)
@@ -316,10 +304,9 @@ class PolicyUpdater:
         self.model.train()
         self.base_dir = Path(ckpt.read_version(self.model_dir).get("base_model", self.model_dir))
         self.ref = None
-        if self.cfg.kl_coef > 0:
+        if self.cfg.kl_coef > 0:  # frozen: eval mode, no gradients
             self.ref = ckpt.load_model(reference_dir or self.base_dir, self.device, self.cfg.dtype).eval()
-            for p in self.ref.parameters():
-                p.requires_grad_(False)
+            self.ref.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.eps,
             weight_decay=self.cfg.weight_decay,
@@ -359,7 +346,7 @@ class PolicyUpdater:
         single = cfg.mini_batches == 1 and cfg.epochs == 1
         prox = None if single else self.frozen_logprobs(self.model, rows, useful)
         ref = self.frozen_logprobs(self.ref, rows, useful) if self.ref is not None else None
-        sums: dict[str, float] = {}
+        sums: Counter[str] = Counter()
         n_steps, grad_norms = 0, []
         for _epoch in range(cfg.epochs):
             for group in _split_by_rollout(rows, cfg.mini_batches, self.gen):
@@ -371,8 +358,7 @@ class PolicyUpdater:
                 stats = self.accumulate_gradients([rows[i] for i in group], n_units=n_units,
                                                   prox=None if prox is None else [prox[i] for i in group],
                                                   ref=None if ref is None else [ref[i] for i in group])
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v
+                sums.update(stats)
                 grad_norms.append(self._clip_and_step())
                 n_steps += 1
         tokens = max(sums.pop("tokens", 0.0), 1.0)

@@ -43,9 +43,7 @@ OUTPUT_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_
                "rollout_log_probs", "rm_scores")
 
 
-# ---------------------------------------------------------------------------------------------
-# samples -> the rows verl's trainer unions with its prompt batch (torch + pyarrow only)
-# ---------------------------------------------------------------------------------------------
+# -- samples -> the rows verl's trainer unions with its prompt batch (torch + pyarrow only) --------
 def pack_samples(table, rows: int, *, max_prompt_len: int, max_response_len: int, pad_id: int = 0,
                  weight_mode: str = "rollout") -> tuple[dict, dict, dict]:
     """``samples`` -> (tensors, non_tensors, meta) with exactly ``rows`` rows, prompts left-padded
@@ -70,12 +68,8 @@ def pack_samples(table, rows: int, *, max_prompt_len: int, max_response_len: int
     p0, r0 = t["prompts"].shape[1], t["responses"].shape[1]
 
     def widen(x, width, left, fill=0):  # [S, w] -> [rows, width]: pad columns, then padding rows
-        out = torch.full((rows, width), fill, dtype=x.dtype)
-        if left:
-            out[:S, width - x.shape[1]:] = x
-        else:
-            out[:S, : x.shape[1]] = x
-        return out
+        cols = (width - x.shape[1], 0) if left else (0, width - x.shape[1])
+        return torch.nn.functional.pad(x, (*cols, 0, rows - S), value=fill)
 
     prompts = widen(t["prompts"], P, True, pad_id)
     prompt_att = widen(t["attention_mask"][:, :p0], P, True)
@@ -112,16 +106,14 @@ def pack_samples(table, rows: int, *, max_prompt_len: int, max_response_len: int
 def tasks_of(non_tensor_batch: dict) -> list[dict]:
     """Distinct tasks of verl's prompt rows (each repeated ``rollout.n`` times, interleaved), from
     ``extra_info[TASK_KEY]`` (JSON), in order."""
-    seen, out = set(), []
+    by_id: dict[Any, dict] = {}  # the first row of each task id, in row order
     for i, info in enumerate(non_tensor_batch.get("extra_info", [])):
         raw = (info or {}).get(TASK_KEY)
         if raw is None:
             raise ValueError(f"row {i}: extra_info.{TASK_KEY} missing; write the dataset with write_task_dataset()")
         task = json.loads(raw)
-        if task["id"] not in seen:
-            seen.add(task["id"])
-            out.append(task)
-    return out
+        by_id.setdefault(task["id"], task)
+    return list(by_id.values())
 
 
 def write_task_dataset(tasks: list[dict], path: str) -> None:
@@ -136,9 +128,7 @@ def write_task_dataset(tasks: list[dict], path: str) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-# ---------------------------------------------------------------------------------------------
-# the rollout: launcher + proxy against verl's vLLM servers -> samples
-# ---------------------------------------------------------------------------------------------
+# -- the rollout: launcher + proxy against verl's vLLM servers -> samples --------------------------
 class LauncherRollout:
     """Default rollout function: our launcher runs ``group_size`` harness rollouts per task through
     our proxy, whose upstreams are verl's vLLM servers; the step's samples come from
@@ -237,9 +227,7 @@ class LightningAgentLoopManager:
         return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
 
 
-# ---------------------------------------------------------------------------------------------
-# config
-# ---------------------------------------------------------------------------------------------
+# -- config ----------------------------------------------------------------------------------------
 def agent_loop_overrides(*, train_files: str, harness: str, traces: str, group_size: int, slots: int = 1,
                          concurrency: int = 8) -> list[str]:
     """Overrides (on top of ``verl_backend.verl_overrides``) that route verl's rollout through us."""

@@ -42,12 +42,8 @@ POLICY_LOSS = "lightning_rollout"
 ADV_ESTIMATOR = "lightning_precomputed"
 
 
-# ---------------------------------------------------------------------------------------------
-# samples -> padded tensors (torch + pyarrow only) -> DataProto
-# ---------------------------------------------------------------------------------------------
-def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout",
-                       max_prompt_len: int | None = None,
-                       max_response_len: int | None = None) -> tuple[dict, dict, dict]:
+# -- samples -> padded tensors (torch + pyarrow only) -> DataProto ---------------------------------
+def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout") -> tuple[dict, dict, dict]:
     """``samples`` table -> (tensors, non_tensors, meta) in verl's layout.
 
     Prompts are left-padded to ``P``, responses right-padded to ``R``; ``input_ids`` is their
@@ -63,9 +59,7 @@ def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout",
     B = len(rows)
     if B == 0:
         raise ValueError("no samples to convert")
-    prompts = [s.prompt[-max_prompt_len:] if max_prompt_len else s.prompt for s in rows]  # keep the end, as verl
-    resps, masks, lps = ([x[:max_response_len] if max_response_len else x for x in xs] for xs in
-                         ([s.response for s in rows], [s.mask for s in rows], [s.logprobs for s in rows]))
+    prompts, resps, masks, lps = ([getattr(s, k) for s in rows] for k in ("prompt", "response", "mask", "logprobs"))
     P = max(len(p) for p in prompts)
     R = max(max(len(r) for r in resps), 1)
     prompt_t = padded(prompts, P, torch.long, pad_id, left=True)
@@ -120,9 +114,7 @@ def samples_to_dataproto(table, **kw):
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
 
 
-# ---------------------------------------------------------------------------------------------
-# registrations inside verl
-# ---------------------------------------------------------------------------------------------
+# -- registrations inside verl ---------------------------------------------------------------------
 def lightning_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                           config=None, rollout_is_weights=None):
     """verl's vanilla clipped PPO loss with ``token-mean`` aggregation (weights are folded in A')."""
@@ -152,9 +144,7 @@ def register() -> None:
         core_algos.register_adv_est(ADV_ESTIMATOR)(lightning_precomputed_advantage)
 
 
-# ---------------------------------------------------------------------------------------------
-# config composition for a multi-GPU run
-# ---------------------------------------------------------------------------------------------
+# -- config composition for a multi-GPU run --------------------------------------------------------
 def verl_overrides(cfg, *, model_path: str, train_batch_size: int, n_gpus_per_node: int = 8, nnodes: int = 1,
                    rollout_tp: int = 1, max_prompt_length: int = 2048, max_response_length: int = 2048,
                    micro_batch_size_per_gpu: int = 4) -> list[str]:

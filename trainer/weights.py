@@ -61,12 +61,7 @@ def loss_weights(rollout_index: np.ndarray, model_tokens: np.ndarray, mode: str 
     t = np.asarray(model_tokens, dtype=np.float64)
     if mode == "token-mean":
         return np.where(t > 0, 1.0, 0.0).astype(np.float32)
-    if mode == "seq-mean":
-        denom = t
-    else:
-        ri = np.asarray(rollout_index, dtype=np.int64)
-        per_rollout = np.bincount(ri, weights=t) if len(ri) else np.zeros(0)
-        denom = per_rollout[ri]
+    denom = t if mode == "seq-mean" else _rollout_tokens(rollout_index, t)[rollout_index]
     with np.errstate(divide="ignore", invalid="ignore"):
         w = np.where(denom > 0, 1.0 / np.where(denom > 0, denom, 1.0), 0.0)
     return w.astype(np.float32)
@@ -80,9 +75,13 @@ def n_units(rollout_index: np.ndarray, model_tokens: np.ndarray, mode: str = "ro
         return int(t.sum())
     if mode == "seq-mean":
         return int((t > 0).sum())
+    return int((_rollout_tokens(rollout_index, t) > 0).sum())
+
+
+def _rollout_tokens(rollout_index: np.ndarray, model_tokens: np.ndarray) -> np.ndarray:
+    """Model tokens per rollout (indexed by rollout)."""
     ri = np.asarray(rollout_index, dtype=np.int64)
-    per_rollout = np.bincount(ri, weights=t) if len(ri) else np.zeros(0)
-    return int((per_rollout > 0).sum())
+    return np.bincount(ri, weights=model_tokens) if len(ri) else np.zeros(0)
 
 
 def aggregate_loss(token_loss, mask, token_weight, n_units, mode: str = "rollout"):
@@ -98,20 +97,16 @@ def aggregate_loss(token_loss, mask, token_weight, n_units, mode: str = "rollout
       number for every micro-batch of the mini-batch.
     * ``mode``: ``rollout`` | ``token-mean`` | ``seq-mean``.
 
-    Summing the results over any split of a mini-batch gives the same value as one call on the
-    whole mini-batch.
-    """
+    Exact under any micro-batching (module doc)."""
     import torch
 
     _check_mode(mode)
-    m = mask.to(token_loss.dtype)
-    if mode == "token-mean" or token_weight is None:
-        if mode != "token-mean":
+    w = mask.to(token_loss.dtype)
+    if mode != "token-mean":
+        if token_weight is None:
             raise ValueError(f"mode {mode!r} needs token_weight (samples.loss_weight)")
-        w = m
-    else:
         tw = torch.as_tensor(token_weight, dtype=token_loss.dtype, device=token_loss.device)
-        w = m * (tw.unsqueeze(-1) if tw.dim() == 1 else tw)
+        w = w * (tw.unsqueeze(-1) if tw.dim() == 1 else tw)
     denom = torch.as_tensor(n_units, dtype=token_loss.dtype, device=token_loss.device)
     if float(denom) <= 0:
         raise ValueError("n_units must be positive (no trainable token in the mini-batch?)")
