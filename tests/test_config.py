@@ -62,6 +62,8 @@ def test_print_config_without_a_file_prints_every_default():
     ("update.lr=abc", "update.lr: input should be a valid number, unable to parse string as a number, got 'abc'"),
     ("steps=many", "steps: input should be a valid integer, unable to parse string as an integer, got 'many'"),
     ("rollout.mode=fast", "rollout.mode: input should be 'sync' or 'async', got 'fast'"),
+    ("samples.mode=trajectroy", "samples.mode: input should be 'trajectory' or 'transition', got 'trajectroy'"),
+    ("samples.advantage=ppo", "samples.advantage: input should be 'grpo' or 'rloo', got 'ppo'"),
     ("rollout.group_size=0", "rollout.group_size: input should be greater than or equal to 1, got 0"),
     ("harness.self_reward=maybe", "harness.self_reward: input should be a valid boolean"),
     ("update=3", "update: expected a mapping of ['autocast', 'betas',"),

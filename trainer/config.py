@@ -33,6 +33,8 @@ import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from .advantages import ESTIMATORS
+from .merge import MODES as SAMPLE_MODES
 from .weights import MODES as LOSS_MODES
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -143,8 +145,8 @@ class RolloutConfig(Section):
 class SamplesConfig(Section):
     """Passed to trainer.samples.build_samples."""
 
-    mode: str = "trajectory"  # merge consecutive calls of a rollout ('trajectory') or not ('transition')
-    advantage: str = "grpo"  # rollout-level advantage estimator
+    mode: Literal[SAMPLE_MODES] = "trajectory"  # merge consecutive calls of a rollout ('trajectory') or not
+    advantage: Literal[ESTIMATORS] = "grpo"  # rollout-level advantage estimator: 'grpo' or 'rloo'
     weight_mode: Literal[LOSS_MODES] = "rollout"  # 'rollout' (each rollout counts once), 'token-mean' or 'seq-mean';
     #   update.loss_mode follows it
     include_secret_spans: bool = False  # train on spans the proxy masked a secret in (retokenised

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+MODES = ("trajectory", "transition")  # consecutive calls of a rollout merged into one sample, or not
+
 BREAK_REASONS = ("template_change", "retokenization", "truncation", "other")
 _CHUNK = 1 << 23  # tokens compared per numpy chunk (bounds temporary memory to ~100 MB)
 

@@ -59,10 +59,8 @@ from ..proxy.assemble import CHAT, as_chat, token_fields
 from ..schemas import SAMPLES
 from . import advantages as adv_mod
 from . import weights as w_mod
-from .merge import BREAK_REASONS, Merge, TokenArrays, flat, merge, segment_index
+from .merge import BREAK_REASONS, MODES, Merge, TokenArrays, flat, merge, segment_index
 from .views import connect
-
-MODES = ("trajectory", "transition")
 
 
 @dataclass(frozen=True)
