@@ -73,3 +73,15 @@ def test_views_are_a_snapshot_until_defined_again(tmp_path):
     assert con.sql("SELECT count(*) FROM calls").fetchall() == [(1,)]
     define_views(con, tmp_path)
     assert con.sql("SELECT count(*) FROM calls").fetchall() == [(2,)]
+
+
+def test_quotes_in_paths_and_rollout_ids_select_exactly_their_rows(tmp_path):
+    """DuckDB binds no parameters inside CREATE VIEW, so the views quote part paths and the selected
+    rollout ids themselves: hostile ids and a folder with quotes in its name must still select exactly."""
+    root = tmp_path / "it's a \"traces\"; DROP TABLE x --"
+    hostile = ["a'b", "x') OR 1=1 --", "c\\'d", "plain"]
+    write_traces(root, spans=[span(r, 0, [1], [2]) for r in hostile] + [span("other", 0, [1], [2])])
+    assert connect(root).sql("SELECT count(*) FROM spans").fetchall() == [(5,)]
+    for picked in ([hostile[1]], hostile[:2], [hostile[2]], []):
+        con = connect(root, rollouts=picked)
+        assert sorted(r for (r,) in con.sql("SELECT rollout_id FROM spans").fetchall()) == sorted(picked)
