@@ -588,12 +588,28 @@ def teacher_forced(model, tok, tasks: list[dict], addressed: bool = True) -> dic
             | {"n": len(tasks), "n_sed_address": len(stats["line"]), "n_sed_span": len(stats["span"])})
 
 
+def renamed_task(task: dict, rng: random.Random) -> dict:
+    """The task with its project and identifiers renamed (made-up names), as ``--id-renames`` copies
+    read: a train task the model knows the shape of, whose names it can only copy."""
+    mapping = identifier_mapping(task, rng, set())
+    project = made_up_name(rng)
+    while project in mapping.values():
+        project = made_up_name(rng)
+    pattern = re.compile(rf"(?<![A-Za-z0-9]){re.escape(task['project'])}(?![A-Za-z0-9])")
+    sub = lambda text: pattern.sub(project, rename_text(text, mapping))  # noqa: E731
+    return {**task, "project": project, "prompt": sub(task["prompt"]), "solution": sub(task["solution"]),
+            "files": {sub(k): sub(v) for k, v in task["files"].items()}}
+
+
 def tf_report(model, tok, seed: int, addressed: bool = True, n: int = 84) -> dict:
-    """:func:`teacher_forced` on the held-out tasks and on as many train tasks (memorised vs learnt)."""
+    """:func:`teacher_forced` on the held-out tasks, on as many train tasks (memorised vs learnt) and on
+    the same train tasks renamed (``train_renamed``: copying names from the prompt, on known shapes)."""
     train = random.Random(seed).sample(read_tasks("train"), n)
+    rng = random.Random(f"tf-renamed-{seed}")
     was_training = model.training
     out = {"held_out": teacher_forced(model, tok, read_tasks("eval")[:n], addressed),
-           "train": teacher_forced(model, tok, train, addressed)}
+           "train": teacher_forced(model, tok, train, addressed),
+           "train_renamed": teacher_forced(model, tok, [renamed_task(t, rng) for t in train], addressed)}
     model.train(was_training)
     return out
 

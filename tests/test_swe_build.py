@@ -127,6 +127,16 @@ def test_identifier_renamed_fix_still_finds_its_span_in_the_renamed_listing():
     assert checked >= 5  # 8 of the 19 fixes are s/// edits
 
 
+def test_renamed_task_is_the_same_fix_under_other_names():
+    task = next(t for t in TASKS if t["project"] == "bank")
+    renamed = build.renamed_task(task, random.Random(0))
+    text = json.dumps([renamed[k] for k in ("prompt", "files", "solution")])  # what an episode shows
+    assert "bank" not in text and "withdraw" not in text and "balance" not in text
+    module = build.module_name(renamed)
+    fix = build._commands({"messages": build.edit_conversation(renamed, False)})[-1]
+    assert fix.endswith(" " + module) and build.apply_edit(renamed["files"][module], fix) == renamed["solution"]
+
+
 def test_identifier_renaming_leaves_library_names_and_drops_a_copy_whose_span_breaks():
     task = next(t for t in TASKS if t["project"] == "caesar")
     assert "lower" not in build.project_identifiers(task)  # `c.lower()` is str's method
