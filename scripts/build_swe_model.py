@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import hashlib
 import json
 import random
@@ -294,6 +295,166 @@ def rename_project(episode: dict, old: str, new: str) -> dict:
     return {**episode, "messages": messages}
 
 
+# ---------------------------------------------------------------- renamed identifiers
+@functools.cache
+def _fixed_words() -> frozenset[str]:
+    """Words the episodes carry that are not the project's: the prompts (file and test names aside),
+    the system text, the solver's commands, pytest's and the observation template's words."""
+    import builtins
+    import keyword
+
+    import generate as swe_generate
+
+    texts = [SYSTEM, TEST_CMD, SUBMIT, NO_CALL, observation(0, ""), *swe_generate.PROMPTS,
+             "short test summary info passed failed error errors warnings skipped FAILED ERROR characters cut",
+             "cat sed python bash echo pytest from pathlib import Path read_text write_text replace EOF self cls"]
+    words = {w for t in texts for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", t)}
+    return frozenset(words | set(keyword.kwlist) | set(keyword.softkwlist) | set(dir(builtins)))
+
+
+def project_identifiers(task: dict) -> set[str]:
+    """The names the task's module defines (functions, classes, parameters, assigned names), found with
+    ``ast``; never a keyword, builtin, pytest or template word, a name under 3 characters, a dunder,
+    the project's name, or a name the code also uses as a library's (a method called on a value, a
+    keyword argument of a call to something the module does not define, an import)."""
+    import ast
+
+    tree = ast.parse(task["solution"])
+    names: set[str] = set()
+    defs: set[str] = set()
+    foreign: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defs.add(node.name)
+            names.add(node.name)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            foreign |= {(a.asname or a.name).split(".")[0] for a in node.names} | {a.name for a in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            callee = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if callee not in defs:
+                foreign |= {k.arg for k in node.keywords if k.arg}
+                if isinstance(node.func, ast.Attribute):
+                    foreign.add(node.func.attr)
+    fixed = _fixed_words()
+    return {n for n in names - foreign - fixed
+            if len(n) >= 3 and not n.startswith("__") and n != task["project"] and not n.startswith("test")}
+
+
+def _name_pattern(names) -> re.Pattern:
+    """``rename_project``'s boundary (no letter or digit either side), longest name first, and never
+    inside a dunder (``__init__`` stays when a parameter is called ``init``). The fixed words with an
+    underscore are alternatives too, so that ``text`` is renamed in ``test_text_wraps`` but not in
+    the solver's ``read_text``; they map to themselves."""
+    protected = {w for w in _fixed_words() if "_" in w.strip("_")}
+    alternatives = "|".join(re.escape(n) for n in sorted(set(names) | protected, key=len, reverse=True))
+    return re.compile(rf"(?<![A-Za-z0-9])(?<!__)(?:{alternatives})(?![A-Za-z0-9])(?!__)")
+
+
+def identifier_mapping(task: dict, rng: random.Random, taken: set[str]) -> dict[str, str]:
+    """Made-up names for the task's identifiers, distinct, unused in ``taken`` (the episode's words);
+    a class keeps its capital, a constant its capitals."""
+    mapping: dict[str, str] = {}
+    used = set(taken) | set(_fixed_words())
+    for name in sorted(project_identifiers(task)):
+        new = made_up_name(rng)
+        while new in used or new.capitalize() in used or new.upper() in used:
+            new = made_up_name(rng)
+        used.add(new)
+        mapping[name] = new.upper() if name.isupper() else new.capitalize() if name[:1].isupper() else new
+    return mapping
+
+
+def rename_text(text: str, mapping: dict[str, str]) -> str:
+    return _name_pattern(mapping).sub(lambda m: mapping.get(m.group(0), m.group(0)), text) if mapping else text
+
+
+def _renamed_tests_pass(task: dict, mapping: dict[str, str]) -> bool:
+    """The renamed solution still passes the renamed visible tests (in process: the generator's own
+    trusted code). A name the renamer should have left alone breaks it."""
+    import types
+
+    name = module_name(task)
+    test_file = next(k for k in task["files"] if k.startswith("test_"))
+    module = types.ModuleType(name[:-3])
+    saved = sys.modules.get(name[:-3])
+    try:
+        exec(compile(rename_text(task["solution"], mapping), name, "exec"), module.__dict__)
+        sys.modules[name[:-3]] = module
+        ns: dict = {"__name__": "renamed_visible_tests"}
+        exec(compile(rename_text(task["files"][test_file], mapping), test_file, "exec"), ns)
+        for key, fn in list(ns.items()):
+            if key.startswith("test") and callable(fn):
+                fn()
+        return True
+    except Exception:  # noqa: BLE001 (any failure means the renaming changed the program)
+        return False
+    finally:
+        if saved is None:
+            sys.modules.pop(name[:-3], None)
+        else:
+            sys.modules[name[:-3]] = saved
+
+
+def _commands(episode: dict) -> list[str]:
+    return [json.loads(c["function"]["arguments"])["command"]
+            for m in episode["messages"] for c in m.get("tool_calls") or []]
+
+
+def rename_identifiers(episode: dict, task: dict, mapping: dict[str, str]) -> dict | None:
+    """The episode as it would read had the project's identifiers been called by ``mapping``: task
+    text, observations (``cat -n``, pytest) and the command inside each tool call; the system text and
+    the tool-call JSON keys stay. None when an edit of the episode no longer does to the renamed file
+    what it did to the original (its span would not be found: the copy would teach garbage)."""
+    messages = copy.deepcopy(episode["messages"])
+    for m in messages:
+        if m["role"] != "system" and isinstance(m.get("content"), str):
+            m["content"] = rename_text(m["content"], mapping)
+        for call in m.get("tool_calls") or []:
+            args = json.loads(call["function"]["arguments"])
+            args["command"] = rename_text(args["command"], mapping)
+            call["function"]["arguments"] = json.dumps(args, ensure_ascii=False)
+    renamed = {**episode, "messages": messages}
+    text = task["files"][module_name(task)]
+    for before, after in zip(_commands(episode), _commands(renamed)):
+        if not before.startswith(("sed -i", "python - <<")):
+            continue
+        new_text = apply_edit(text, before)
+        if new_text is None or apply_edit(rename_text(text, mapping), after) != rename_text(new_text, mapping):
+            return None
+        text = new_text
+    return renamed
+
+
+def id_renamed_copies(episodes: list[dict], tasks: dict[str, dict], copies: int, seed: int) -> tuple[list, dict]:
+    """``copies`` renamed copies of each episode (identifiers and project, made-up names, new ones per
+    copy); a task whose renamed solution fails its renamed visible tests gets none. Returns the
+    copies and counts (kept, dropped by the edit check, tasks refused)."""
+    rng = random.Random(f"id-rename-{seed}")
+    refused = {tid for tid, t in tasks.items() if not _renamed_tests_pass(t, identifier_mapping(t, rng, set()))}
+    out, dropped = [], 0
+    for _ in range(copies):
+        for e in episodes:
+            task = tasks[e["task_id"]]
+            if e["task_id"] in refused:
+                continue
+            words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", json.dumps(e["messages"])))
+            mapping = identifier_mapping(task, rng, words)
+            project = made_up_name(rng)
+            while project in words or project in mapping.values():
+                project = made_up_name(rng)
+            renamed = rename_identifiers(e, task, mapping)
+            if renamed is None:
+                dropped += 1
+                continue
+            out.append(rename_project(renamed, task["project"], project))
+    return out, {"kept": len(out), "dropped_edit_check": dropped, "tasks_refused": sorted(refused)}
+
+
 # ---------------------------------------------------------------- weighted SFT samples
 def turn_runs(target: list[bool]) -> list[tuple[int, int]]:
     """The [start, end) token ranges of the assistant turns in a chat sample (its runs of targets)."""
@@ -427,12 +588,28 @@ def teacher_forced(model, tok, tasks: list[dict], addressed: bool = True) -> dic
             | {"n": len(tasks), "n_sed_address": len(stats["line"]), "n_sed_span": len(stats["span"])})
 
 
+def renamed_task(task: dict, rng: random.Random) -> dict:
+    """The task with its project and identifiers renamed (made-up names), as ``--id-renames`` copies
+    read: a train task the model knows the shape of, whose names it can only copy."""
+    mapping = identifier_mapping(task, rng, set())
+    project = made_up_name(rng)
+    while project in mapping.values():
+        project = made_up_name(rng)
+    pattern = re.compile(rf"(?<![A-Za-z0-9]){re.escape(task['project'])}(?![A-Za-z0-9])")
+    sub = lambda text: pattern.sub(project, rename_text(text, mapping))  # noqa: E731
+    return {**task, "project": project, "prompt": sub(task["prompt"]), "solution": sub(task["solution"]),
+            "files": {sub(k): sub(v) for k, v in task["files"].items()}}
+
+
 def tf_report(model, tok, seed: int, addressed: bool = True, n: int = 84) -> dict:
-    """:func:`teacher_forced` on the held-out tasks and on as many train tasks (memorised vs learnt)."""
+    """:func:`teacher_forced` on the held-out tasks, on as many train tasks (memorised vs learnt) and on
+    the same train tasks renamed (``train_renamed``: copying names from the prompt, on known shapes)."""
     train = random.Random(seed).sample(read_tasks("train"), n)
+    rng = random.Random(f"tf-renamed-{seed}")
     was_training = model.training
     out = {"held_out": teacher_forced(model, tok, read_tasks("eval")[:n], addressed),
-           "train": teacher_forced(model, tok, train, addressed)}
+           "train": teacher_forced(model, tok, train, addressed),
+           "train_renamed": teacher_forced(model, tok, [renamed_task(t, rng) for t in train], addressed)}
     model.train(was_training)
     return out
 
@@ -563,6 +740,8 @@ def served_tokenizer(tok, config):
               help="continue SFT from this built model (its tokenizer and weights) instead of a fresh one")
 @click.option("--renames", default=0, show_default=True,
               help="copies of each episode with the project renamed (made-up names)")
+@click.option("--id-renames", default=0, show_default=True,
+              help="copies of each episode with the project and its identifiers renamed (made-up names)")
 @click.option("--max-tokens", default=0, show_default=True, help="drop SFT conversations longer than this (0: max-len)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--p-wrong", default=0.5, show_default=True, help="share of tasks that also get a noisy episode")
@@ -594,8 +773,8 @@ def served_tokenizer(tok, config):
 @click.option("--snapshots", default="",
               help="comma-separated SFT steps at which to also save OUT-stepN "
                    "(pick a warm start by its held-out success)")
-def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, max_tokens, seed, p_wrong, vocab, layers,
-         hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_split, eval_shard, eval_samples,
+def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, id_renames, max_tokens, seed, p_wrong,
+         vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_split, eval_shard, eval_samples,
          step_limit, threads, workers, episodes_file, device, run_eval, eval_only, tf_only, tf_every, snapshots):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
@@ -612,16 +791,23 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, m
         print(json.dumps(result))
         return
     t0 = time.monotonic()
+    id_rename_counts = None
     if trajectories:
         episodes = load_trajectories(list(trajectories))
         if edit_form == "unaddressed":
             by_id = {t["id"]: t for t in read_tasks("train")}
             episodes = [unaddress_edits(e, by_id[e["task_id"]]) for e in episodes]
+        base = episodes
         if renames:
             projects = {t["id"]: t["project"] for t in read_tasks("train")}
             rng = random.Random(f"rename-{seed}")
-            episodes += [rename_project(e, projects[e["task_id"]], made_up_name(rng))
-                         for _ in range(renames) for e in episodes]
+            episodes = episodes + [rename_project(e, projects[e["task_id"]], made_up_name(rng))
+                                   for _ in range(renames) for e in base]
+        if id_renames:
+            copies, id_rename_counts = id_renamed_copies(base, {t["id"]: t for t in read_tasks("train")},
+                                                         id_renames, seed)
+            episodes = episodes + copies
+            console.print(f"identifier-renamed copies: {json.dumps(id_rename_counts)}")
     elif episodes_file and episodes_file.exists():
         episodes = [json.loads(line) for line in episodes_file.read_text().splitlines()]
     else:
@@ -670,7 +856,8 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, m
                               "steps": json.loads((init / "build_info.json").read_text()).get("steps")
                               if (init / "build_info.json").exists() else None},
             "mask_wrong": mask_wrong, "edit_weight": edit_weight, "edit_form": edit_form, "max_tokens": max_tokens,
-            "renames": renames, "teacher_forced": tf_report(model, tok, seed, edit_form == "line"),
+            "renames": renames, "id_renames": id_renames, "id_rename_counts": id_rename_counts,
+            "teacher_forced": tf_report(model, tok, seed, edit_form == "line"),
             "teacher_forced_curve": curve}
     (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
     console.print(f"SFT {sft_s:.0f}s, wrote {out}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,61 @@ def test_renamed_project_episode_names_only_the_new_project():
     assert "strutil" not in text and "zokafu.py" in text and "test_zokafu.py" in text
     assert json.dumps(episode["messages"]).replace("strutil", "zokafu") == text
     assert "strutil" in json.dumps(episode["messages"])  # the original is left as it was
+
+
+def _fix_episode(task: dict) -> dict:
+    """Look (the real ``cat -n`` listing), the solver's fix, the tests, submit."""
+    messages = build.edit_conversation(task, addressed=False)
+    messages.append({"role": "tool", "tool_call_id": "call_1", "content": "exit code 0\n"})
+    return {"task_id": task["id"], "messages": messages, "tools": [build.BASH_TOOL]}
+
+
+def test_identifier_renamed_fix_still_finds_its_span_in_the_renamed_listing():
+    projects = {t["project"]: t for t in TASKS}
+    checked = 0
+    for task in projects.values():
+        mapping = build.identifier_mapping(task, random.Random(task["id"]), set())
+        assert mapping and build._renamed_tests_pass(task, mapping), task["project"]
+        renamed = build.rename_identifiers(_fix_episode(task), task, mapping)
+        assert renamed is not None, task["id"]
+        listing = renamed["messages"][3]["content"]
+        fix = build._commands(renamed)[1]
+        module = build.rename_text(task["files"][build.module_name(task)], mapping)
+        assert listing == build.observation(0, build.cat_n(module))
+        assert build.apply_edit(module, fix) == build.rename_text(task["solution"], mapping), fix
+        m = build._SED.fullmatch(fix)
+        if m and m.group(2):
+            assert m.group(2) in listing
+            checked += 1
+        words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", listing + fix))
+        assert not words & set(mapping), task["project"]  # no original name is left to copy from memory
+        assert renamed["messages"][0] == _fix_episode(task)["messages"][0]  # the system text stays
+    assert checked >= 5  # 8 of the 19 fixes are s/// edits
+
+
+def test_renamed_task_is_the_same_fix_under_other_names():
+    task = next(t for t in TASKS if t["project"] == "bank")
+    renamed = build.renamed_task(task, random.Random(0))
+    text = json.dumps([renamed[k] for k in ("prompt", "files", "solution")])  # what an episode shows
+    assert "bank" not in text and "withdraw" not in text and "balance" not in text
+    module = build.module_name(renamed)
+    fix = build._commands({"messages": build.edit_conversation(renamed, False)})[-1]
+    assert fix.endswith(" " + module) and build.apply_edit(renamed["files"][module], fix) == renamed["solution"]
+
+
+def test_identifier_renaming_leaves_library_names_and_drops_a_copy_whose_span_breaks():
+    task = next(t for t in TASKS if t["project"] == "caesar")
+    assert "lower" not in build.project_identifiers(task)  # `c.lower()` is str's method
+    text = "    s = p.read_text()\n    text = 1\n    return test_text_ok(text)\n"
+    renamed = build.rename_text(text, {"text": "bofa"})
+    assert renamed == "    s = p.read_text()\n    bofa = 1\n    return test_bofa_ok(bofa)\n"
+    toy = {"id": "toy", "project": "toy", "files": {"toy.py": "rows = 1\nx = rows + 2\n", "test_toy.py": ""},
+           "solution": "rows = 1\nx = rows + 3\n", "prompt": "fix toy.py"}
+    steps = [("cat -n toy.py", build.observation(0, build.cat_n(toy["files"]["toy.py"])))]
+    breaks = build.conversation(toy, steps + [("sed -i '2s/o/0/' toy.py", "exit code 0\n")])
+    keeps = build.conversation(toy, steps + [("sed -i 's/+ 2/+ 3/' toy.py", "exit code 0\n")])
+    assert build.rename_identifiers({"messages": breaks}, toy, {"rows": "bibi"}) is None
+    assert "bibi + 2" in json.dumps(build.rename_identifiers({"messages": keeps}, toy, {"rows": "bibi"}))
 
 
 def test_sft_tokenises_as_the_saved_model_is_served(tmp_path):
