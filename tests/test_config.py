@@ -99,3 +99,11 @@ def test_the_example_configs_load(name):
     cfg = C.load_config(ROOT / "examples" / name / "config.yaml")
     assert cfg.model and cfg.harness.command and cfg.tasks.train
     assert cfg.base_dir == str(ROOT / "examples" / name)
+
+
+def test_set_with_a_mapping_merges_into_the_files_section():
+    base = {"update": {"lr": 3e-5, "batch_size": 4}, "steps": 2}
+    assert C.parse_overrides(["update={lr: 1.0e-5}", "steps=5"], base) == {
+        "update": {"lr": 1e-5, "batch_size": 4}, "steps": 5}  # the file's other update keys stay
+    assert base == {"update": {"lr": 3e-5, "batch_size": 4}, "steps": 2}  # the file's mapping is not changed
+    assert C.parse_overrides(["update.lr=2"], {"update": None}) == {"update": {"lr": 2}}  # 'update:' left empty

@@ -346,8 +346,16 @@ def parse_overrides(items: Iterable[str], base: dict[str, Any] | None = None) ->
             node = node[p]
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {p!r} is not a section")
-        node[name] = value
+        node[name] = _merged(node.get(name), value)
     return out
+
+
+def _merged(old: Any, new: Any) -> Any:
+    """``new`` set over ``old``: a mapping merges into a section key by key (``--set update={lr: 1}``
+    keeps the file's other update keys), anything else replaces."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return new
+    return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
 
 
 def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = (), *,
