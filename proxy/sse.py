@@ -104,12 +104,8 @@ class SSERelay:
     def settle(self) -> None:
         """Give the sink every event held so far (in order)."""
         pending, self.pending = self.pending, []
-        fast = fastjson.orjson.loads if fastjson.orjson is not None else None
         for payload in pending:
-            try:
-                obj = fast(payload)
-            except Exception:  # no orjson, not UTF-8, or a value it refuses: _json decides and reports
-                obj = self._json(payload)
+            obj = self._json(payload)  # a malformed event is reported here
             if not isinstance(obj, dict):
                 continue
             self.events += 1
