@@ -274,10 +274,35 @@ def unaddress_edits(episode: dict, task: dict) -> dict:
 
 
 # ---------------------------------------------------------------- renamed projects
-def made_up_name(rng: random.Random) -> str:
-    """A pronounceable project name no task uses (two or three syllables)."""
+def made_up_name(rng: random.Random, pieces: tuple[str, ...] = ()) -> str:
+    """A pronounceable made-up name (two or three consonant-vowel syllables); with ``pieces`` (the
+    tokenizer's alphabetic pieces, ``name_pieces``), half the time one to three pieces instead, joined
+    plainly or snake_case. A model taught to copy only syllable names copies only those: held-out
+    names are made of real-word pieces, so the copies must be too."""
+    if pieces and rng.random() < 0.5:
+        return ("_" if rng.random() < 0.3 else "").join(rng.choice(pieces) for _ in range(rng.choice([1, 2, 2, 3])))
     syllables = [rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(rng.choice([2, 3]))]
     return "".join(syllables) + rng.choice(["", "s", "n", "x"])
+
+
+def name_pieces(tok, avoid: set[str]) -> tuple[str, ...]:
+    """The tokenizer's purely alphabetic pieces (2+ letters, lower case, leading-space marker dropped),
+    minus ``avoid`` (every word of the held-out tasks: the splits share no name)."""
+    pieces = {t.lstrip("Ġ").lower() for t in tok.get_vocab()}
+    return tuple(sorted(p for p in pieces if len(p) >= 2 and p.isascii() and p.isalpha() and p not in avoid))
+
+
+def fresh_name(rng: random.Random, pieces: tuple[str, ...], taken=frozenset()) -> str:
+    """``made_up_name`` not in ``taken`` and, for broad names, no held-out word."""
+    name = made_up_name(rng, pieces)
+    while name in taken or (pieces and name in held_out_words()):
+        name = made_up_name(rng, pieces)
+    return name
+
+
+@functools.cache
+def held_out_words() -> frozenset[str]:
+    return frozenset(w.lower() for t in read_tasks("eval") for w in re.findall(r"[A-Za-z]+", json.dumps(t)))
 
 
 def rename_project(episode: dict, old: str, new: str) -> dict:
@@ -355,15 +380,15 @@ def _name_pattern(names) -> re.Pattern:
     return re.compile(rf"(?<![A-Za-z0-9])(?<!__)(?:{alternatives})(?![A-Za-z0-9])(?!__)")
 
 
-def identifier_mapping(task: dict, rng: random.Random, taken: set[str]) -> dict[str, str]:
+def identifier_mapping(task: dict, rng: random.Random, taken: set[str], pieces: tuple[str, ...] = ()) -> dict[str, str]:
     """Made-up names for the task's identifiers, distinct, unused in ``taken`` (the episode's words);
     a class keeps its capital, a constant its capitals."""
     mapping: dict[str, str] = {}
-    used = set(taken) | set(_fixed_words())
+    used = set(taken) | set(_fixed_words()) | (held_out_words() if pieces else set())
     for name in sorted(project_identifiers(task)):
-        new = made_up_name(rng)
+        new = made_up_name(rng, pieces)
         while new in used or new.capitalize() in used or new.upper() in used:
-            new = made_up_name(rng)
+            new = made_up_name(rng, pieces)
         used.add(new)
         mapping[name] = new.upper() if name.isupper() else new.capitalize() if name[:1].isupper() else new
     return mapping
@@ -430,7 +455,8 @@ def rename_identifiers(episode: dict, task: dict, mapping: dict[str, str]) -> di
     return renamed
 
 
-def id_renamed_copies(episodes: list[dict], tasks: dict[str, dict], copies: int, seed: int) -> tuple[list, dict]:
+def id_renamed_copies(episodes: list[dict], tasks: dict[str, dict], copies: int, seed: int,
+                      pieces: tuple[str, ...] = ()) -> tuple[list, dict]:
     """``copies`` renamed copies of each episode (identifiers and project, made-up names, new ones per
     copy); a task whose renamed solution fails its renamed visible tests gets none. Returns the
     copies and counts (kept, dropped by the edit check, tasks refused)."""
@@ -443,10 +469,8 @@ def id_renamed_copies(episodes: list[dict], tasks: dict[str, dict], copies: int,
             if e["task_id"] in refused:
                 continue
             words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", json.dumps(e["messages"])))
-            mapping = identifier_mapping(task, rng, words)
-            project = made_up_name(rng)
-            while project in words or project in mapping.values():
-                project = made_up_name(rng)
+            mapping = identifier_mapping(task, rng, words, pieces)
+            project = fresh_name(rng, pieces, words | set(mapping.values()))
             renamed = rename_identifiers(e, task, mapping)
             if renamed is None:
                 dropped += 1
@@ -742,6 +766,9 @@ def served_tokenizer(tok, config):
               help="copies of each episode with the project renamed (made-up names)")
 @click.option("--id-renames", default=0, show_default=True,
               help="copies of each episode with the project and its identifiers renamed (made-up names)")
+@click.option("--names", type=click.Choice(["syllables", "broad"]), default="syllables", show_default=True,
+              help="made-up names of renamed copies: syllables, or broad (half of them from the --init "
+                   "tokenizer's alphabetic pieces, none a held-out word)")
 @click.option("--max-tokens", default=0, show_default=True, help="drop SFT conversations longer than this (0: max-len)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--p-wrong", default=0.5, show_default=True, help="share of tasks that also get a noisy episode")
@@ -773,9 +800,10 @@ def served_tokenizer(tok, config):
 @click.option("--snapshots", default="",
               help="comma-separated SFT steps at which to also save OUT-stepN "
                    "(pick a warm start by its held-out success)")
-def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, id_renames, max_tokens, seed, p_wrong,
-         vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_split, eval_shard, eval_samples,
-         step_limit, threads, workers, episodes_file, device, run_eval, eval_only, tf_only, tf_every, snapshots):
+def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, id_renames, names, max_tokens, seed,
+         p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_split, eval_shard,
+         eval_samples, step_limit, threads, workers, episodes_file, device, run_eval, eval_only, tf_only, tf_every,
+         snapshots):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
@@ -798,14 +826,17 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, i
             by_id = {t["id"]: t for t in read_tasks("train")}
             episodes = [unaddress_edits(e, by_id[e["task_id"]]) for e in episodes]
         base = episodes
+        if names == "broad" and not init:
+            raise click.UsageError("--names broad draws from the tokenizer of --init")
+        pieces = name_pieces(AutoTokenizer.from_pretrained(init), held_out_words()) if names == "broad" else ()
         if renames:
             projects = {t["id"]: t["project"] for t in read_tasks("train")}
             rng = random.Random(f"rename-{seed}")
-            episodes = episodes + [rename_project(e, projects[e["task_id"]], made_up_name(rng))
+            episodes = episodes + [rename_project(e, projects[e["task_id"]], fresh_name(rng, pieces))
                                    for _ in range(renames) for e in base]
         if id_renames:
             copies, id_rename_counts = id_renamed_copies(base, {t["id"]: t for t in read_tasks("train")},
-                                                         id_renames, seed)
+                                                         id_renames, seed, pieces)
             episodes = episodes + copies
             console.print(f"identifier-renamed copies: {json.dumps(id_rename_counts)}")
     elif episodes_file and episodes_file.exists():
@@ -856,7 +887,7 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, i
                               "steps": json.loads((init / "build_info.json").read_text()).get("steps")
                               if (init / "build_info.json").exists() else None},
             "mask_wrong": mask_wrong, "edit_weight": edit_weight, "edit_form": edit_form, "max_tokens": max_tokens,
-            "renames": renames, "id_renames": id_renames, "id_rename_counts": id_rename_counts,
+            "renames": renames, "id_renames": id_renames, "names": names, "id_rename_counts": id_rename_counts,
             "teacher_forced": tf_report(model, tok, seed, edit_form == "line"),
             "teacher_forced_curve": curve}
     (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
