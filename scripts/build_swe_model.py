@@ -276,33 +276,43 @@ def unaddress_edits(episode: dict, task: dict) -> dict:
 # ---------------------------------------------------------------- renamed projects
 def made_up_name(rng: random.Random, pieces: tuple[str, ...] = ()) -> str:
     """A pronounceable made-up name (two or three consonant-vowel syllables); with ``pieces`` (the
-    tokenizer's alphabetic pieces, ``name_pieces``), half the time one to three pieces instead, joined
+    tokenizer's alphabetic pieces, ``name_pieces``), three times in four one to three pieces instead, joined
     plainly or snake_case. A model taught to copy only syllable names copies only those: held-out
     names are made of real-word pieces, so the copies must be too."""
-    if pieces and rng.random() < 0.5:
+    if pieces and rng.random() < 0.75:
         return ("_" if rng.random() < 0.3 else "").join(rng.choice(pieces) for _ in range(rng.choice([1, 2, 2, 3])))
     syllables = [rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(rng.choice([2, 3]))]
     return "".join(syllables) + rng.choice(["", "s", "n", "x"])
 
 
-def name_pieces(tok, avoid: set[str]) -> tuple[str, ...]:
-    """The tokenizer's purely alphabetic pieces (2+ letters, lower case, leading-space marker dropped),
-    minus ``avoid`` (every word of the held-out tasks: the splits share no name)."""
+def name_pieces(tok) -> tuple[str, ...]:
+    """The tokenizer's purely alphabetic pieces (2+ letters, lower case, leading-space marker dropped).
+    A piece may be a word a held-out task uses; a whole name never is a held-out project or function
+    (``fresh_name``, ``identifier_mapping``)."""
     pieces = {t.lstrip("Ġ").lower() for t in tok.get_vocab()}
-    return tuple(sorted(p for p in pieces if len(p) >= 2 and p.isascii() and p.isalpha() and p not in avoid))
+    return tuple(sorted(p for p in pieces if len(p) >= 2 and p.isascii() and p.isalpha()))
 
 
 def fresh_name(rng: random.Random, pieces: tuple[str, ...], taken=frozenset()) -> str:
     """``made_up_name`` not in ``taken`` and, for broad names, no held-out word."""
     name = made_up_name(rng, pieces)
-    while name in taken or (pieces and name in held_out_words()):
+    while name in taken or (pieces and name in held_out_names()):
         name = made_up_name(rng, pieces)
     return name
 
 
 @functools.cache
-def held_out_words() -> frozenset[str]:
-    return frozenset(w.lower() for t in read_tasks("eval") for w in re.findall(r"[A-Za-z]+", json.dumps(t)))
+def held_out_names() -> frozenset[str]:
+    """What the splits must not share: the held-out projects and the functions and classes they
+    define (lower case). Common words (``high``, ``items``) stay available as pieces."""
+    import ast
+
+    names = set()
+    for t in read_tasks("eval"):
+        names.add(t["project"].lower())
+        names |= {n.name.lower() for n in ast.walk(ast.parse(t["solution"]))
+                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    return frozenset(names)
 
 
 def rename_project(episode: dict, old: str, new: str) -> dict:
@@ -384,7 +394,7 @@ def identifier_mapping(task: dict, rng: random.Random, taken: set[str], pieces: 
     """Made-up names for the task's identifiers, distinct, unused in ``taken`` (the episode's words);
     a class keeps its capital, a constant its capitals."""
     mapping: dict[str, str] = {}
-    used = set(taken) | set(_fixed_words()) | (held_out_words() if pieces else set())
+    used = set(taken) | set(_fixed_words()) | (held_out_names() if pieces else set())
     for name in sorted(project_identifiers(task)):
         new = made_up_name(rng, pieces)
         while new in used or new.capitalize() in used or new.upper() in used:
@@ -828,7 +838,7 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, i
         base = episodes
         if names == "broad" and not init:
             raise click.UsageError("--names broad draws from the tokenizer of --init")
-        pieces = name_pieces(AutoTokenizer.from_pretrained(init), held_out_words()) if names == "broad" else ()
+        pieces = name_pieces(AutoTokenizer.from_pretrained(init)) if names == "broad" else ()
         if renames:
             projects = {t["id"]: t["project"] for t in read_tasks("train")}
             rng = random.Random(f"rename-{seed}")
