@@ -275,22 +275,31 @@ def unaddress_edits(episode: dict, task: dict) -> dict:
 
 # ---------------------------------------------------------------- renamed projects
 def made_up_name(rng: random.Random, pieces: tuple[str, ...] = ()) -> str:
-    """A pronounceable made-up name (two or three consonant-vowel syllables); with ``pieces`` (the
-    tokenizer's alphabetic pieces, ``name_pieces``), three times in four one to three pieces instead, joined
-    plainly or snake_case. A model taught to copy only syllable names copies only those: held-out
-    names are made of real-word pieces, so the copies must be too."""
-    if pieces and rng.random() < 0.75:
+    """A pronounceable made-up name (two or three consonant-vowel syllables). With ``pieces`` (the
+    tokenizer's alphabetic pieces, ``name_pieces``), half the names are two to five short pieces (one to
+    three letters) run together, and a quarter one to three pieces of any length, joined plainly or
+    snake_case. A model taught to copy syllable names copies only those; a held-out name is a word the
+    tokenizer never saw, split into short fragments (``bsearch``: b/se/ar/ch), so most copies must be."""
+    draw = rng.random() if pieces else 1.0
+    if draw < 0.5:
+        return "".join(rng.choice(_short(pieces)) for _ in range(rng.randint(2, 5)))
+    if draw < 0.75:
         return ("_" if rng.random() < 0.3 else "").join(rng.choice(pieces) for _ in range(rng.choice([1, 2, 2, 3])))
     syllables = [rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(rng.choice([2, 3]))]
     return "".join(syllables) + rng.choice(["", "s", "n", "x"])
 
 
+@functools.cache
+def _short(pieces: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(p for p in pieces if len(p) <= 3)
+
+
 def name_pieces(tok) -> tuple[str, ...]:
-    """The tokenizer's purely alphabetic pieces (2+ letters, lower case, leading-space marker dropped).
-    A piece may be a word a held-out task uses; a whole name never is a held-out project or function
-    (``fresh_name``, ``identifier_mapping``)."""
-    pieces = {t.lstrip("Ġ").lower() for t in tok.get_vocab()}
-    return tuple(sorted(p for p in pieces if len(p) >= 2 and p.isascii() and p.isalpha()))
+    """The tokenizer's purely alphabetic pieces (lower case, leading-space marker dropped), single
+    letters included. A piece may be a word a held-out task uses; a whole name never is a held-out
+    project or function (``fresh_name``, ``identifier_mapping``)."""
+    pieces = {t.lstrip("\u0120").lower() for t in tok.get_vocab()}
+    return tuple(sorted(p for p in pieces if p.isascii() and p.isalpha()))
 
 
 def fresh_name(rng: random.Random, pieces: tuple[str, ...], taken=frozenset()) -> str:

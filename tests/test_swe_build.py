@@ -138,13 +138,14 @@ def test_renamed_task_is_the_same_fix_under_other_names():
 
 
 def test_broad_names_are_made_of_vocabulary_pieces_and_never_name_a_held_out_project_or_function():
-    pieces = ("se", "ar", "ch", "stack", "push", "ratio", "low", "high", "item")
+    pieces = ("b", "se", "ar", "ch", "stack", "push", "ratio", "low", "high", "item")
     rng = random.Random(0)
     names = [build.fresh_name(rng, pieces) for _ in range(3000)]
     assert not set(names) & build.held_out_names()  # "stack" alone, or "ratio", is refused
     assert {"stack", "ratio", "bsearch"} <= build.held_out_names()
     made_of_pieces = [n for n in names if re.fullmatch(f"(?:{'|'.join(pieces)})(?:_?(?:{'|'.join(pieces)}))*", n)]
     assert 0.6 < len(made_of_pieces) / len(names) < 0.9  # three in four; the rest syllable names
+    assert sum(1 for n in names if len(n) > 8) > 300  # runs of short pieces too
     assert build.fresh_name(random.Random(5), pieces) == build.fresh_name(random.Random(5), pieces)
     task = next(t for t in TASKS if t["project"] == "bank")
     mapping = build.identifier_mapping(task, random.Random(1), set(), pieces)
