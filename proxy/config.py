@@ -10,6 +10,7 @@ Kept free of mitmproxy so ``lightning-proxy env`` and tests can read the same fi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import urllib.parse
 from collections.abc import Iterable, Mapping
@@ -29,14 +30,15 @@ CAPTURE_FAILURE_POLICIES = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Upstream:
-    """One replica of the training upstream (an OpenAI-compatible server such as vLLM)."""
+    """One replica of the training upstream (an OpenAI-compatible server such as vLLM). Frozen, so
+    its URL is split once (routing reads its parts on every request)."""
 
     url: str
     inject_token_ids: bool | None = None  # None: use ProxyConfig.inject_token_ids
 
-    @property
+    @functools.cached_property
     def parts(self) -> urllib.parse.SplitResult:
         return urllib.parse.urlsplit(self.url)
 
