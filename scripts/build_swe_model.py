@@ -788,6 +788,9 @@ def served_tokenizer(tok, config):
 @click.option("--names", type=click.Choice(["syllables", "broad"]), default="syllables", show_default=True,
               help="made-up names of renamed copies: syllables, or broad (half of them from the --init "
                    "tokenizer's alphabetic pieces, none a held-out word)")
+@click.option("--originals/--no-originals", default=True, show_default=True,
+              help="keep the episodes under their own names beside the --id-renames copies (off: every "
+                   "episode's names can only be copied, none recalled)")
 @click.option("--max-tokens", default=0, show_default=True, help="drop SFT conversations longer than this (0: max-len)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--p-wrong", default=0.5, show_default=True, help="share of tasks that also get a noisy episode")
@@ -819,8 +822,8 @@ def served_tokenizer(tok, config):
 @click.option("--snapshots", default="",
               help="comma-separated SFT steps at which to also save OUT-stepN "
                    "(pick a warm start by its held-out success)")
-def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, id_renames, names, max_tokens, seed,
-         p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_split, eval_shard,
+def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, id_renames, names, originals, max_tokens,
+         seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_split, eval_shard,
          eval_samples, step_limit, threads, workers, episodes_file, device, run_eval, eval_only, tf_only, tf_every,
          snapshots):
     import torch
@@ -856,7 +859,7 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, i
         if id_renames:
             copies, id_rename_counts = id_renamed_copies(base, {t["id"]: t for t in read_tasks("train")},
                                                          id_renames, seed, pieces)
-            episodes = episodes + copies
+            episodes = (episodes if originals else episodes[len(base):]) + copies
             console.print(f"identifier-renamed copies: {json.dumps(id_rename_counts)}")
     elif episodes_file and episodes_file.exists():
         episodes = [json.loads(line) for line in episodes_file.read_text().splitlines()]
@@ -906,7 +909,8 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, i
                               "steps": json.loads((init / "build_info.json").read_text()).get("steps")
                               if (init / "build_info.json").exists() else None},
             "mask_wrong": mask_wrong, "edit_weight": edit_weight, "edit_form": edit_form, "max_tokens": max_tokens,
-            "renames": renames, "id_renames": id_renames, "names": names, "id_rename_counts": id_rename_counts,
+            "renames": renames, "id_renames": id_renames, "names": names, "originals": originals,
+            "id_rename_counts": id_rename_counts,
             "teacher_forced": tf_report(model, tok, seed, edit_form == "line"),
             "teacher_forced_curve": curve}
     (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
