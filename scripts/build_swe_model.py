@@ -728,12 +728,37 @@ def agent_rollouts(model, tok, tasks: list[dict], step_limit: int, temperature: 
              "messages": s["messages"]} for s in states]
 
 
-def summarise(runs: list[dict]) -> dict:
+def _model_commands(run: dict) -> list[str]:
+    """The commands of a model's episode (a call without a ``command`` string is skipped)."""
+    out = []
+    for call in [c for m in run["messages"] if m["role"] == "assistant" for c in m.get("tool_calls") or []]:
+        try:
+            command = json.loads(call["function"]["arguments"])["command"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(command, str):
+            out.append(command)
+    return out
+
+
+def summarise(runs: list[dict], tasks: list[dict]) -> dict:
+    """Success plus how far episodes got (``runs`` in the order of ``tasks``): ``looked`` ran
+    ``cat -n`` on the task's module, ``sed_right_file`` made a sed edit of it, ``span_found`` a
+    ``s///`` whose span is in the module. Zero success says little; these say where it stops."""
     calls = sorted(r["calls"] for r in runs)
+    progress = {"looked": 0, "sed_right_file": 0, "span_found": 0}
+    for r, t in zip(runs, tasks):
+        name, commands = module_name(t), _model_commands(r)
+        seds = [c for c in commands if c.startswith("sed -i")]
+        spans = [m.group(1).replace("\\", "") for c in seds if (m := re.match(r"sed -i '\d*s/((?:[^/\\]|\\.)*)/", c))]
+        progress["looked"] += any(c.strip() == f"cat -n {name}" for c in commands)
+        progress["sed_right_file"] += any(c.endswith(" " + name) for c in seds)
+        progress["span_found"] += any(span in t["files"][name] for span in spans)
     return {"episodes": len(runs), "success": round(sum(r["reward"] for r in runs) / len(runs), 4),
             "submitted": round(sum(r["submitted"] for r in runs) / len(runs), 4),
             "tasks_ever_solved": len({r["task_id"] for r in runs if r["reward"]}),
-            "calls_min_median_max": [calls[0], calls[len(calls) // 2], calls[-1]]}
+            "calls_min_median_max": [calls[0], calls[len(calls) // 2], calls[-1]],
+            **{k: round(v / len(runs), 4) for k, v in progress.items()}}
 
 
 def read_tasks(split: str) -> list[dict]:
@@ -808,6 +833,7 @@ def served_tokenizer(tok, config):
 @click.option("--eval-shard", default="0/1", show_default=True,
               help="i/n: evaluate every n-th task from i (parallel runs)")
 @click.option("--eval-samples", default=1, show_default=True, help="sampled episodes per held-out task")
+@click.option("--temperature", default=1.0, show_default=True, help="sampling temperature of the evaluation")
 @click.option("--step-limit", default=8, show_default=True, help="model calls per episode")
 @click.option("--threads", default=1, show_default=True)
 @click.option("--workers", default=2, show_default=True, help="parallel solver episodes")
@@ -824,8 +850,8 @@ def served_tokenizer(tok, config):
                    "(pick a warm start by its held-out success)")
 def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, id_renames, names, originals, max_tokens,
          seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_split, eval_shard,
-         eval_samples, step_limit, threads, workers, episodes_file, device, run_eval, eval_only, tf_only, tf_every,
-         snapshots):
+         eval_samples, temperature, step_limit, threads, workers, episodes_file, device, run_eval, eval_only, tf_only,
+         tf_every, snapshots):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
@@ -837,7 +863,7 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, i
         model, tok = Qwen2ForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
         built = json.loads((out / "build_info.json").read_text()) if (out / "build_info.json").exists() else {}
         result = (tf_report(model, tok, seed, built.get("edit_form", "line") == "line") if tf_only
-                  else evaluate(model, tok, evals, eval_samples, step_limit, seed, max_len))
+                  else evaluate(model, tok, evals, eval_samples, step_limit, seed, max_len, temperature))
         print(json.dumps(result))
         return
     t0 = time.monotonic()
@@ -917,7 +943,7 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, i
     console.print(f"SFT {sft_s:.0f}s, wrote {out}")
     if not run_eval:
         return
-    info["held_out_in_process"] = evaluate(model, tok, evals, eval_samples, step_limit, seed, max_len)
+    info["held_out_in_process"] = evaluate(model, tok, evals, eval_samples, step_limit, seed, max_len, temperature)
     (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
     console.print({k: v for k, v in info["held_out_in_process"].items() if k != "runs"})
 
@@ -959,13 +985,14 @@ def sft(model, tok, samples, steps: int, lr: float, batch: int, seed: int, minut
     return steps
 
 
-def evaluate(model, tok, evals, samples: int, step_limit: int, seed: int, max_len: int) -> dict:
+def evaluate(model, tok, evals, samples: int, step_limit: int, seed: int, max_len: int,
+             temperature: float = 1.0) -> dict:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     model.eval()
-    runs = agent_rollouts(model, tok, evals * samples, step_limit, 1.0, gen, max_len=max_len)
-    return {"temperature": 1.0, "step_limit": step_limit, **summarise(runs),
+    runs = agent_rollouts(model, tok, evals * samples, step_limit, temperature, gen, max_len=max_len)
+    return {"temperature": temperature, "step_limit": step_limit, **summarise(runs, evals * samples),
             "runs": [{k: r[k] for k in ("task_id", "reward", "calls", "submitted")} for r in runs]}
 
 

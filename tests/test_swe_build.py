@@ -167,6 +167,27 @@ def test_identifier_renaming_leaves_library_names_and_drops_a_copy_whose_span_br
     assert "bibi + 2" in json.dumps(build.rename_identifiers({"messages": keeps}, toy, {"rows": "bibi"}))
 
 
+def test_evaluation_summary_says_how_far_episodes_got():
+    task = next(t for t in TASKS if t["project"] == "bank")
+    name = build.module_name(task)
+    line = next(x for x in task["files"][name].splitlines() if "return" in x).strip()
+
+    def run(*commands, reward=0.0):
+        messages = [build.call_message(c, f"call_{i}") for i, c in enumerate(commands)]
+        messages.append({"role": "assistant", "tool_calls": [{"id": "x", "type": "function",
+                                                              "function": {"name": "bash", "arguments": "[1]"}}]})
+        return {"task_id": task["id"], "reward": reward, "calls": len(commands), "submitted": False,
+                "messages": messages}
+
+    runs = [run(f"cat -n {name}", f"sed -i 's/{line}/pass/' {name}", reward=1.0),
+            run("cat -n other.py", f"sed -i 's/no such text/x/' {name}"),
+            run("ls")]
+    summary = build.summarise(runs, [task] * 3)
+    assert summary["success"] == round(1 / 3, 4) and summary["tasks_ever_solved"] == 1
+    assert (summary["looked"], summary["sed_right_file"], summary["span_found"]) == (
+        round(1 / 3, 4), round(2 / 3, 4), round(1 / 3, 4))
+
+
 def test_sft_tokenises_as_the_saved_model_is_served(tmp_path):
     """The ids SFT trains on are the ids AutoTokenizer (vLLM, the trainer) gives for the saved model;
     the freshly built BPE alone would not give them (transformers 5 loads a qwen2 model's tokenizer as
