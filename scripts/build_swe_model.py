@@ -279,7 +279,7 @@ def made_up_name(rng: random.Random, pieces: tuple[str, ...] = ()) -> str:
     tokenizer's alphabetic pieces, ``name_pieces``), half the names are two to five short pieces (one to
     three letters) run together, and a quarter one to three pieces of any length, joined plainly or
     snake_case. A model taught to copy syllable names copies only those; a held-out name is a word the
-    tokenizer never saw, split into short fragments (``bsearch``: b/se/ar/ch), so most copies must be."""
+    tokenizer never saw, split into short fragments (``bsearch``: b/se/ar/ch), so most made-up names must be too."""
     draw = rng.random() if pieces else 1.0
     if draw < 0.5:
         return "".join(rng.choice(_short(pieces)) for _ in range(rng.randint(2, 5)))
@@ -303,7 +303,7 @@ def name_pieces(tok) -> tuple[str, ...]:
 
 
 def fresh_name(rng: random.Random, pieces: tuple[str, ...], taken=frozenset()) -> str:
-    """``made_up_name`` not in ``taken`` and, for broad names, no held-out word."""
+    """``made_up_name`` not in ``taken`` and, for broad names, never a held-out project or function."""
     name = made_up_name(rng, pieces)
     while name in taken or (pieces and name in held_out_names()):
         name = made_up_name(rng, pieces)
