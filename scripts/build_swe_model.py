@@ -445,8 +445,17 @@ def _renamed_tests_pass(task: dict, mapping: dict[str, str]) -> bool:
 
 
 def _commands(episode: dict) -> list[str]:
-    return [json.loads(c["function"]["arguments"])["command"]
-            for m in episode["messages"] for c in m.get("tool_calls") or []]
+    """The episode's bash commands in order. A call without a ``command`` string (a model can write
+    one) is skipped; the solver's episodes have none."""
+    out = []
+    for call in [c for m in episode["messages"] for c in m.get("tool_calls") or []]:
+        try:
+            command = json.loads(call["function"]["arguments"])["command"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(command, str):
+            out.append(command)
+    return out
 
 
 def rename_identifiers(episode: dict, task: dict, mapping: dict[str, str]) -> dict | None:
@@ -728,19 +737,6 @@ def agent_rollouts(model, tok, tasks: list[dict], step_limit: int, temperature: 
              "messages": s["messages"]} for s in states]
 
 
-def _model_commands(run: dict) -> list[str]:
-    """The commands of a model's episode (a call without a ``command`` string is skipped)."""
-    out = []
-    for call in [c for m in run["messages"] if m["role"] == "assistant" for c in m.get("tool_calls") or []]:
-        try:
-            command = json.loads(call["function"]["arguments"])["command"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        if isinstance(command, str):
-            out.append(command)
-    return out
-
-
 def summarise(runs: list[dict], tasks: list[dict]) -> dict:
     """Success plus how far episodes got (``runs`` in the order of ``tasks``): ``looked`` ran
     ``cat -n`` on the task's module, ``sed_right_file`` made a sed edit of it, ``span_found`` a
@@ -748,7 +744,7 @@ def summarise(runs: list[dict], tasks: list[dict]) -> dict:
     calls = sorted(r["calls"] for r in runs)
     progress = {"looked": 0, "sed_right_file": 0, "span_found": 0}
     for r, t in zip(runs, tasks):
-        name, commands = module_name(t), _model_commands(r)
+        name, commands = module_name(t), _commands(r)
         seds = [c for c in commands if c.startswith("sed -i")]
         spans = [m.group(1).replace("\\", "") for c in seds if (m := re.match(r"sed -i '\d*s/((?:[^/\\]|\\.)*)/", c))]
         progress["looked"] += any(c.strip() == f"cat -n {name}" for c in commands)
@@ -811,8 +807,9 @@ def served_tokenizer(tok, config):
 @click.option("--id-renames", default=0, show_default=True,
               help="copies of each episode with the project and its identifiers renamed (made-up names)")
 @click.option("--names", type=click.Choice(["syllables", "broad"]), default="syllables", show_default=True,
-              help="made-up names of renamed copies: syllables, or broad (half of them from the --init "
-                   "tokenizer's alphabetic pieces, none a held-out word)")
+              help="made-up names of renamed copies: syllables, or broad (three in four made of the --init "
+                   "tokenizer's alphabetic pieces, most of them runs of short ones; never a held-out "
+                   "project or function)")
 @click.option("--originals/--no-originals", default=True, show_default=True,
               help="keep the episodes under their own names beside the --id-renames copies (off: every "
                    "episode's names can only be copied, none recalled)")
@@ -868,6 +865,7 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, i
         return
     t0 = time.monotonic()
     id_rename_counts = None
+    init_tok = AutoTokenizer.from_pretrained(init) if init else None
     if trajectories:
         episodes = load_trajectories(list(trajectories))
         if edit_form == "unaddressed":
@@ -876,7 +874,7 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, i
         base = episodes
         if names == "broad" and not init:
             raise click.UsageError("--names broad draws from the tokenizer of --init")
-        pieces = name_pieces(AutoTokenizer.from_pretrained(init)) if names == "broad" else ()
+        pieces = name_pieces(init_tok) if names == "broad" else ()
         if renames:
             projects = {t["id"]: t["project"] for t in read_tasks("train")}
             rng = random.Random(f"rename-{seed}")
@@ -895,7 +893,7 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, i
             tm.write_jsonl(episodes, episodes_file)
     console.print(f"{len(episodes)} SFT episodes ({time.monotonic() - t0:.0f}s), solver success "
                   f"{sum(e['reward'] or 0 for e in episodes) / len(episodes):.3f}")
-    tok = AutoTokenizer.from_pretrained(init) if init else make_tokenizer(episodes, vocab, max_len)
+    tok = init_tok if init_tok is not None else make_tokenizer(episodes, vocab, max_len)
     if not init:
         config = tm.model_config(tok, layers=layers, hidden=hidden, heads=hidden // 64, max_positions=max_len)
         tok = served_tokenizer(tok, config)
