@@ -6,8 +6,8 @@ are kept for the span (parsed in batches: :meth:`SSERelay.settle`). With rewriti
 injected token ids / logprobs), only complete events can be rewritten, so a partial event waits
 for its end (never longer than the upstream takes to send it). An empty list, never ``b""``,
 means "nothing to send yet": ``b""`` ends an HTTP/1.1 body.
-The sink sees each event as upstream sent it (its own parse of the payload, never the object the
-filters rewrite).
+The sink sees each event as upstream sent it: filters return rewritten copies and never change
+the object they are given.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from . import fastjson
 
 EventSink = Callable[[dict], None]
-EventFilter = Callable[[dict], None]
+EventFilter = Callable[[dict], dict]  # returns the rewritten copy (see filters.py)
 
 
 class SSERelay:
@@ -33,8 +33,9 @@ class SSERelay:
     at the end of the stream, before an oversize event, and whenever the caller needs the assembly
     so far). Feeding the assembler between chunks, when the interpreter's caches hold mitmproxy's
     state, cost three times what the same work costs in one loop; it was most of the proxy's CPU
-    above plain mitmproxy on a streamed answer. Held events are raw payload bytes (smaller than the
-    parsed objects the assembler keeps anyway)."""
+    above plain mitmproxy on a streamed answer. Without filters, held events are raw payload bytes
+    (parsed at settle, in that loop); with filters, each event is parsed once as it arrives, and that
+    object is held (filters return copies, so it is the event as upstream sent it)."""
 
     SETTLE_EVERY = 256
 
@@ -46,7 +47,7 @@ class SSERelay:
         self.max_event = max_event
         self.buf = bytearray()
         self.scan = 0  # event ends before this offset were already looked for
-        self.pending: list[bytes] = []  # payloads the sink has not had yet, in stream order
+        self.pending: list[bytes | dict] = []  # events the sink has not had yet, in stream order
         self.done = False  # saw data: [DONE]
         self.oversize = False
         self.salvaged = False
@@ -79,9 +80,9 @@ class SSERelay:
                     return chunk
                 obj = self._loads(payload)
                 if type(obj) is dict:
-                    self._hold(payload)  # the sink reads it again at settle: filters rewrite ``obj``
+                    self._hold(obj)  # filters return copies: the sink gets the event as sent
                     for f in filters:
-                        f(obj)
+                        obj = f(obj)
                     return b"data: " + fastjson.dumps_bytes(obj) + b"\n\n"
             new = self._event(payload, ())  # anything else: [DONE], not JSON, not an object
             return chunk if new is None else new + b"\n\n"
@@ -104,8 +105,8 @@ class SSERelay:
     def settle(self) -> None:
         """Give the sink every event held so far (in order)."""
         pending, self.pending = self.pending, []
-        for payload in pending:
-            obj = self._json(payload)  # a malformed event is reported here
+        for held in pending:
+            obj = held if type(held) is dict else self._json(held)  # a malformed event is reported here
             if not isinstance(obj, dict):
                 continue
             self.events += 1
@@ -113,7 +114,7 @@ class SSERelay:
                 self.on_event(obj)
             except Exception as exc:  # an event of an unexpected shape must not break the relay
                 if self.on_error:
-                    self.on_error(f"SSE event not understood ({type(exc).__name__}: {exc}): {payload[:200]!r}")
+                    self.on_error(f"SSE event not understood ({type(exc).__name__}: {exc}): {str(obj)[:200]!r}")
 
     def _overflow(self, chunk: bytes, out: bytes) -> bytes:
         """A partial event passed ``max_event``: stop parsing, relay everything from here on as is."""
@@ -179,9 +180,9 @@ class SSERelay:
         obj = self._json(payload)  # a malformed event is reported here, and not held
         if not isinstance(obj, dict):
             return None
-        self._hold(payload)  # the sink reads it again at settle: filters rewrite ``obj`` in place
+        self._hold(obj)  # filters return copies: the sink gets the event as sent
         for f in self.filters:
-            f(obj)
+            obj = f(obj)
         head = b"\n".join(other) + b"\n" if other else b""
         return head + b"data: " + fastjson.dumps_bytes(obj)
 
@@ -193,8 +194,8 @@ class SSERelay:
         except Exception:  # no orjson (AttributeError), not UTF-8, or a value orjson refuses
             return None
 
-    def _hold(self, payload: bytes) -> None:
-        self.pending.append(payload)
+    def _hold(self, event: bytes | dict) -> None:
+        self.pending.append(event)
         if len(self.pending) >= self.SETTLE_EVERY:
             self.settle()
 

@@ -75,7 +75,7 @@ class Call:
     sse: Any = None  # (SSERelay, assembler) when streaming
     response_obj: dict | None = None
     response_error: str | None = None
-    event_filters: list[Callable[[dict], None]] = field(default_factory=list)
+    event_filters: list[Callable[[dict], dict]] = field(default_factory=list)
     # hygiene
     # values secret for this call (credentials, header keys): never recorded
     secrets: set[str] = field(default_factory=set)

@@ -18,9 +18,14 @@ from lightning_harness.proxy.assemble import (
 )
 from lightning_harness.proxy.client import harness_env
 from lightning_harness.proxy.config import ProxyConfig, parse_model_map
-from lightning_harness.proxy.filters import make_model_restorer, make_responses_stripper
+from lightning_harness.proxy.filters import make_model_restorer, make_responses_stripper, make_stripper
 from lightning_harness.proxy.redact import MASK, Redactor
 from lightning_harness.proxy.sse import SSERelay
+
+
+def _dropping(key: str):
+    """An event filter as the proxy's are: it returns a copy without ``key``, never changing its input."""
+    return lambda o: {k: v for k, v in o.items() if k != key}
 
 
 def _ev(obj) -> bytes:
@@ -47,7 +52,7 @@ def test_relay_passes_chunks_through_unchanged_when_not_rewriting():
 
 def test_relay_gives_the_sink_events_in_order_in_batches_and_never_the_rewritten_object():
     seen = []
-    relay = SSERelay(seen.append, [lambda o: o.pop("secret", None)])
+    relay = SSERelay(seen.append, [_dropping("secret")])
     relay.SETTLE_EVERY = 3
     sent = [relay(_ev({"i": i, "secret": i})) for i in range(4)]
     assert sent == [b'data: {"i":' + str(i).encode() + b"}\n\n" for i in range(4)]
@@ -57,7 +62,7 @@ def test_relay_gives_the_sink_events_in_order_in_batches_and_never_the_rewritten
 
 
 def test_relay_rewrites_whole_events_and_never_returns_empty_bytes_mid_stream():
-    relay = SSERelay(lambda o: None, [lambda o: o.pop("secret", None)])
+    relay = SSERelay(lambda o: None, [_dropping("secret")])
     first = relay(b'data: {"x": 1, "secr')
     assert first == []  # a partial event waits; b"" would end the HTTP/1.1 body
     second = relay(b'et": 2}\r\n\r\ndata: [DONE]\r\n\r\n')
@@ -74,7 +79,7 @@ def test_relay_one_event_per_chunk_matches_the_general_scan():
               b"data: {nope\n\n", b"data: [1, 2]\n\n", b": comment\n\n", b"\n\n",
               b"event: x\ndata: {\"two\": \"lines\"}\n\n", b"data: [DONE]\n\n"]
     stream = b"".join(events)
-    for filters in ([], [lambda o: o.pop("drop", None)]):
+    for filters in ([], [_dropping("drop")]):
         runs = []
         for pieces in (events, [stream[i: i + 5] for i in range(0, len(stream), 5)]):
             seen, errors = [], []
@@ -91,9 +96,21 @@ def test_relay_one_event_per_chunk_matches_the_general_scan():
         assert relayed.endswith(b"data: [DONE]\n\n") and b"data: {nope\n\n" in relayed
 
 
+def test_relay_strips_odd_shapes_without_breaking_the_stream():
+    """An upstream event whose ``choices`` is not a list of objects passes as it came (a stripper
+    that iterated it raised inside mitmproxy's stream hook); the sink still gets every event."""
+    seen = []
+    relay = SSERelay(seen.append, [make_stripper(token_ids=True, logprobs=True)])
+    odd = [{"choices": 1}, {"choices": True}, {"choices": [1, None]}, {"choices": {"0": {"token_ids": [1]}}}]
+    sent = [relay(_ev(o)) for o in odd] + [relay(_ev({"choices": [{"token_ids": [5], "logprobs": {"content": []}}]}))]
+    assert [json.loads(x[6:]) for x in sent] == [*odd, {"choices": [{"logprobs": None}]}]
+    relay(b"")
+    assert seen == [*odd, {"choices": [{"token_ids": [5], "logprobs": {"content": []}}]}]
+
+
 def test_relay_reports_malformed_events_and_keeps_them():
     errors = []
-    relay = SSERelay(lambda o: None, [lambda o: None], on_error=errors.append)
+    relay = SSERelay(lambda o: None, [lambda o: o], on_error=errors.append)
     assert relay(b"data: {nope\n\n") == b"data: {nope\n\n"
     assert errors and "malformed SSE event" in errors[0]
 
@@ -226,21 +243,34 @@ def test_responses_stream_cut_short_keeps_finished_items_and_no_token_ids():
 
 
 def test_responses_stripper_hides_exactly_what_was_injected():
-    obj = json.loads((RECORDED / "vllm_responses.json").read_text())
-    make_responses_stripper(token_ids=True, logprobs=False)(obj)
+    original = json.loads((RECORDED / "vllm_responses.json").read_text())
+    as_recorded = json.dumps(original)
+    obj = make_responses_stripper(token_ids=True, logprobs=False)(original)
     assert "input_messages" not in obj and "output_messages" not in obj
     assert obj["output"][0]["content"][0]["logprobs"]  # not injected: kept
-    make_responses_stripper(token_ids=False, logprobs=True)(obj)
+    obj = make_responses_stripper(token_ids=False, logprobs=True)(obj)
     assert obj["output"][0]["content"][0]["logprobs"] == []
+    assert json.dumps(original) == as_recorded  # filters return copies: the span's object is untouched
     strip = make_responses_stripper(token_ids=True, logprobs=True)
     restore = make_model_restorer("gpt-4o")
-    events = _sse_events((RECORDED / "vllm_responses_stream.sse").read_bytes())
-    for ev in events:
-        strip(ev)
-        restore(ev)
+    events = [restore(strip(ev)) for ev in _sse_events((RECORDED / "vllm_responses_stream.sse").read_bytes())]
     text = json.dumps(events)
     assert "input_messages" not in text and "output_messages" not in text and '"logprob"' not in text
     assert all(ev["response"]["model"] == "gpt-4o" for ev in events if "response" in ev)
+
+
+def test_chat_stripper_returns_a_copy_without_what_was_injected():
+    chunk = {"id": "c", "model": "m", "prompt_token_ids": [1, 2],
+             "choices": [{"index": 0, "delta": {"content": "hi"}, "logprobs": {"content": [{"logprob": -0.1}]},
+                          "finish_reason": None, "token_ids": [7]}, "not a choice"]}
+    as_sent = json.dumps(chunk)
+    out = make_stripper(token_ids=True, logprobs=True)(chunk)
+    assert json.dumps(chunk) == as_sent
+    assert out == {"id": "c", "model": "m", "choices": [
+        {"index": 0, "delta": {"content": "hi"}, "logprobs": None, "finish_reason": None}, "not a choice"]}
+    assert out["choices"][0]["delta"] is chunk["choices"][0]["delta"]  # what is unchanged is shared
+    assert make_stripper(token_ids=False, logprobs=False)(chunk) is chunk
+    assert make_stripper(token_ids=True, logprobs=True)({"choices": 1}) == {"choices": 1}  # odd shapes pass
 
 
 def test_responses_stream_relayed_with_stripping_still_records_token_ids():

@@ -76,5 +76,5 @@ class Rewrite:
         if not isinstance(obj, dict):
             return
         for f in call.event_filters:
-            f(obj)
+            obj = f(obj)
         flow.response.content = fastjson.dumps_bytes(obj)
