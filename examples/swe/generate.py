@@ -23,15 +23,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def _load_catalogue() -> dict:
-    """projects.py by file path, so importing the generator leaves sys.path alone."""
-    spec = importlib.util.spec_from_file_location("swe_projects", Path(__file__).with_name("projects.py"))
+def _load_catalogue(filename: str, attribute: str) -> dict:
+    """A catalogue module by file path, so importing the generator leaves sys.path alone."""
+    spec = importlib.util.spec_from_file_location(f"swe_{Path(filename).stem}", Path(__file__).with_name(filename))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.PROJECTS
+    return getattr(module, attribute)
 
 
-PROJECTS = _load_catalogue()
+PROJECTS = _load_catalogue("projects.py", "PROJECTS")          # the held-out projects are drawn from these
+TRAIN_ONLY = _load_catalogue("projects_train.py", "TRAIN_ONLY_PROJECTS")  # never held out
+if PROJECTS.keys() & TRAIN_ONLY.keys():
+    raise RuntimeError(f"projects in both catalogues: {sorted(PROJECTS.keys() & TRAIN_ONLY.keys())}")
+CATALOGUE = {**PROJECTS, **TRAIN_ONLY}
 
 FAMILIES = ("wrong_operator", "off_by_one", "swapped_args", "wrong_constant",
             "inverted_condition", "missing_return")
@@ -245,12 +249,12 @@ def run_suite(module_name: str, module_src: str, test_src: str) -> list[str] | N
 
 def original_source(name: str) -> str:
     """The project module as the agent's tools will show it (unparsed, so only the bug differs)."""
-    return ast.unparse(ast.parse(PROJECTS[name]["module"])) + "\n"
+    return ast.unparse(ast.parse(CATALOGUE[name]["module"])) + "\n"
 
 
 def candidate_bugs(name: str) -> dict[tuple[str, str], list[tuple[str, list[str]]]]:
     """Valid mutants of one project grouped by (function, family): they fail visible and hidden tests."""
-    spec = PROJECTS[name]
+    spec = CATALOGUE[name]
     original = original_source(name)
     for suite in ("visible", "hidden"):
         if run_suite(name, original, spec[suite]) != []:
@@ -273,7 +277,7 @@ def candidate_bugs(name: str) -> dict[tuple[str, str], list[tuple[str, list[str]
 def project_tasks(name: str, seed: int) -> list[dict]:
     """Tasks of one project; its own RNG so a subset of projects generates the same tasks."""
     rng = random.Random(f"{seed}:{name}")
-    spec = PROJECTS[name]
+    spec = CATALOGUE[name]
     tasks = []
     for (fname, family), cands in candidate_bugs(name).items():
         picks = sorted(rng.sample(range(len(cands)), min(PER_FAMILY_CAP, len(cands))))
@@ -295,11 +299,17 @@ def project_tasks(name: str, seed: int) -> list[dict]:
 
 
 def split_projects(seed: int, names: list[str] | None = None) -> tuple[list[str], list[str]]:
-    """Train and eval project names; eval is drawn from the whole catalogue so subsets agree."""
+    """Train and eval project names; eval is drawn from projects.py's whole catalogue so subsets agree,
+    and train-only projects (projects_train.py) come after the rest of the train split, so adding
+    one changes neither the draw nor a task that existed before."""
     everything = sorted(PROJECTS)
     held_out = set(random.Random(seed).sample(everything, EVAL_PROJECTS))
-    chosen = sorted(names) if names else everything
-    return [n for n in chosen if n not in held_out], [n for n in chosen if n in held_out]
+    unknown = sorted(set(names or ()) - CATALOGUE.keys())
+    if unknown:
+        raise ValueError(f"unknown projects: {unknown}")
+    chosen = sorted(n for n in names if n in PROJECTS) if names else everything
+    extra = sorted(n for n in names if n in TRAIN_ONLY) if names else sorted(TRAIN_ONLY)
+    return [n for n in chosen if n not in held_out] + extra, [n for n in chosen if n in held_out]
 
 
 def build(seed: int, names: list[str] | None = None) -> dict[str, list[dict]]:
