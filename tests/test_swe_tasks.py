@@ -106,6 +106,20 @@ def test_train_only_projects_never_enter_the_held_out_draw():
         gen.split_projects(0, ["stats", "no_such_project"])
 
 
+def test_train_only_rewards_also_run_the_visible_checks():
+    """A train-only task's reward runs its visible test functions too, so no module that fails a visible
+    test can score: every single-site mutant of a train-only project that fails a visible test fails
+    the reward's suite."""
+    by_project = {t["project"]: t for t in committed("train") if t["project"] in gen.TRAIN_ONLY}
+    for name, task in by_project.items():
+        visible = task["files"][f"test_{name}.py"]
+        assert set(re.findall(r"def (test_\w+)", visible)) <= set(re.findall(r"def (test_\w+)", task["hidden_tests"]))
+        for _, _, buggy in gen.mutants(task["solution"]):
+            failing = gen.run_suite(name, buggy, visible)
+            if failing and failing != ["<collection>"]:
+                assert gen.run_suite(name, buggy, task["hidden_tests"]) != [], (name, buggy)  # fails or hangs
+
+
 def test_bug_is_inside_the_named_function_only():
     for task in committed("train") + committed("eval"):
         buggy = dict(gen.functions(ast.parse(task["files"][f"{task['project']}.py"])))

@@ -41,7 +41,7 @@ FAMILIES = ("wrong_operator", "off_by_one", "swapped_args", "wrong_constant",
             "inverted_condition", "missing_return")
 EVAL_PROJECTS = 5          # projects held out for the eval split
 PER_FAMILY_CAP = 3         # mutants kept per (function, family), so no family swamps a function
-TEST_TIME_LIMIT = 0.3      # seconds per suite run in-process; a mutant that hangs is dropped
+TEST_TIME_LIMIT = 0.3      # CPU seconds per suite run in-process; a mutant that hangs is dropped
 
 OP_SWAPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult,
             ast.Div: ast.Mult, ast.Mod: ast.FloorDiv, ast.Lt: ast.LtE, ast.LtE: ast.Lt,
@@ -201,15 +201,17 @@ class _Timeout(BaseException):
 
 @contextmanager
 def _time_limit(seconds: float):
+    """Bounds the CPU time the suite uses (ITIMER_VIRTUAL), not wall time: on a loaded machine a
+    descheduled suite must not count as a hang, or the same seed would give other tasks."""
     def _raise(signum, frame):
         raise _Timeout()
-    previous = signal.signal(signal.SIGALRM, _raise)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    previous = signal.signal(signal.SIGVTALRM, _raise)
+    signal.setitimer(signal.ITIMER_VIRTUAL, seconds)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        signal.signal(signal.SIGVTALRM, previous)
 
 
 def run_suite(module_name: str, module_src: str, test_src: str) -> list[str] | None:
@@ -253,7 +255,9 @@ def original_source(name: str) -> str:
 
 
 def candidate_bugs(name: str) -> dict[tuple[str, str], list[tuple[str, list[str]]]]:
-    """Valid mutants of one project grouped by (function, family): they fail visible and hidden tests."""
+    """Valid mutants of one project grouped by (function, family): they fail visible and hidden tests.
+    "Hidden" here is the project's own hidden suite, never the visible checks a train-only project's
+    reward repeats (``reward_extra``): the hidden tests themselves must tell a fix from a no-op."""
     spec = CATALOGUE[name]
     original = original_source(name)
     for suite in ("visible", "hidden"):
@@ -289,7 +293,7 @@ def project_tasks(name: str, seed: int) -> list[dict]:
                 "id": f"{name}-{fname.replace('.', '_')}-{family}-{i}",
                 "project": name, "function": fname, "family": family,
                 "files": {f"{name}.py": buggy, f"test_{name}.py": spec["visible"].lstrip("\n")},
-                "hidden_tests": spec["hidden"].lstrip("\n"),
+                "hidden_tests": spec["hidden"].lstrip("\n") + spec.get("reward_extra", ""),
                 "failing_visible_tests": failing,
                 "prompt": prompt,
                 "solution": original_source(name),

@@ -11,8 +11,12 @@ TRAIN_ONLY_PROJECTS: dict[str, dict[str, str]] = {}
 
 
 def project(name: str, module: str, visible: str, hidden: str) -> None:
-    """Register a train-only project; literal sources, as in projects.py."""
-    TRAIN_ONLY_PROJECTS[name] = {"module": module, "visible": visible, "hidden": hidden}
+    """Register a train-only project; literal sources, as in projects.py. The reward also runs the
+    visible tests' functions after the hidden ones (``reward_extra``), so a module that fails a visible
+    test never earns it: a wrong edit the agent sees failing is never scored as a fix."""
+    visible_checks = visible.split("\n\n\n", 1)[1]  # the test functions, without the import line
+    TRAIN_ONLY_PROJECTS[name] = {"module": module, "visible": visible, "hidden": hidden,
+                                 "reward_extra": "\n\n" + visible_checks}
 
 
 project("scoreboard", '''
