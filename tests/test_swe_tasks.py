@@ -60,7 +60,7 @@ def test_committed_splits_match_regeneration():
 
 
 def test_same_seed_same_bytes_and_subset_agrees(tmp_path):
-    names = "stats,roman,rle"
+    names = "stats,roman,rle,ledger"
     for run in ("a", "b"):
         assert gen.main(["--seed", "3", "--out", str(tmp_path / run), "--projects", names]) == 0
     for split in ("train", "eval"):
@@ -79,6 +79,45 @@ def test_splits_share_no_project_or_function_and_sizes():
     ids = [t["id"] for t in train + held_out]
     assert len(ids) == len(set(ids))
     assert {t["family"] for t in train} == set(gen.FAMILIES)
+
+
+def _defined_names(source: str) -> set[str]:
+    return {n.name.lower() for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def test_train_only_projects_never_enter_the_held_out_draw():
+    """projects_train.py only adds train tasks: the held-out draw is made from projects.py alone, the
+    tasks that existed before keep their place, and no train-only project shares a name with any project
+    or function of projects.py (so none can shadow a held-out one, whatever the seed)."""
+    assert len(gen.TRAIN_ONLY) >= 40 and not gen.TRAIN_ONLY.keys() & gen.PROJECTS.keys()
+    for seed in range(5):
+        train, held_out = gen.split_projects(seed)
+        assert set(held_out) <= gen.PROJECTS.keys() and len(held_out) == gen.EVAL_PROJECTS
+        assert train[-len(gen.TRAIN_ONLY):] == sorted(gen.TRAIN_ONLY)
+        assert set(train) | set(held_out) == gen.CATALOGUE.keys()
+    original = set(gen.PROJECTS) | {f for spec in gen.PROJECTS.values() for f in _defined_names(spec["module"])}
+    for name, spec in gen.TRAIN_ONLY.items():
+        assert not ({name} | _defined_names(spec["module"])) & original, name
+    train = committed("train")
+    first_extra = next(i for i, t in enumerate(train) if t["project"] in gen.TRAIN_ONLY)
+    assert all(t["project"] in gen.TRAIN_ONLY for t in train[first_extra:])
+    assert len({t["project"] for t in train[first_extra:]}) == len(gen.TRAIN_ONLY)  # every one gives tasks
+    with pytest.raises(ValueError, match="unknown projects"):
+        gen.split_projects(0, ["stats", "no_such_project"])
+
+
+def test_train_only_rewards_also_run_the_visible_checks():
+    """A train-only task's reward runs its visible test functions too, so no module that fails a visible
+    test can score: every single-site mutant of a train-only project that fails a visible test fails
+    the reward's suite."""
+    by_project = {t["project"]: t for t in committed("train") if t["project"] in gen.TRAIN_ONLY}
+    for name, task in by_project.items():
+        visible = task["files"][f"test_{name}.py"]
+        assert set(re.findall(r"def (test_\w+)", visible)) <= set(re.findall(r"def (test_\w+)", task["hidden_tests"]))
+        for _, _, buggy in gen.mutants(task["solution"]):
+            failing = gen.run_suite(name, buggy, visible)
+            if failing and failing != ["<collection>"]:
+                assert gen.run_suite(name, buggy, task["hidden_tests"]) != [], (name, buggy)  # fails or hangs
 
 
 def test_bug_is_inside_the_named_function_only():

@@ -23,21 +23,25 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def _load_catalogue() -> dict:
-    """projects.py by file path, so importing the generator leaves sys.path alone."""
-    spec = importlib.util.spec_from_file_location("swe_projects", Path(__file__).with_name("projects.py"))
+def _load_catalogue(filename: str, attribute: str) -> dict:
+    """A catalogue module by file path, so importing the generator leaves sys.path alone."""
+    spec = importlib.util.spec_from_file_location(f"swe_{Path(filename).stem}", Path(__file__).with_name(filename))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.PROJECTS
+    return getattr(module, attribute)
 
 
-PROJECTS = _load_catalogue()
+PROJECTS = _load_catalogue("projects.py", "PROJECTS")          # the held-out projects are drawn from these
+TRAIN_ONLY = _load_catalogue("projects_train.py", "TRAIN_ONLY_PROJECTS")  # never held out
+if PROJECTS.keys() & TRAIN_ONLY.keys():
+    raise RuntimeError(f"projects in both catalogues: {sorted(PROJECTS.keys() & TRAIN_ONLY.keys())}")
+CATALOGUE = {**PROJECTS, **TRAIN_ONLY}
 
 FAMILIES = ("wrong_operator", "off_by_one", "swapped_args", "wrong_constant",
             "inverted_condition", "missing_return")
 EVAL_PROJECTS = 5          # projects held out for the eval split
 PER_FAMILY_CAP = 3         # mutants kept per (function, family), so no family swamps a function
-TEST_TIME_LIMIT = 0.3      # seconds per suite run in-process; a mutant that hangs is dropped
+TEST_TIME_LIMIT = 0.3      # CPU seconds per suite run in-process; a mutant that hangs is dropped
 
 OP_SWAPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult,
             ast.Div: ast.Mult, ast.Mod: ast.FloorDiv, ast.Lt: ast.LtE, ast.LtE: ast.Lt,
@@ -197,15 +201,17 @@ class _Timeout(BaseException):
 
 @contextmanager
 def _time_limit(seconds: float):
+    """Bounds the CPU time the suite uses (ITIMER_VIRTUAL), not wall time: on a loaded machine a
+    descheduled suite must not count as a hang, or the same seed would give other tasks."""
     def _raise(signum, frame):
         raise _Timeout()
-    previous = signal.signal(signal.SIGALRM, _raise)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    previous = signal.signal(signal.SIGVTALRM, _raise)
+    signal.setitimer(signal.ITIMER_VIRTUAL, seconds)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        signal.signal(signal.SIGVTALRM, previous)
 
 
 def run_suite(module_name: str, module_src: str, test_src: str) -> list[str] | None:
@@ -245,12 +251,14 @@ def run_suite(module_name: str, module_src: str, test_src: str) -> list[str] | N
 
 def original_source(name: str) -> str:
     """The project module as the agent's tools will show it (unparsed, so only the bug differs)."""
-    return ast.unparse(ast.parse(PROJECTS[name]["module"])) + "\n"
+    return ast.unparse(ast.parse(CATALOGUE[name]["module"])) + "\n"
 
 
 def candidate_bugs(name: str) -> dict[tuple[str, str], list[tuple[str, list[str]]]]:
-    """Valid mutants of one project grouped by (function, family): they fail visible and hidden tests."""
-    spec = PROJECTS[name]
+    """Valid mutants of one project grouped by (function, family): they fail visible and hidden tests.
+    "Hidden" here is the project's own hidden suite, never the visible checks a train-only project's
+    reward repeats (``reward_extra``): the hidden tests themselves must tell a fix from a no-op."""
+    spec = CATALOGUE[name]
     original = original_source(name)
     for suite in ("visible", "hidden"):
         if run_suite(name, original, spec[suite]) != []:
@@ -273,7 +281,7 @@ def candidate_bugs(name: str) -> dict[tuple[str, str], list[tuple[str, list[str]
 def project_tasks(name: str, seed: int) -> list[dict]:
     """Tasks of one project; its own RNG so a subset of projects generates the same tasks."""
     rng = random.Random(f"{seed}:{name}")
-    spec = PROJECTS[name]
+    spec = CATALOGUE[name]
     tasks = []
     for (fname, family), cands in candidate_bugs(name).items():
         picks = sorted(rng.sample(range(len(cands)), min(PER_FAMILY_CAP, len(cands))))
@@ -285,7 +293,7 @@ def project_tasks(name: str, seed: int) -> list[dict]:
                 "id": f"{name}-{fname.replace('.', '_')}-{family}-{i}",
                 "project": name, "function": fname, "family": family,
                 "files": {f"{name}.py": buggy, f"test_{name}.py": spec["visible"].lstrip("\n")},
-                "hidden_tests": spec["hidden"].lstrip("\n"),
+                "hidden_tests": spec["hidden"].lstrip("\n") + spec.get("reward_extra", ""),
                 "failing_visible_tests": failing,
                 "prompt": prompt,
                 "solution": original_source(name),
@@ -295,11 +303,17 @@ def project_tasks(name: str, seed: int) -> list[dict]:
 
 
 def split_projects(seed: int, names: list[str] | None = None) -> tuple[list[str], list[str]]:
-    """Train and eval project names; eval is drawn from the whole catalogue so subsets agree."""
+    """Train and eval project names; eval is drawn from projects.py's whole catalogue so subsets agree,
+    and train-only projects (projects_train.py) come after the rest of the train split, so adding
+    one changes neither the draw nor a task that existed before."""
     everything = sorted(PROJECTS)
     held_out = set(random.Random(seed).sample(everything, EVAL_PROJECTS))
-    chosen = sorted(names) if names else everything
-    return [n for n in chosen if n not in held_out], [n for n in chosen if n in held_out]
+    unknown = sorted(set(names or ()) - CATALOGUE.keys())
+    if unknown:
+        raise ValueError(f"unknown projects: {unknown}")
+    chosen = sorted(n for n in names if n in PROJECTS) if names else everything
+    extra = sorted(n for n in names if n in TRAIN_ONLY) if names else sorted(TRAIN_ONLY)
+    return [n for n in chosen if n not in held_out] + extra, [n for n in chosen if n in held_out]
 
 
 def build(seed: int, names: list[str] | None = None) -> dict[str, list[dict]]:

@@ -122,6 +122,31 @@ def _unique_block(lines: list[str], start: int, stop: int) -> tuple[int, int]:
     return start, stop
 
 
+def _replacements(a: list[str], b: list[str], hunks: list[tuple]) -> list[tuple[str, str]]:
+    """(old, new) text pairs that turn a into b by `replace(old, new, 1)` each. Every hunk's block is
+    grown until it is unique; blocks that then overlap are merged into one (a later pair's old text
+    would otherwise be gone once the earlier pair is applied), and the pairs run from the bottom of the
+    file up (an earlier pair's new text could otherwise hold a later pair's old text first)."""
+    blocks: list[list] = []
+    for hunk in hunks:
+        _, i1, i2, _, _ = hunk
+        lo, hi = (i1, i2) if i2 > i1 else (max(0, i1 - 1), i1)  # an insertion keeps the line before it
+        lo, hi = _unique_block(a, lo, hi)
+        group = [hunk]
+        while blocks and lo < blocks[-1][1]:
+            prev_lo, prev_hi, prev_group = blocks.pop()
+            lo, hi, group = min(lo, prev_lo), max(hi, prev_hi), prev_group + group
+        blocks.append([lo, hi, group])
+    pairs = []
+    for lo, hi, group in blocks:
+        new, at = [], lo
+        for _, i1, i2, j1, j2 in group:
+            new += a[at:i1] + b[j1:j2]
+            at = i2
+        pairs.append(("".join(a[lo:hi]), "".join(new + a[at:hi])))
+    return pairs[::-1]
+
+
 def edit_command(module: str, current: str, target: str, addressed: bool = True) -> str:
     """A shell command turning current into target, in the simplest form that fits, addressed by the
     line numbers `cat -n` shows: `sed -i '9s/not amount/amount/'` (the shortest differing span),
@@ -144,12 +169,7 @@ def edit_command(module: str, current: str, target: str, addressed: bool = True)
                 return f"sed -i '{i1 + 1}s/.*/{new}/' {module}"
         if tag == "insert" and i1 > 0 and j2 - j1 == 1 and not set(b[j1].rstrip("\n")) & SED_REPLACEMENT_SPECIALS:
             return f"sed -i '{i1}a\\{b[j1].rstrip(chr(10))}' {module}"
-    pairs = []
-    for _, i1, i2, j1, j2 in hunks:
-        lo, hi = (i1, i2) if i2 > i1 else (max(0, i1 - 1), i1)  # an insertion keeps the line before it
-        lo, hi = _unique_block(a, lo, hi)
-        pairs.append(("".join(a[lo:hi]), "".join(a[lo:i1]) + "".join(b[j1:j2]) + "".join(a[i2:hi])))
-    body = "".join(f"s = s.replace({old!r}, {new!r}, 1)\n" for old, new in pairs)
+    body = "".join(f"s = s.replace({old!r}, {new!r}, 1)\n" for old, new in _replacements(a, b, hunks))
     return (f"python - <<'EOF'\nfrom pathlib import Path\np = Path({module!r})\ns = p.read_text()\n"
             f"{body}p.write_text(s)\nEOF")
 
