@@ -11,6 +11,7 @@ No mitmproxy here, so they are tested alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -25,46 +26,47 @@ def _with(obj: dict, key: str, value: Any) -> dict:
 
 def _without(obj: dict, keys: tuple[str, ...]) -> dict:
     """``obj`` without ``keys``: ``obj`` itself if it has none of them, else a shallow copy."""
-    if not any(k in obj for k in keys):
-        return obj
-    out = dict(obj)
+    out = obj
     for k in keys:
-        out.pop(k, None)
+        if k in out:
+            if out is obj:
+                out = dict(obj)
+            del out[k]
     return out
 
 
+def _mapped(items: list, fn: Callable[[Any], Any]) -> list:
+    """``fn`` of each item: ``items`` itself if no item changed, else a new list."""
+    out = None
+    for i, item in enumerate(items):
+        new = fn(item)
+        if new is not item:
+            if out is None:
+                out = list(items)
+            out[i] = new
+    return items if out is None else out
+
+
 def make_stripper(token_ids: bool, logprobs: bool):
-    """A function returning a completion object or chunk without the injected fields. It runs for
-    every streamed token, so it is written for speed: a copy of the object and of each choice
-    that changes, plain loops, no generator."""
+    """A function returning a completion object or chunk without the injected fields (it runs for
+    every streamed token: plain loops in the helpers above, no generator)."""
     dropped = ("token_ids", "prompt_token_ids") if token_ids else ()
 
+    def strip_choice(ch: Any) -> Any:
+        if not isinstance(ch, dict):
+            return ch
+        out = _without(ch, dropped)
+        if logprobs and out.get("logprobs") is not None:
+            if out is ch:
+                out = dict(ch)
+            out["logprobs"] = None  # (not _with: one copy of the choice, not two, per token)
+        return out
+
     def strip(obj: dict) -> dict:
-        if token_ids and "prompt_token_ids" in obj:
-            obj = dict(obj)
-            del obj["prompt_token_ids"]
+        if token_ids:
+            obj = _without(obj, ("prompt_token_ids",))
         choices = obj.get("choices")
-        if not isinstance(choices, list):
-            return obj
-        new = None
-        for i, ch in enumerate(choices):
-            if not isinstance(ch, dict):
-                continue
-            copy = None
-            for key in dropped:
-                if key in ch:
-                    if copy is None:
-                        copy = dict(ch)
-                    del copy[key]
-            if logprobs and "logprobs" in ch and ch["logprobs"] is not None:
-                if copy is None:
-                    copy = dict(ch)
-                copy["logprobs"] = None
-            if copy is not None:
-                if new is None:
-                    new = list(choices)
-                new[i] = copy
-        return obj if new is None else {**obj, "choices": new}
+        return _with(obj, "choices", _mapped(choices, strip_choice)) if isinstance(choices, list) else obj
 
     return strip
 
@@ -72,11 +74,11 @@ def make_stripper(token_ids: bool, logprobs: bool):
 def make_responses_stripper(token_ids: bool, logprobs: bool):
     """The same for Responses API objects and stream events (whose ``response`` is the object)."""
 
+    def strip_part(part: Any) -> Any:
+        return _with(part, "logprobs", []) if isinstance(part, dict) and part.get("logprobs") else part
+
     def strip_parts(parts: Any) -> Any:
-        if not isinstance(parts, list):
-            return parts
-        new = [_with(p, "logprobs", []) if isinstance(p, dict) and p.get("logprobs") else p for p in parts]
-        return new if any(a is not b for a, b in zip(new, parts)) else parts
+        return _mapped(parts, strip_part) if isinstance(parts, list) else parts
 
     def strip_item(item: Any) -> Any:
         if not isinstance(item, dict) or "content" not in item:
@@ -87,10 +89,8 @@ def make_responses_stripper(token_ids: bool, logprobs: bool):
         if token_ids:
             resp = _without(resp, ("input_messages", "output_messages"))
         output = resp.get("output")
-        if logprobs and isinstance(output, list) and output:
-            new = [strip_item(it) for it in output]
-            if any(a is not b for a, b in zip(new, output)):
-                resp = _with(resp, "output", new)
+        if logprobs and isinstance(output, list):
+            resp = _with(resp, "output", _mapped(output, strip_item))
         return resp
 
     def strip(obj: dict) -> dict:
@@ -101,7 +101,7 @@ def make_responses_stripper(token_ids: bool, logprobs: bool):
             if obj.get("logprobs"):  # response.output_text.delta / .done
                 obj = _with(obj, "logprobs", [])
             if isinstance(obj.get("part"), dict):  # response.content_part.added / .done
-                obj = _with(obj, "part", strip_parts([obj["part"]])[0])
+                obj = _with(obj, "part", strip_part(obj["part"]))
             if isinstance(obj.get("item"), dict):  # response.output_item.added / .done
                 obj = _with(obj, "item", strip_item(obj["item"]))
         return obj
