@@ -215,7 +215,7 @@ def load_trajectories(paths: list[Path]) -> list[dict]:
         messages = [{k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "tool_call_id")}
                     for m in req["messages"] + [row["reply"]]]
         episodes.append({"task_id": row.get("task_id"), "messages": messages, "tools": req.get("tools"),
-                         "reward": row.get("reward"),
+                         "reward": row.get("reward"), "source": key[0],
                          "kinds": [kinds[key].get(i) for i in range(row["call_index"] + 1)]})
     return episodes
 
@@ -757,6 +757,20 @@ def summarise(runs: list[dict], tasks: list[dict]) -> dict:
             **{k: round(v / len(runs), 4) for k, v in progress.items()}}
 
 
+def upsampled(episodes: list[dict], rules: tuple[str, ...]) -> list[dict]:
+    """Each episode ``K`` times when its source file is named in ``NAME=K`` (``--upsample``)."""
+    times = {}
+    for rule in rules:
+        name, _, k = rule.rpartition("=")
+        if not name or not k.isdigit():
+            raise click.BadParameter(f"{rule!r}: expected NAME=K (a --trajectories file name, a count)")
+        times[name] = int(k)
+    unknown = set(times) - {e["source"] for e in episodes}
+    if unknown:
+        raise click.BadParameter(f"no --trajectories file named {', '.join(sorted(unknown))}")
+    return [e for e in episodes for _ in range(times.get(e["source"], 1))]
+
+
 def read_tasks(split: str) -> list[dict]:
     return [json.loads(line) for line in (SWE_DIR / f"tasks_{split}.jsonl").read_text().splitlines()]
 
@@ -794,6 +808,12 @@ def served_tokenizer(tok, config):
 @click.option("--out", type=click.Path(path_type=Path), default=SWE_DIR / "model", show_default=True)
 @click.option("--trajectories", type=click.Path(path_type=Path, exists=True), multiple=True,
               help="mini-swe-agent x scripted solver calls (JSONL, repeatable); default: the in-process imitation")
+@click.option("--extra-tasks", type=click.Path(path_type=Path, exists=True), multiple=True,
+              help="task files besides tasks_train.jsonl that --trajectories episodes come from (e.g. the "
+                   "generated projects' tasks_synth.jsonl: generate.py --synth)")
+@click.option("--upsample", multiple=True, metavar="NAME=K",
+              help="the episodes of the --trajectories file named NAME count K times (renamed copies draw "
+                   "fresh names for each), to give a smaller source its share")
 @click.option("--mask-wrong/--learn-wrong", default=False, show_default=True,
               help="no loss on the solver's deliberate wrong edits (they stay in the context)")
 @click.option("--edit-weight", default=1.0, show_default=True, help="loss weight of the fix turn's tokens")
@@ -845,10 +865,10 @@ def served_tokenizer(tok, config):
 @click.option("--snapshots", default="",
               help="comma-separated SFT steps at which to also save OUT-stepN "
                    "(pick a warm start by its held-out success)")
-def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, id_renames, names, originals, max_tokens,
-         seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch, eval_tasks, eval_split, eval_shard,
-         eval_samples, temperature, step_limit, threads, workers, episodes_file, device, run_eval, eval_only, tf_only,
-         tf_every, snapshots):
+def main(out, trajectories, extra_tasks, upsample, mask_wrong, edit_weight, edit_form, init, renames, id_renames,
+         names, originals, max_tokens, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch,
+         eval_tasks, eval_split, eval_shard, eval_samples, temperature, step_limit, threads, workers, episodes_file,
+         device, run_eval, eval_only, tf_only, tf_every, snapshots):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
@@ -867,21 +887,22 @@ def main(out, trajectories, mask_wrong, edit_weight, edit_form, init, renames, i
     id_rename_counts = None
     init_tok = AutoTokenizer.from_pretrained(init) if init else None
     if trajectories:
-        episodes = load_trajectories(list(trajectories))
+        episodes = upsampled(load_trajectories(list(trajectories)), upsample)
+        by_id = {t["id"]: t for t in read_tasks("train") + [json.loads(line) for f in extra_tasks
+                                                              for line in f.read_text().splitlines()]}
         if edit_form == "unaddressed":
-            by_id = {t["id"]: t for t in read_tasks("train")}
             episodes = [unaddress_edits(e, by_id[e["task_id"]]) for e in episodes]
         base = episodes
         if names == "broad" and not init:
             raise click.UsageError("--names broad draws from the tokenizer of --init")
         pieces = name_pieces(init_tok) if names == "broad" else ()
         if renames:
-            projects = {t["id"]: t["project"] for t in read_tasks("train")}
+            projects = {i: t["project"] for i, t in by_id.items()}
             rng = random.Random(f"rename-{seed}")
             episodes = episodes + [rename_project(e, projects[e["task_id"]], fresh_name(rng, pieces))
                                    for _ in range(renames) for e in base]
         if id_renames:
-            copies, id_rename_counts = id_renamed_copies(base, {t["id"]: t for t in read_tasks("train")},
+            copies, id_rename_counts = id_renamed_copies(base, by_id,
                                                          id_renames, seed, pieces)
             episodes = (episodes if originals else episodes[len(base):]) + copies
             console.print(f"identifier-renamed copies: {json.dumps(id_rename_counts)}")
