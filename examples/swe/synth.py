@@ -14,8 +14,8 @@ the same projects, and project i depends only on (seed, i) and the names it must
 
 from __future__ import annotations
 
+import ast
 import builtins
-import copy
 import keyword
 import random
 import sys
@@ -65,6 +65,23 @@ class Func(NamedTuple):
     body: str
     doc: str
     draw: Callable[[random.Random], tuple]
+    source: str = ""  # the whole definition, for a class (else rendered from params and body)
+    call: Callable[[tuple], str] | None = None  # the tested expression for drawn args (else name(args))
+
+    def expression(self, args: tuple) -> str:
+        return self.call(args) if self.call else f"{self.name}({', '.join(map(repr, args))})"
+
+    def defined_names(self) -> set[str]:
+        """The names this definition adds (a class's methods too), lower case; dunders are Python's, not ours."""
+        if not self.source:
+            return {self.name}
+        tree = ast.parse(self.source)
+        return {n.name.lower() for n in ast.walk(tree)
+                if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("__")}
+
+    def test_stem(self) -> str:
+        """``ParcelRack`` -> ``parcel_rack``: test names stay snake_case like the functions'."""
+        return "".join(f"_{c.lower()}" if c.isupper() else c for c in self.name).lstrip("_")
 
 
 # ---------------------------------------------------------------- input drawing
@@ -425,10 +442,77 @@ def initials(rng, w):
                 lambda r: (words(r), r.randint(0, 4)))
 
 
+# ---------------------------------------------------------------- templates: small classes
+
+def capacity_class(rng, w):
+    s, p = w.noun()
+    kind = rng.choice(("Rack", "Bin", "Truck", "Shelf", "Cart", "Tray"))
+    name = f"{s.title().replace('_', '')}{kind}"
+    source = f"""
+class {name}:
+    \"\"\"A {kind.lower()} that holds {p} up to a fixed capacity.\"\"\"
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+
+    def spare(self, {p}):
+        left = self.capacity - sum({p})
+        if left < 0:
+            return 0
+        return left
+
+    def count_fitting(self, {p}):
+        used = 0
+        count = 0
+        for {s} in {p}:
+            if used + {s} <= self.capacity:
+                used += {s}
+                count += 1
+        return count
+"""
+
+    def draw(r):
+        return r.choice(("spare", "count_fitting")), r.randint(5, 60), numbers(r, 1, 20)
+    return Func(name, (), "", "", draw, source.strip("\n") + "\n",
+                lambda a: f"{name}({a[1]!r}).{a[0]}({a[2]!r})")
+
+
+def range_class(rng, w):
+    s, p = w.noun()
+    kind = rng.choice(("Window", "Band", "Span", "Range"))
+    name = f"{s.title().replace('_', '')}{kind}"
+    upper = rng.choice(("<", "<="))
+    source = f"""
+class {name}:
+    def __init__(self, low, high):
+        self.low = low
+        self.high = high
+
+    def covers(self, {s}):
+        return {s} >= self.low and {s} {upper} self.high
+
+    def inside(self, {p}):
+        kept = []
+        for {s} in {p}:
+            if self.covers({s}):
+                kept.append({s})
+        return kept
+"""
+
+    def draw(r):
+        low = r.randint(0, 20)
+        high = low + r.randint(0, 15)
+        if r.random() < 0.4:
+            return "covers", low, high, r.choice((low, high, r.randint(0, 40)))
+        return "inside", low, high, numbers(r) + [low, high][:r.randint(0, 2)]
+    return Func(name, (), "", "", draw, source.strip("\n") + "\n",
+                lambda a: f"{name}({a[1]!r}, {a[2]!r}).{a[0]}({a[3]!r})")
+
+
 TEMPLATES = (count_filter, sum_filter, index_of_best, best_value, largest_step, window_total, first_index,
              count_between, running_extreme, pair_count, boost_list, average, clamp, classify, digit_count,
              percent, containers_needed, grid_cell, lookup_default, tally, numbered, fit_text, count_marks,
-             initials)
+             initials, capacity_class, range_class)
 
 
 # ---------------------------------------------------------------- assembling a project
@@ -451,6 +535,8 @@ class Words:
 
 
 def render(func: Func, with_doc: bool) -> str:
+    if func.source:
+        return func.source
     doc = f'    """{func.doc}"""\n' if with_doc else ""
     body = textwrap.indent(textwrap.dedent(func.body).strip("\n"), "    ")
     return f"def {func.name}({', '.join(func.params)}):\n{doc}{body}\n"
@@ -462,7 +548,8 @@ def pick_functions(rng: random.Random, words: Words, avoid: set[str]) -> list[Fu
     for template in rng.sample(TEMPLATES, rng.randint(3, 5)):
         func = template(rng, words)
         size = len(render(func, True).splitlines()) + 2
-        if func.name in avoid or any(f.name == func.name for f in funcs) or lines + size > 40:
+        used = set().union(*(f.defined_names() for f in funcs))
+        if func.defined_names() & (avoid | used) or lines + size > 40:
             continue
         funcs.append(func)
         lines += size
@@ -485,11 +572,15 @@ def assertion(rng: random.Random, namespace: dict, func: Func, informative: bool
     found = None
     for _ in range(50):
         args = func.draw(rng)
-        try:
-            expected = namespace[func.name](*copy.deepcopy(args))
+        expression = func.expression(args)
+        try:  # evaluated from its own text, so the literal in the test is exactly what was run
+            expected = eval(expression, dict(namespace))  # noqa: S307 - code this module just assembled
         except Exception:  # noqa: BLE001 - a draw outside the function's domain: draw again
             continue
-        found = f"    assert {func.name}({', '.join(map(repr, args))}) == {expected!r}"
+        if isinstance(expected, bool):  # `assert x`, `assert not x`: how people test a predicate
+            found = f"    assert {'' if expected else 'not '}{expression}"
+        else:
+            found = f"    assert {expression} == {expected!r}"
         if not informative or _informative(args, expected):
             break
     if found is None:
@@ -505,7 +596,7 @@ def check_function(rng, namespace, func: Func, suffix: str, n_asserts: int, visi
             lines.append(line)
         if len(lines) == n_asserts:
             break
-    return f"def test_{func.name}_{suffix}():\n" + "\n".join(lines) + "\n"
+    return f"def test_{func.test_stem()}_{suffix}():\n" + "\n".join(lines) + "\n"
 
 
 def test_file_text(import_line: str, tests: list[str]) -> str:
