@@ -102,6 +102,11 @@ def words(rng: random.Random, min_len: int = 0) -> list[str]:
 
 
 # ---------------------------------------------------------------- templates: loops over numbers
+# A template takes (rng, words) and returns a Func: the function's name, parameters, body and docstring,
+# and how to draw valid arguments. Operators, constants and names are drawn so that each function offers
+# the generator's families several sites (a comparison, an accumulator, a range or index, a constant, an
+# `if`, a last `return`); the draws include boundary values so that `<` and `<=` answer differently.
+
 
 def count_filter(rng, w):
     high = rng.random() < 0.5
