@@ -13,6 +13,7 @@ import importlib.util
 import json
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -139,6 +140,16 @@ def test_generate_writes_synth_file_apart_from_the_splits(tmp_path, tasks):
     synth = [json.loads(line) for line in (tmp_path / "tasks_synth.jsonl").read_text().splitlines()]
     assert synth == tasks[:len(synth)] and synth
     assert not {t["project"] for t in synth} & gen.CATALOGUE.keys()
+
+
+def test_first_listing_fits_one_observation(tasks, tmp_path):
+    """mini.yaml keeps an observation's last 1,500 characters: `cat -n` of a task's module and tests must
+    fit, or the top of the module (maybe the bug) never reaches the agent."""
+    for task in {t["project"]: t for t in tasks}.values():
+        folder = gen.write_task(task, tmp_path / task["project"])
+        listing = subprocess.run(["cat", "-n", f"{task['project']}.py", f"test_{task['project']}.py"], cwd=folder,
+                                 capture_output=True, text=True, check=True).stdout
+        assert len(listing) <= 1500, task["project"]
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None,

@@ -53,6 +53,9 @@ WORD_POOL = ("tea", "jam", "pen", "cup", "box", "map", "oak", "fig", "sun", "ink
              "apple", "river", "stone", "cloud", "maple", "lemon", "tiger", "piano", "candle", "garden",
              "window", "silver", "orange", "pepper", "ant", "bee", "kite", "lamp", "rose", "wolf")
 HIGH_OPS, LOW_OPS = (">", ">="), ("<", "<=")
+# mini.yaml keeps an observation's last 1,500 characters: a first `cat -n` of module and tests longer than
+# that loses the top of the module (maybe the bug) and hides it from the solver and the model alike.
+LISTING_LIMIT = 1400
 VISIBLE_SUFFIXES = ("basic", "example", "simple", "small")
 HIDDEN_SUFFIXES = ("more", "edges", "mixed", "extra", "cases", "checks")
 
@@ -630,8 +633,15 @@ def make_tests(rng: random.Random, name: str, source: str, funcs: list[Func]) ->
     return test_file_text(import_line, visible), test_file_text(import_line, hidden)
 
 
+def listing_chars(module: str, visible: str) -> int:
+    """Characters of ``cat -n <module> <tests>`` on the task folder (7 for each line's number and tab)."""
+    shown = ast.unparse(ast.parse(module)) + "\n" + visible.lstrip("\n")
+    return sum(len(line) + 8 for line in shown.splitlines())
+
+
 def build_project(rng: random.Random, avoid: set[str]) -> tuple[str, dict] | None:
-    """One project, or None when this draw gave a name in ``avoid`` or too small a module (draw again)."""
+    """One project, or None when this draw gave a name in ``avoid``, too small a module, or files too long
+    to show whole (draw again)."""
     theme = rng.choice(NUMBER_NOUNS)
     name = f"{theme[0]}_{rng.choice(SUFFIXES)}"
     if rng.random() < 0.3:
@@ -643,6 +653,8 @@ def build_project(rng: random.Random, avoid: set[str]) -> tuple[str, dict] | Non
     if len(funcs) < 3 or not 15 <= len(source.strip().splitlines()) <= 40:
         return None
     visible, hidden = make_tests(rng, name, source, funcs)
+    if listing_chars(source, visible) > LISTING_LIMIT:
+        return None
     checks = visible.split("\n\n\n", 1)[1]
     return name, {"module": source, "visible": visible, "hidden": hidden, "reward_extra": "\n\n" + checks}
 
