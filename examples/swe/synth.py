@@ -20,7 +20,8 @@ import keyword
 import random
 import sys
 import textwrap
-from typing import Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 # (singular, plural) nouns for lists of numbers; none is a local name a template uses (count, total, best...)
 NUMBER_NOUNS = (
@@ -341,7 +342,7 @@ def digit_count(rng, w):
 
 def percent(rng, w):
     s, p = w.noun()
-    body = f"""
+    body = """
         if whole == 0:
             return 0
         return part * 100 // whole"""
@@ -434,8 +435,12 @@ def count_marks(rng, w):
             if {s}[i] == mark and i >= skip:
                 count += 1
         return count"""
-    return Func(f"count_marks_in_{s}", (s, "mark", "skip"), body, f"How often mark occurs in the {s} after `skip`.",
-                lambda r: (lambda t: (t, r.choice(t), r.randint(0, 3)))("".join(r.choice("aab.-") for _ in range(r.randint(1, 9)))))
+
+    def draw(r):
+        text = "".join(r.choice("aab.-") for _ in range(r.randint(1, 9)))
+        return text, r.choice(text), r.randint(0, 3)
+    return Func(f"count_marks_in_{s}", (s, "mark", "skip"), body,
+                f"How often mark occurs in the {s} after `skip`.", draw)
 
 
 def initials(rng, w):
