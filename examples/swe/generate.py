@@ -6,6 +6,7 @@ test (so the reward can tell a fix from a no-op). Train and eval are split by pr
 function. Stdlib only; the same seed gives byte-identical JSONL.
 
     python examples/swe/generate.py --seed 0 --out examples/swe
+    python examples/swe/generate.py --seed 0 --out examples/swe --synth 300   # + tasks_synth.jsonl
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ TRAIN_ONLY = _load_catalogue("projects_train.py", "TRAIN_ONLY_PROJECTS")  # neve
 if PROJECTS.keys() & TRAIN_ONLY.keys():
     raise RuntimeError(f"projects in both catalogues: {sorted(PROJECTS.keys() & TRAIN_ONLY.keys())}")
 CATALOGUE = {**PROJECTS, **TRAIN_ONLY}
+synth_projects = _load_catalogue("synth.py", "synth_projects")  # generated train-only projects (--synth)
 
 FAMILIES = ("wrong_operator", "off_by_one", "swapped_args", "wrong_constant",
             "inverted_condition", "missing_return")
@@ -249,17 +251,17 @@ def run_suite(module_name: str, module_src: str, test_src: str) -> list[str] | N
 
 # ---------------------------------------------------------------- tasks and splits
 
-def original_source(name: str) -> str:
+def original_source(name: str, catalogue: dict = CATALOGUE) -> str:
     """The project module as the agent's tools will show it (unparsed, so only the bug differs)."""
-    return ast.unparse(ast.parse(CATALOGUE[name]["module"])) + "\n"
+    return ast.unparse(ast.parse(catalogue[name]["module"])) + "\n"
 
 
-def candidate_bugs(name: str) -> dict[tuple[str, str], list[tuple[str, list[str]]]]:
+def candidate_bugs(name: str, catalogue: dict = CATALOGUE) -> dict[tuple[str, str], list[tuple[str, list[str]]]]:
     """Valid mutants of one project grouped by (function, family): they fail visible and hidden tests.
     "Hidden" here is the project's own hidden suite, never the visible checks a train-only project's
     reward repeats (``reward_extra``): the hidden tests themselves must tell a fix from a no-op."""
-    spec = CATALOGUE[name]
-    original = original_source(name)
+    spec = catalogue[name]
+    original = original_source(name, catalogue)
     for suite in ("visible", "hidden"):
         if run_suite(name, original, spec[suite]) != []:
             raise RuntimeError(f"project {name}: original fails its {suite} tests")
@@ -278,12 +280,12 @@ def candidate_bugs(name: str) -> dict[tuple[str, str], list[tuple[str, list[str]
     return groups
 
 
-def project_tasks(name: str, seed: int) -> list[dict]:
+def project_tasks(name: str, seed: int, catalogue: dict = CATALOGUE) -> list[dict]:
     """Tasks of one project; its own RNG so a subset of projects generates the same tasks."""
     rng = random.Random(f"{seed}:{name}")
-    spec = CATALOGUE[name]
+    spec = catalogue[name]
     tasks = []
-    for (fname, family), cands in candidate_bugs(name).items():
+    for (fname, family), cands in candidate_bugs(name, catalogue).items():
         picks = sorted(rng.sample(range(len(cands)), min(PER_FAMILY_CAP, len(cands))))
         for i in picks:
             buggy, failing = cands[i]
@@ -296,7 +298,7 @@ def project_tasks(name: str, seed: int) -> list[dict]:
                 "hidden_tests": spec["hidden"].lstrip("\n") + spec.get("reward_extra", ""),
                 "failing_visible_tests": failing,
                 "prompt": prompt,
-                "solution": original_source(name),
+                "solution": original_source(name, catalogue),
                 "seed": seed,
             })
     return tasks
@@ -322,6 +324,27 @@ def build(seed: int, names: list[str] | None = None) -> dict[str, list[dict]]:
             "eval": [t for n in held_out for t in project_tasks(n, seed)]}
 
 
+def catalogue_names() -> frozenset[str]:
+    """Every hand-written project, function and class name, lower case. projects.py holds every project the
+    held-out draw can pick whatever the seed, so a generated name outside this set is never a held-out one."""
+    names = set()
+    for name, spec in CATALOGUE.items():
+        names.add(name.lower())
+        names |= {n.name.lower() for n in ast.walk(ast.parse(spec["module"]))
+                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    return frozenset(names)
+
+
+def synth_tasks(n: int, synth_seed: int, seed: int) -> list[dict]:
+    """Tasks of n generated train-only projects (synth.py): the same mutations and checks as the catalogue's,
+    kept apart from the splits (tasks_synth.jsonl) so the committed train and eval files never change."""
+    catalogue = synth_projects(n, synth_seed, taken=catalogue_names())
+    clash = sorted(catalogue.keys() & CATALOGUE.keys())
+    if clash:
+        raise RuntimeError(f"generated projects named like hand-written ones: {clash}")
+    return [t for name in catalogue for t in project_tasks(name, seed, catalogue)]
+
+
 def dump(tasks: list[dict]) -> str:
     return "".join(json.dumps(t, sort_keys=True) + "\n" for t in tasks)
 
@@ -344,16 +367,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     parser.add_argument("--projects", default="", help="comma-separated subset (default: all)")
+    parser.add_argument("--synth", type=int, default=0,
+                        help="also write tasks_synth.jsonl: tasks of this many generated train-only projects")
+    parser.add_argument("--synth-seed", type=int, default=0, help="seed of the generated projects")
     args = parser.parse_args(argv)
     names = [n for n in args.projects.split(",") if n] or None
     splits = build(args.seed, names)
+    if args.synth:
+        splits["synth"] = synth_tasks(args.synth, args.synth_seed, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for split, tasks in splits.items():
         (out / f"tasks_{split}.jsonl").write_text(dump(tasks))
         counts = Counter(t["family"] for t in tasks)
         projects = sorted({t["project"] for t in tasks})
-        print(f"{split}: {len(tasks)} tasks, {len(projects)} projects ({', '.join(projects)})")
+        shown = ", ".join(projects) if len(projects) <= 80 else f"{', '.join(projects[:10])}, ..."
+        print(f"{split}: {len(tasks)} tasks, {len(projects)} projects ({shown})")
         for family in FAMILIES:
             print(f"  {family:20s} {counts.get(family, 0)}")
     return 0
