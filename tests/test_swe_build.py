@@ -232,3 +232,28 @@ def test_sft_tokenises_as_the_saved_model_is_served(tmp_path):
     ids = lambda tok: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     assert ids(served) == ids(loaded)
     assert ids(built) != ids(loaded)  # what the fix is for: without it SFT saw other ids than serving
+
+
+def test_upsample_repeats_one_source_and_refuses_unknown_names(tmp_path):
+    """--upsample NAME=K: that file's episodes count K times, the rest once; a name that is not a
+    --trajectories file, or a rule without a count, is a clear error, not a silent no-op."""
+    import click
+
+    rows = [(name, task, call) for name, task in (("a.jsonl", "t1"), ("b.jsonl", "t2"), ("b.jsonl", "t3"))
+            for call in (0, 1)]
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text("".join(
+            json.dumps({"task_id": task, "call_index": call, "action": "look",
+                        "request": {"messages": [{"role": "user", "content": task}]},
+                        "reply": {"role": "assistant", "content": f"{task}-{call}"}}) + "\n"
+            for n, task, call in rows if n == name))
+    episodes = build.load_trajectories([tmp_path / "a.jsonl", tmp_path / "b.jsonl"])
+    assert sorted((e["source"], e["task_id"]) for e in episodes) == [
+        ("a.jsonl", "t1"), ("b.jsonl", "t2"), ("b.jsonl", "t3")]
+    out = build.upsampled(episodes, ("b.jsonl=3",))
+    assert sorted(e["task_id"] for e in out) == ["t1", "t2", "t2", "t2", "t3", "t3", "t3"]
+    assert build.upsampled(episodes, ()) == episodes
+    with pytest.raises(click.BadParameter, match="no --trajectories file named c.jsonl"):
+        build.upsampled(episodes, ("c.jsonl=2",))
+    with pytest.raises(click.BadParameter, match="expected NAME=K"):
+        build.upsampled(episodes, ("b.jsonl",))
