@@ -9,29 +9,14 @@ from __future__ import annotations
 
 import ast
 import builtins
-import importlib.util
 import json
 import re
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-SWE = Path(__file__).resolve().parents[1] / "examples" / "swe"
-
-
-def load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = load("swe_generate_synth_tests", SWE / "generate.py")
-sys.path.insert(0, str(SWE))  # reward.py imports its sibling sandbox.py
-import reward  # noqa: E402
+from fixtures_swe import SWE, load, needs_bwrap, reward
+from fixtures_swe import generate as gen
 
 N_PROJECTS = 300  # catalogue-level checks (fast: no mutants)
 N_MUTATED = 25    # projects whose mutants are generated and checked
@@ -152,8 +137,7 @@ def test_first_listing_fits_one_observation(tasks, tmp_path):
         assert len(listing) <= 1500, task["project"]
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None,
-                    reason="the scorer's sandbox needs bubblewrap (scripts/setup_envs.sh swe installs it)")
+@needs_bwrap
 def test_sandboxed_reward_scores_bug_zero_and_solution_one(tasks, tmp_path):
     for i, task in enumerate(tasks[::len(tasks) // 3][:3]):
         folder = gen.write_task(task, tmp_path / f"t{i}")

@@ -7,35 +7,20 @@ the subprocess checks (score, pytest on a task folder) run on a fixed sample.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import random
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from fixtures_swe import SWE, needs_bwrap, reward
+from fixtures_swe import generate as gen
 
-SWE = Path(__file__).resolve().parents[1] / "examples" / "swe"
 FAMILY_WORDS = ("operator", "off-by-one", "off by one", "swap", "constant", "invert", "condition",
                 "return", "family")
 
-
-def load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = load("swe_generate", SWE / "generate.py")
-sys.path.insert(0, str(SWE))  # reward.py imports its sibling sandbox.py
-import reward  # noqa: E402
-
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                 reason="the scorer's sandbox needs bubblewrap (scripts/setup_envs.sh swe installs it)")
 
 
 def score(task: dict, folder: Path, **kw) -> float:
