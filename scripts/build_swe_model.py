@@ -489,7 +489,8 @@ def id_renamed_copies(episodes: list[dict], tasks: dict[str, dict], copies: int,
     copy); a task whose renamed solution fails its renamed visible tests gets none. Returns the
     copies and counts (kept, dropped by the edit check, tasks refused)."""
     rng = random.Random(f"id-rename-{seed}")
-    refused = {tid for tid, t in tasks.items() if not _renamed_tests_pass(t, identifier_mapping(t, rng, set()))}
+    used = sorted({e["task_id"] for e in episodes})  # only tasks with episodes (--extra-tasks holds thousands)
+    refused = {tid for tid in used if not _renamed_tests_pass(tasks[tid], identifier_mapping(tasks[tid], rng, set()))}
     out, dropped = [], 0
     for _ in range(copies):
         for e in episodes:
@@ -822,6 +823,9 @@ def served_tokenizer(tok, config):
                    "(solver.py --edit-form)")
 @click.option("--init", type=click.Path(path_type=Path, exists=True), default=None,
               help="continue SFT from this built model (its tokenizer and weights) instead of a fresh one")
+@click.option("--grow-layers", default=0, show_default=True,
+              help="add this many layers to the --init model, each a silent copy of the layer below it "
+                   "(the same function until SFT trains them)")
 @click.option("--renames", default=0, show_default=True,
               help="copies of each episode with the project renamed (made-up names)")
 @click.option("--id-renames", default=0, show_default=True,
@@ -865,10 +869,10 @@ def served_tokenizer(tok, config):
 @click.option("--snapshots", default="",
               help="comma-separated SFT steps at which to also save OUT-stepN "
                    "(pick a warm start by its held-out success)")
-def main(out, trajectories, extra_tasks, upsample, mask_wrong, edit_weight, edit_form, init, renames, id_renames,
-         names, originals, max_tokens, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr, batch,
-         eval_tasks, eval_split, eval_shard, eval_samples, temperature, step_limit, threads, workers, episodes_file,
-         device, run_eval, eval_only, tf_only, tf_every, snapshots):
+def main(out, trajectories, extra_tasks, upsample, mask_wrong, edit_weight, edit_form, init, grow_layers, renames,
+         id_renames, names, originals, max_tokens, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr,
+         batch, eval_tasks, eval_split, eval_shard, eval_samples, temperature, step_limit, threads, workers,
+         episodes_file, device, run_eval, eval_only, tf_only, tf_every, snapshots):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
@@ -923,6 +927,10 @@ def main(out, trajectories, extra_tasks, upsample, mask_wrong, edit_weight, edit
     heads = hidden // 64
     model = (Qwen2ForCausalLM.from_pretrained(init) if init else
              Qwen2ForCausalLM(tm.model_config(tok, layers=layers, hidden=hidden, heads=heads, max_positions=max_len)))
+    if grow_layers:
+        if not init:
+            raise click.UsageError("--grow-layers adds layers to the --init model")
+        model = grown(model, grow_layers)
     layers, hidden, heads = model.config.num_hidden_layers, model.config.hidden_size, model.config.num_attention_heads
     lengths = sorted(len(s[0]) for s in samples)
     console.print(f"vocab {len(tok)}, params {sum(p.numel() for p in model.parameters()):,}, {len(samples)} samples, "
@@ -950,6 +958,7 @@ def main(out, trajectories, extra_tasks, upsample, mask_wrong, edit_weight, edit
             "max_len": max_len, "steps": done, "planned_steps": steps, "minutes_budget": minutes, "device": device,
             "lr": lr, "batch": batch, "sft_seconds": round(sft_s),
             "params": sum(p.numel() for p in model.parameters()), "untied_after_sft": True,
+            "grow_layers": grow_layers,
             "init": init and {"model": str(init),
                               "steps": json.loads((init / "build_info.json").read_text()).get("steps")
                               if (init / "build_info.json").exists() else None},
@@ -965,6 +974,32 @@ def main(out, trajectories, extra_tasks, upsample, mask_wrong, edit_weight, edit
     info["held_out_in_process"] = evaluate(model, tok, evals, eval_samples, step_limit, seed, max_len, temperature)
     (out / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
     console.print({k: v for k, v in info["held_out_in_process"].items() if k != "runs"})
+
+
+def grown(model, extra: int):
+    """The same function with ``extra`` more decoder layers: after each of the first ``extra`` layers a
+    copy of it whose attention and MLP output projections are zero, so it adds nothing to the residual
+    stream until SFT moves them. Depth for a model that underfits its data (train and held-out
+    teacher-forced accuracy close), without starting the warm start over."""
+    from transformers import Qwen2ForCausalLM
+
+    old = model.config.num_hidden_layers
+    if not 0 < extra <= old:
+        raise click.BadParameter(f"--grow-layers {extra}: between 1 and the model's {old} layers")
+    sources = [(i, False) for i in range(old)]
+    for i in reversed(range(extra)):
+        sources.insert(i + 1, (i, True))
+    config = model.config.to_dict()
+    config.update(num_hidden_layers=len(sources),
+                  layer_types=[config["layer_types"][i] for i, _ in sources] if config.get("layer_types") else None)
+    bigger = Qwen2ForCausalLM(model.config.__class__.from_dict(config))
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("model.layers.")}
+    for j, (i, silent) in enumerate(sources):
+        for key, value in model.model.layers[i].state_dict().items():
+            zero = silent and key in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+            state[f"model.layers.{j}.{key}"] = value.new_zeros(value.shape) if zero else value.detach().clone()
+    bigger.load_state_dict(state)
+    return bigger
 
 
 def shipped(model):

@@ -257,3 +257,27 @@ def test_upsample_repeats_one_source_and_refuses_unknown_names(tmp_path):
         build.upsampled(episodes, ("c.jsonl=2",))
     with pytest.raises(click.BadParameter, match="expected NAME=K"):
         build.upsampled(episodes, ("b.jsonl",))
+
+
+def test_grown_model_computes_the_same_function_and_then_trains_its_new_layers():
+    """--grow-layers: the committed model with silent copies interleaved gives the same logits (so the
+    warm start is kept), and one SFT step moves the new layers' zeroed projections."""
+    import click
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(ROOT / "examples" / "swe" / "model").eval()
+    bigger = build.grown(model, 2).eval()
+    assert bigger.config.num_hidden_layers == model.config.num_hidden_layers + 2
+    assert len(bigger.config.layer_types) == bigger.config.num_hidden_layers
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, bigger(ids).logits)
+    silent = bigger.model.layers[1]  # the copy of layer 0
+    assert torch.equal(silent.self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
+    assert not silent.mlp.down_proj.weight.any()
+    bigger.train()
+    build.weighted_nll(bigger, [(ids[0].tolist(), [1.0] * 40)], 0).backward()
+    assert silent.mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(click.BadParameter, match="between 1 and"):
+        build.grown(model, 9)
