@@ -401,7 +401,8 @@ def _name_pattern(names) -> re.Pattern:
 
 def identifier_mapping(task: dict, rng: random.Random, taken: set[str], pieces: tuple[str, ...] = ()) -> dict[str, str]:
     """Made-up names for the task's identifiers, distinct, unused in ``taken`` (the episode's words);
-    a class keeps its capital, a constant its capitals."""
+    a class keeps its capital, a constant its capitals; the project's name maps to itself (rename_project
+    renames it)."""
     mapping: dict[str, str] = {}
     used = set(taken) | set(_fixed_words()) | (held_out_names() if pieces else set())
     for name in sorted(project_identifiers(task)):
@@ -410,6 +411,7 @@ def identifier_mapping(task: dict, rng: random.Random, taken: set[str], pieces: 
             new = made_up_name(rng, pieces)
         used.add(new)
         mapping[name] = new.upper() if name.isupper() else new.capitalize() if name[:1].isupper() else new
+    mapping[task["project"]] = task["project"]  # whole: `batch` renamed must leave `batch_tracker` (the module)
     return mapping
 
 

@@ -147,7 +147,8 @@ def test_identifier_renamed_fix_still_finds_its_span_in_the_renamed_listing():
             assert m.group(2) in listing
             checked += 1
         words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", listing + fix))
-        assert not words & set(mapping), task["project"]  # no original name is left to copy from memory
+        renamed_names = {k for k, v in mapping.items() if k != v}  # the project keeps its name here
+        assert not words & renamed_names, task["project"]  # no original name is left to copy from memory
         assert renamed["messages"][0] == _fix_episode(task)["messages"][0]  # the system text stays
     assert checked >= 5  # the s/// form is checked, not only allowed
 
@@ -190,6 +191,21 @@ def test_identifier_renaming_leaves_library_names_and_drops_a_copy_whose_span_br
     keeps = build.conversation(toy, steps + [("sed -i 's/+ 2/+ 3/' toy.py", "exit code 0\n")])
     assert build.rename_identifiers({"messages": breaks}, toy, {"rows": "bibi"}) is None
     assert "bibi + 2" in json.dumps(build.rename_identifiers({"messages": keeps}, toy, {"rows": "bibi"}))
+
+
+def test_an_identifier_inside_the_project_name_leaves_the_module_name_alone():
+    """Generated projects are often named after one of their identifiers (`batch` in batch_tracker.py):
+    the renamed copy must still import its module (before, a third of them were refused)."""
+    solution = "def heaviest_batch(batches):\n    return max(batches)\n"
+    task = {"id": "t", "project": "batch_tracker", "solution": solution,
+            "files": {"batch_tracker.py": solution,
+                      "test_batch_tracker.py": "from batch_tracker import heaviest_batch\n\n\n"
+                                               "def test_heaviest():\n    assert heaviest_batch([1, 3]) == 3\n"}}
+    mapping = build.identifier_mapping(task, random.Random(0), set())
+    assert {"batches", "heaviest_batch"} <= set(mapping) and mapping["batch_tracker"] == "batch_tracker"
+    renamed = build.rename_text(task["files"]["test_batch_tracker.py"], mapping)
+    assert renamed.startswith("from batch_tracker import " + mapping["heaviest_batch"])
+    assert build._renamed_tests_pass(task, mapping)
 
 
 def test_evaluation_summary_says_how_far_episodes_got():
