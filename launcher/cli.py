@@ -113,6 +113,9 @@ def main() -> None:
 @click.option("--cwd", type=click.Path(exists=True, file_okay=False),
               help="Working directory of the harnesses. [default: here]")
 @click.option("--env", "extra_env", multiple=True, help="KEY=VALUE added to every harness environment. Repeatable.")
+@click.option("--service", metavar="CMD",
+              help="Shell command of a harness service started once before the rollouts and stopped after: it and "
+                   "every harness get its Unix socket path as LIGHTNING_HARNESS_SERVICE (launcher/service.py).")
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Skip rollouts this run id already finished in --traces.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Live progress bar.")
@@ -227,6 +230,8 @@ def _run_batch(harness, tasks, settings, o):
             except Exception as exc:  # engine or proxy did not start: say why, stop what did start
                 raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
             health = lambda: next((p for p in (c() for c in checks) if p), None)  # noqa: E731
+            if getattr(o, "service_env", None):
+                settings.extra_env = {**settings.extra_env, **o.service_env}
             batch = stack.enter_context(BatchRunner(harness, settings, proxy=link, health_check=health))
             batch.submit(tasks)
             if batch.stats.skipped:
@@ -284,6 +289,8 @@ def _services(stack, checks, o) -> ProxyLink:
     """Start (or attach to) the engine and the proxy; ``stack`` stops what was started, ``checks`` watch it."""
     if o.proxy_url:
         return _attach_proxy(o)
+    if o.service:
+        _start_service(stack, checks, o)
     upstreams, served_name = list(o.upstreams), o.served_name
     if o.model_dir:
         upstreams, served_name = [_start_engine(stack, checks, o)], served_name or Path(o.model_dir).name
@@ -293,6 +300,22 @@ def _services(stack, checks, o) -> ProxyLink:
         "listen_host": "0.0.0.0" if o.k8s_template else "127.0.0.1",  # pods reach it from elsewhere
     })
     return _start_proxy(stack, checks, config, o.traces / "launch", o.api_key)
+
+
+def _start_service(stack, checks, o) -> None:
+    """--service: started in the harnesses' folder; its socket path joins every harness's environment."""
+    from .service import HarnessService
+
+    if o.run_as or o.k8s_template:
+        raise click.UsageError("--service runs beside local harnesses of one user: not with --run-as or --k8s")
+    log = o.traces / "launch" / "harness-service.log"
+    service = HarnessService(o.service, cwd=o.cwd or ".", log_path=log)
+    stack.callback(service.stop)
+    service.start()
+    checks.append(lambda: None if service.process.poll() is None
+                  else f"the harness service exited with code {service.process.returncode} (log {log})")
+    o.service_env = service.env
+    console.print(f"harness service ready at {service.socket_path} (log {log})")
 
 
 def _attach_proxy(o) -> ProxyLink:

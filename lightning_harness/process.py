@@ -55,11 +55,12 @@ def log_tail(path: str | os.PathLike | None, lines: int = 40, max_bytes: int = 6
     return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
 
 
-def start_in_session(argv: list[str], log_path: str | os.PathLike, env: Mapping[str, str]) -> subprocess.Popen:
+def start_in_session(argv: list[str], log_path: str | os.PathLike, env: Mapping[str, str],
+                     cwd: str | os.PathLike | None = None) -> subprocess.Popen:
     """Start ``argv`` as a session leader, stdout and stderr appended to ``log_path``, no stdin."""
     with open(log_path, "ab") as log:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=dict(env), start_new_session=True)
+                                env=dict(env), cwd=cwd, start_new_session=True)
 
 
 def wait_ready(ready: Callable[[], bool], timeout: float, *, what: str, proc: subprocess.Popen | None = None,

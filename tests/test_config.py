@@ -107,3 +107,10 @@ def test_set_with_a_mapping_merges_into_the_files_section():
         "update": {"lr": 1e-5, "batch_size": 4}, "steps": 5}  # the file's other update keys stay
     assert base == {"update": {"lr": 3e-5, "batch_size": 4}, "steps": 2}  # the file's mapping is not changed
     assert C.parse_overrides(["update.lr=2"], {"update": None}) == {"update": {"lr": 2}}  # 'update:' left empty
+
+
+def test_a_harness_service_cannot_serve_harnesses_run_as_other_users(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("model: m\ntasks: {train: t.jsonl}\nharness: {command: [a], service: [b], run_as: nobody}\n")
+    res = train("--config", str(path))
+    assert res.returncode == 2 and "harness.service cannot be combined with harness.run_as" in res.stderr, res.stderr

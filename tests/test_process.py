@@ -146,3 +146,46 @@ def test_direct_env_drops_every_proxy_variable():
     env = {**{k: "http://u:p@proxy:1" for k in PROXY_VARS}, "PATH": "/bin", "NO_PROXY": "", "SSL_CERT_FILE": "x"}
     assert direct_env(env) == {"PATH": "/bin", "NO_PROXY": "", "SSL_CERT_FILE": "x"}
     assert {"HTTP_PROXY", "https_proxy", "all_proxy"} <= set(PROXY_VARS)
+
+
+# -- a harness service (launcher/service.py) on the same helper ---------------------------------------
+ECHO_SERVICE = """import os, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.bind(os.environ["LIGHTNING_HARNESS_SERVICE"])
+s.listen()
+print("cwd", os.getcwd(), "proxy", [k for k in os.environ if k.lower().endswith("_proxy")], flush=True)
+while True:
+    c, _ = s.accept()
+    try:
+        c.sendall(b"hello from " + str(os.getpid()).encode())
+    except OSError:  # the readiness probe hangs up at once
+        pass
+    c.close()
+"""
+
+
+def test_a_harness_service_listens_where_its_variable_says_and_is_gone_after_stop(tmp_path, monkeypatch):
+    from lightning_harness.launcher.service import SERVICE_VAR, HarnessService
+
+    monkeypatch.setenv("HTTPS_PROXY", "http://user:secret@127.0.0.1:9")  # never the service's
+    (tmp_path / "svc.py").write_text(ECHO_SERVICE)
+    service = HarnessService([sys.executable, "svc.py"], cwd=tmp_path, log_path=tmp_path / "svc.log").start(timeout=30)
+    try:
+        assert service.env == {SERVICE_VAR: service.socket_path}
+        assert oct(os.stat(os.path.dirname(service.socket_path)).st_mode & 0o777) == "0o700"
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(service.socket_path)
+            assert s.recv(100) == f"hello from {service.pid}".encode()
+        assert f"cwd {tmp_path} proxy []" in (tmp_path / "svc.log").read_text()
+    finally:
+        service.stop(grace=2)
+    assert not alive(service.pid) and not os.path.exists(os.path.dirname(service.socket_path))
+
+
+def test_a_harness_service_that_dies_at_start_is_reported_with_its_log(tmp_path):
+    from lightning_harness.launcher.service import HarnessService
+
+    service = HarnessService("echo no model here >&2; exit 3", cwd=tmp_path, log_path=tmp_path / "svc.log")
+    with pytest.raises(StartupError, match="(?s)exited with code 3.*no model here"):
+        service.start(timeout=30)
+    assert not os.path.exists(os.path.dirname(service.socket_path))

@@ -178,6 +178,10 @@ def solver_upstream():
         s.server_close()
 
 
+SERVICE = f"{SWE_PY} {SWE / 'harness.py'} --serve"  # mini-swe-agent imported once (harness.py's docstring)
+HARNESS_MODES = pytest.mark.parametrize("via", ["process", "service"])
+
+
 def launch(tasks: list[dict], tmp_path: Path, upstream: str, proxy_confdir: Path, *extra: str):
     task_file = tmp_path / "tasks.jsonl"
     task_file.write_text("".join(json.dumps(t) + "\n" for t in tasks))
@@ -197,11 +201,16 @@ def spans_per_rollout(traces: Path) -> dict:
 
 
 @needs_swe_env
+@HARNESS_MODES
 def test_episodes_through_the_launcher_and_proxy_are_attributed_and_rewarded(tmp_path, solver_upstream, proxy_confdir,
-                                                                             rows):
+                                                                             rows, via):
     tasks = [task_by_family("wrong_operator"), task_by_family("missing_return")]
-    res, traces = launch(tasks, tmp_path, solver_upstream(noise=0.0), proxy_confdir)
+    extra = ("--service", SERVICE) if via == "service" else ()
+    res, traces = launch(tasks, tmp_path, solver_upstream(noise=0.0), proxy_confdir, *extra)
     assert res.returncode == 0, res.stderr[-3000:]
+    if via == "service":
+        assert "harness service ready" in res.stdout + res.stderr
+        assert "mini-swe-agent ready" in (traces / "launch" / "harness-service.log").read_text()
     got = {r["task_id"]: (r["state"], r["reward"], r["reward_source"]) for r in rows(traces, "rollouts")}
     assert got == {t["id"]: ("succeeded", 1.0, "command") for t in tasks}
     calls = spans_per_rollout(traces)
@@ -234,12 +243,14 @@ HOSTILE = [
 
 
 @needs_swe_env
+@HARNESS_MODES
 def test_model_written_commands_cannot_reach_the_proxy_read_credentials_or_change_the_reward(
-        tmp_path, solver_upstream, proxy_confdir, rows, listener):
+        tmp_path, solver_upstream, proxy_confdir, rows, listener, via):
     _, hits = listener
     task = task_by_family("inverted_condition")
+    extra = ("--service", SERVICE) if via == "service" else ()
     res, traces = launch([task], tmp_path, solver_upstream(script=HOSTILE), proxy_confdir,
-                         "--api-key", "sk-hostile-test-secret")
+                         "--api-key", "sk-hostile-test-secret", *extra)
     assert res.returncode == 0, res.stderr[-3000:]
     (row,) = rows(traces, "rollouts")
     assert (row["state"], row["reward"], row["reward_source"]) == ("succeeded", 0.0, "command")
@@ -254,6 +265,41 @@ def test_model_written_commands_cannot_reach_the_proxy_read_credentials_or_chang
     # `kill -9 -1` reached only its own sandbox's processes: the agent went on to submit, every call recorded
     assert trajectory["info"]["exit_status"] == "Submitted"
     assert spans_per_rollout(traces) == {row["rollout_id"]: len(HOSTILE) + 1}
+
+
+@needs_swe_env
+def test_a_rollout_whose_process_is_killed_is_cancelled_in_the_service_which_serves_on(tmp_path, solver_upstream):
+    from lightning_harness.launcher.service import HarnessService
+
+    task = task_by_family("wrong_operator")
+    service = HarnessService([str(SWE_PY), str(SWE / "harness.py"), "--serve"], cwd=SWE,
+                             log_path=tmp_path / "service.log").start()
+    try:
+        def client(name: str, upstream: str) -> subprocess.Popen:
+            env = {**os.environ, **service.env, "OPENAI_BASE_URL": upstream + "/v1", "OPENAI_API_KEY": "x",
+                   "LIGHTNING_OUTPUT_DIR": str(tmp_path / name), "LIGHTNING_TASK": json.dumps(task)}
+            return subprocess.Popen([str(SWE_PY), str(SWE / "harness.py")], env=env, stdout=subprocess.PIPE, text=True)
+
+        slow = client("killed", solver_upstream(script=["sleep 4", "echo after-the-kill > left.txt"]))
+        time.sleep(2.5)  # its first command is running in the sandbox
+        slow.kill()
+        slow.wait()
+        trajectory = tmp_path / "killed" / "trajectory.json"
+        deadline = time.monotonic() + 60
+        saved = lambda: trajectory.read_text() if trajectory.exists() else ""  # noqa: E731
+        while time.monotonic() < deadline and '"Cancelled"' not in saved():
+            time.sleep(0.5)
+        info = json.loads(trajectory.read_text())["info"]
+        assert info["exit_status"] == "Cancelled"  # it ended before its next command
+        assert not (tmp_path / "killed" / "repo" / "left.txt").exists()
+
+        ok = client("next", solver_upstream(noise=0.0))  # the service goes on serving
+        out, _ = ok.communicate(timeout=120)
+        assert ok.returncode == 0 and json.loads(out)["exit_status"] == "Submitted", out
+        assert reward.score(task, tmp_path / "next" / "repo")[0] == 1.0
+    finally:
+        service.stop()
+    assert not Path(service.socket_path).parent.exists()
 
 
 @needs_swe_env

@@ -114,6 +114,9 @@ class HarnessConfig(Section):
     env: dict = field(default_factory=dict)  # extra environment for every harness
     concurrency: int = 16  # harness processes alive at once
     model_name: str | None = None  # model name the harness asks for (mapped to the served model)
+    service: Any = None  # optional long-lived helper the harness commands talk to (an agent kept imported):
+    #   started once before the first rollout, stopped at the end; it and every harness get its Unix
+    #   socket path as LIGHTNING_HARNESS_SERVICE ('{python}' is filled; launcher/service.py)
 
 
 @typed_section
@@ -273,6 +276,8 @@ class RunConfig(Section):
             problems.append("harness.command: required (the agent command to run per rollout)")
         if not self.tasks.train:
             problems.append("tasks.train: required (a task file)")
+        if self.harness.service and self.harness.run_as is not None:  # one service would serve every user
+            problems.append("harness.service cannot be combined with harness.run_as (one service, one user)")
         if self.rollout.mode == "async" and self.rollout.groups_in_flight < self.rollout.groups_per_step:
             problems.append("rollout.groups_in_flight must be >= rollout.groups_per_step in async mode")
         # the samples' loss_weight and the update's divisor must come from the same mode

@@ -46,7 +46,7 @@ class TrainingRun:
         self.capture_state: dict | None = None  # proxy state after the last rollout phase (proxy/health.py)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.logs = self.run_dir / "logs"
-        self.engine = self.proxy = self.runner = self.updater = self.metrics = self.progress = None
+        self.engine = self.proxy = self.service = self.runner = self.updater = self.metrics = self.progress = None
         self.schedule = Schedule.from_rollout(cfg.rollout)
         self.scheduler: Scheduler | None = None
         self.state: dict[str, Any] = {}
@@ -342,6 +342,8 @@ class TrainingRun:
             entries.append({"what": "vllm", "pid": self.engine.process.pid, "marker": "vllm.entrypoints"})
         if self.proxy is not None and self.proxy.pid:
             entries.append({"what": "proxy", "pid": self.proxy.pid, "marker": "lightning_harness.proxy"})
+        if self.service is not None and self.service.pid:
+            entries.append({"what": "harness service", "pid": self.service.pid, "marker": self.service.argv[-1]})
         write_json_atomic(self.run_dir / PIDS_FILE, entries)
 
     def start_services(self) -> None:
@@ -376,6 +378,19 @@ class TrainingRun:
         ).start()
         self._record_children()
         self.progress.print(f"proxy ready: reverse {self.proxy.reverse_url}, forward {self.proxy.forward_url}")
+        if cfg.harness.service:
+            self.start_harness_service()
+
+    def start_harness_service(self) -> None:
+        """The harness service (``harness.service``), listening where every harness will look for it."""
+        from lightning_harness.launcher.service import HarnessService
+
+        h = self.cfg.harness
+        self.progress.update(phase="starting the harness service")
+        self.service = HarnessService(fill(h.service, {"python": sys.executable}), cwd=self._harness_cwd(),
+                                      log_path=self.logs / "harness-service.log").start()
+        self._record_children()
+        self.progress.print(f"harness service ready at {self.service.socket_path}")
 
     def start_runner(self) -> None:
         from lightning_harness.launcher.batch import BatchRunner
@@ -394,12 +409,18 @@ class TrainingRun:
         env = {str(k): str(v) for k, v in (h.env or {}).items()}
         if h.model_name:
             env.setdefault("OPENAI_MODEL", h.model_name)
+        if self.service is not None:
+            env.update(self.service.env)
         settings = BatchSettings(
             traces_dir=self.traces, proxy=self.proxy, concurrency=h.concurrency, timeout=h.timeout_s,
             retries=h.retries, reward_cmd=self._reward_cmd(), self_reward=h.self_reward, run_as=h.run_as,
-            cwd=str(c.path(h.cwd) if h.cwd else (c.base_dir or os.getcwd())), extra_env=env, **fields)
+            cwd=self._harness_cwd(), extra_env=env, **fields)
         values = {"temperature": temperature, "max_tokens": c.rollout.max_tokens or "", "python": sys.executable}
         return fill(command, values), settings
+
+    def _harness_cwd(self) -> str:
+        c = self.cfg
+        return str(c.path(c.harness.cwd) if c.harness.cwd else (c.base_dir or os.getcwd()))
 
     def _reward_cmd(self) -> str | None:
         rc = self.cfg.harness.reward_cmd
@@ -476,6 +497,8 @@ class TrainingRun:
                 self.console.print(f"[red]runner close failed: {exc!r}[/]")
         if self.metrics is not None:
             self.metrics.close()
+        if self.service is not None:
+            self.service.stop()
         if self.proxy is not None:
             self.proxy.stop()
         self._compact_at_exit()

@@ -12,6 +12,13 @@ inherited environment, uid 65534, only the task folder writable, time and memory
 It prints one JSON line (exit status, model calls) and leaves ``trajectory.json`` next to the repo.
 It never scores itself: the reward is the hidden tests on the final folder, run by the launcher's
 reward step (``reward.py``), which outranks anything a harness reports.
+
+Importing mini-swe-agent costs ~5 s of CPU (mostly litellm), more than a whole episode of the tiny
+model on two cores. So the same file is also a harness service (``--serve``, the config's
+``harness.service``): one process keeps mini-swe-agent imported and runs each episode in a thread.
+When ``LIGHTNING_HARNESS_SERVICE`` names its socket, the per-rollout command only hands over its
+task, folder, ``OPENAI_BASE_URL`` and key, and waits: still one attributed process per rollout,
+whose exit (timeout, kill) cancels its episode at the next command.
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
+import socket
 import sys
+import threading
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -57,24 +67,36 @@ def model_name(config: dict, override: str | None) -> str:
 
 
 def build_agent(config: dict, workdir: Path, name: str, output_path: Path | None = None,
-                base_url: str | None = None, temperature: float | None = None):
-    """mini-swe-agent's DefaultAgent with its litellm model and its bubblewrap environment, sandboxed."""
+                base_url: str | None = None, temperature: float | None = None, api_key: str | None = None,
+                cancel: threading.Event | None = None):
+    """mini-swe-agent's DefaultAgent with its litellm model and its bubblewrap environment, sandboxed.
+    ``cancel`` (service mode): once set, the episode ends before its next command."""
     import litellm
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.environments.extra.bubblewrap import BubblewrapEnvironment
+    from minisweagent.exceptions import InterruptAgentFlow
     from minisweagent.models.litellm_model import LitellmModel
 
     litellm.suppress_debug_info = True  # its "Provider List" banner on every unpriced call
+
+    class CancellableEnvironment(BubblewrapEnvironment):
+        def execute(self, *args, **kwargs):
+            if cancel is not None and cancel.is_set():  # the rollout's process is gone
+                raise InterruptAgentFlow({"role": "exit", "content": "Cancelled",
+                                          "extra": {"exit_status": "Cancelled", "submission": ""}})
+            return super().execute(*args, **kwargs)
 
     model_cfg = dict(config["model"], model_name=name)
     kwargs = dict(model_cfg.get("model_kwargs") or {})
     if base_url:
         kwargs["api_base"] = base_url
+    if api_key:
+        kwargs["api_key"] = api_key
     if temperature is not None:
         kwargs["temperature"] = temperature
     model_cfg["model_kwargs"] = kwargs
     env_cfg = config.get("environment") or {}
-    env = BubblewrapEnvironment(**sandbox.environment_config(workdir, env_cfg.get("timeout", 20), env_cfg.get("env")))
+    env = CancellableEnvironment(**sandbox.environment_config(workdir, env_cfg.get("timeout", 20), env_cfg.get("env")))
     agent_cfg = {k: v for k, v in config["agent"].items() if k != "mode"}
     if output_path is not None:
         agent_cfg["output_path"] = output_path
@@ -82,16 +104,93 @@ def build_agent(config: dict, workdir: Path, name: str, output_path: Path | None
 
 
 def run_episode(task: dict, workdir: Path, config: dict, name: str, output_path: Path | None = None,
-                base_url: str | None = None, temperature: float | None = None) -> dict:
+                base_url: str | None = None, temperature: float | None = None, api_key: str | None = None,
+                cancel: threading.Event | None = None) -> dict:
     """Write the task into workdir (a fresh folder) and run one episode; returns mini's exit info."""
     workdir.mkdir(parents=True, exist_ok=True)
     generate.write_task(task, workdir)
-    agent = build_agent(config, workdir, name, output_path, base_url, temperature)
+    agent = build_agent(config, workdir, name, output_path, base_url, temperature, api_key, cancel)
     try:
         info = agent.run(task["prompt"])
     finally:
         agent.env.cleanup()
     return {"exit_status": info.get("exit_status", ""), "model_calls": agent.n_calls}
+
+
+# -- the harness service: mini-swe-agent imported once, an episode per connection ----------------------
+MAX_REQUEST = 1 << 22  # one JSON line: the task row and where to run it
+
+
+def serve(socket_path: str) -> None:
+    """Listen on ``socket_path``; each connection sends one request line (:func:`ask_service`) and
+    gets one answer line. Episodes run in threads, one per connection."""
+    import socketserver
+
+    quiet_mini(Path(socket_path).parent / "mini-swe-agent-config")
+    sandbox.check()
+    import litellm  # noqa: F401  (what costs the seconds: imported once, here)
+    import minisweagent.agents.default  # noqa: F401
+
+    class Episode(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            line = self.rfile.readline(MAX_REQUEST)
+            if not line.strip():  # a readiness probe
+                return
+            answer = serve_episode(json.loads(line), self.connection)
+            self.wfile.write(json.dumps(answer).encode() + b"\n")
+
+    class Server(socketserver.ThreadingUnixStreamServer):
+        daemon_threads = True
+
+    with Server(socket_path, Episode) as server:
+        print(f"harness service: mini-swe-agent ready at {socket_path}", flush=True)
+        server.serve_forever()
+
+
+def serve_episode(req: dict, conn: socket.socket) -> dict:
+    """Run one request's episode in a thread; if the rollout's process goes away meanwhile (its
+    timeout, a kill), cancel it: it ends before its next command (and its credential is dead)."""
+    cancel, out = threading.Event(), {}
+
+    def episode() -> None:
+        try:
+            out.update(run_episode(req["task"], Path(req["workdir"]), load_config(req["config"]), req["model"],
+                                   Path(req["output_path"]), req["base_url"], req.get("temperature"),
+                                   req.get("api_key"), cancel))
+        except Exception as exc:  # the rollout's process reports it and exits non-zero
+            out["error"] = f"{type(exc).__name__}: {exc}"
+
+    worker = threading.Thread(target=episode, daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.25)
+        if not cancel.is_set() and select.select([conn], [], [], 0)[0] and not conn.recv(1, socket.MSG_PEEK):
+            cancel.set()  # EOF: the rollout's process is gone
+    return {"task_id": req["task"].get("id"), **out}
+
+
+def ask_service(socket_path: str, task: dict, workdir: Path, output_path: Path, config: str, name: str,
+                temperature: float | None) -> dict:
+    """The per-rollout side: hand the episode to the service and wait for its answer."""
+    req = {"task": task, "workdir": str(workdir.resolve()), "output_path": str(output_path.resolve()),
+           "config": str(Path(config).resolve()), "model": name, "temperature": temperature,
+           "base_url": os.environ.get("OPENAI_BASE_URL"), "api_key": os.environ.get("OPENAI_API_KEY")}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(socket_path)
+        s.sendall(json.dumps(req).encode() + b"\n")
+        answer = s.makefile("rb").readline()
+    if not answer:
+        sys.exit("harness.py: the harness service closed the connection without an answer")
+    return json.loads(answer)
+
+
+def quiet_mini(config_dir: Path) -> None:
+    """mini-swe-agent loads ``<config dir>/.env`` into the environment at import: use an empty one of
+    this attempt (or service), not whatever the user's ~/.config/mini-swe-agent holds."""
+    os.environ.setdefault("MSWEA_GLOBAL_CONFIG_DIR", str(config_dir.resolve()))
+    os.environ.setdefault("MSWEA_CONFIGURED", "true")
+    os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price list
 
 
 def main() -> None:
@@ -101,23 +200,29 @@ def main() -> None:
     parser.add_argument("--model", help="served model name (default: OPENAI_MODEL, else mini.yaml)")
     parser.add_argument("--temperature", type=float)
     parser.add_argument("--workdir", help="task folder (default: $LIGHTNING_OUTPUT_DIR/repo)")
+    parser.add_argument("--serve", action="store_true",
+                        help="be the harness service: listen on $LIGHTNING_HARNESS_SERVICE (a Unix socket)")
     args = parser.parse_args()
+    service = os.environ.get("LIGHTNING_HARNESS_SERVICE")
+    if args.serve:
+        return serve(service or sys.exit("harness.py --serve: LIGHTNING_HARNESS_SERVICE (the socket path) is not set"))
     task = load_task(args.task)
     out = Path(os.environ.get("LIGHTNING_OUTPUT_DIR") or ".")
     workdir = Path(args.workdir) if args.workdir else out / "repo"
     if workdir.exists() and any(workdir.iterdir()):
         sys.exit(f"harness.py: {workdir} is not empty; every episode needs a fresh private copy")
-    # mini-swe-agent loads `<config dir>/.env` into the environment at import: use an empty one of this
-    # attempt, not whatever the user's ~/.config/mini-swe-agent holds
-    os.environ.setdefault("MSWEA_GLOBAL_CONFIG_DIR", str((out / "mini-swe-agent-config").resolve()))
-    os.environ.setdefault("MSWEA_CONFIGURED", "true")
-    os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price list
-    sandbox.check()
     config = load_config(args.config)
-    info = run_episode(task, workdir, config, model_name(config, args.model), out / "trajectory.json",
-                       temperature=args.temperature)
-    print(json.dumps({"task_id": task.get("id"), **info}), flush=True)
+    name = model_name(config, args.model)
+    if service:
+        info = ask_service(service, task, workdir, out / "trajectory.json", args.config, name, args.temperature)
+        if "error" in info:
+            sys.exit(f"harness.py: the episode failed in the harness service: {info['error']}")
+    else:
+        quiet_mini(out / "mini-swe-agent-config")
+        sandbox.check()
+        info = {"task_id": task.get("id"), **run_episode(task, workdir, config, name, out / "trajectory.json",
+                                                          temperature=args.temperature)}
+    print(json.dumps(info), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""A harness service: one long-lived helper that a run's harness commands talk to over a Unix socket.
+
+Why: a harness process per rollout is the contract, but some agents cost seconds of CPU just to
+import (mini-swe-agent: ~5 s, mostly litellm), more than the rollout itself on a small machine. A
+service keeps the agent imported; each rollout's command stays a separate, attributed process (its
+own proxy credential, folder, log, timeout and kill), only lighter: it hands its task and its
+``OPENAI_BASE_URL`` to the service and waits for the answer.
+
+The service gets the launcher's environment (no rollout identity, no proxy credential) plus
+``LIGHTNING_HARNESS_SERVICE``, the socket path it must listen on; every harness gets the same
+variable. It starts once, before the first rollout, in its own session, and its group is ended
+when the run stops. What the service runs for a rollout is still bound by that rollout's
+credential: the proxy refuses it once the attempt has ended.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from typing import Any
+
+from lightning_harness.process import direct_env, start_in_session, stop_group, wait_ready
+
+from .local import launcher_env
+
+SERVICE_VAR = "LIGHTNING_HARNESS_SERVICE"
+
+
+class HarnessService:
+    """``command`` (argv list or shell line) run in ``cwd``, ready once ``socket_path`` accepts."""
+
+    def __init__(self, command: Any, *, cwd: str | os.PathLike, log_path: str | os.PathLike) -> None:
+        self.argv = ["/bin/sh", "-c", command] if isinstance(command, str) else [str(a) for a in command]
+        self.cwd = str(cwd)
+        # in a fresh folder only its owner can enter (a socket path must also stay under ~108 bytes)
+        self.socket_path = os.path.join(tempfile.mkdtemp(prefix="lightning-service-"), "harness.sock")
+        self.log_path = str(log_path)
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What every harness of the run gets in addition to its own variables."""
+        return {SERVICE_VAR: self.socket_path}
+
+    def start(self, timeout: float = 120.0) -> HarnessService:
+        self.process = start_in_session(self.argv, self.log_path, direct_env(launcher_env(self.env)), cwd=self.cwd)
+        try:
+            wait_ready(self._accepts, timeout, what="harness service", proc=self.process, log_path=self.log_path)
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def _accepts(self) -> bool:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2.0)
+            s.connect(self.socket_path)  # (a probe: the service sees a connection that sends nothing)
+        return True
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.process is not None:
+            stop_group(self.process, grace)
+        shutil.rmtree(os.path.dirname(self.socket_path), ignore_errors=True)
