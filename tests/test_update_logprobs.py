@@ -60,9 +60,9 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits_path(tie, temperat
 
 
 def grad_atol(ref_g: torch.Tensor) -> float:
-    """fp32 summation order alone moves a gradient element by ~1e-6 of the largest one (measured up to
-    9e-7 of it between chunkings, on a CPU whose kernels differ from where the test was written): a
-    fixed 1e-6 failed for small elements of a gradient whose largest is ~10."""
+    """fp32 summation order alone moves a gradient element by ~1e-6 of the largest one (measured: up
+    to 9e-7 of it between chunkings): a fixed 1e-6 failed for small elements of a gradient whose
+    largest is ~10, deterministically on a rebuilt machine where the same code had passed before."""
     return 2e-6 * float(ref_g.abs().max())
 
 
