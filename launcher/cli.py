@@ -287,10 +287,10 @@ def _warn_secret_argv() -> None:
 
 def _services(stack, checks, o) -> ProxyLink:
     """Start (or attach to) the engine and the proxy; ``stack`` stops what was started, ``checks`` watch it."""
+    if o.service:  # (before --proxy-url's early return: the harnesses need it with a running proxy too)
+        _start_service(stack, checks, o)
     if o.proxy_url:
         return _attach_proxy(o)
-    if o.service:
-        _start_service(stack, checks, o)
     upstreams, served_name = list(o.upstreams), o.served_name
     if o.model_dir:
         upstreams, served_name = [_start_engine(stack, checks, o)], served_name or Path(o.model_dir).name

@@ -343,7 +343,7 @@ class TrainingRun:
         if self.proxy is not None and self.proxy.pid:
             entries.append({"what": "proxy", "pid": self.proxy.pid, "marker": "lightning_harness.proxy"})
         if self.service is not None and self.service.pid:
-            entries.append({"what": "harness service", "pid": self.service.pid, "marker": self.service.argv[-1]})
+            entries.append({"what": "harness service", "pid": self.service.pid, "marker": " ".join(self.service.argv)})
         write_json_atomic(self.run_dir / PIDS_FILE, entries)
 
     def start_services(self) -> None:
