@@ -224,14 +224,13 @@ def _run_batch(harness, tasks, settings, o):
         try:
             checks: list = []
             try:
-                link = _services(stack, checks, o)
+                link, service_env = _services(stack, checks, o)
             except click.ClickException:
                 raise
             except Exception as exc:  # engine or proxy did not start: say why, stop what did start
                 raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
             health = lambda: next((p for p in (c() for c in checks) if p), None)  # noqa: E731
-            if getattr(o, "service_env", None):
-                settings.extra_env = {**settings.extra_env, **o.service_env}
+            settings.extra_env = {**settings.extra_env, **service_env}
             batch = stack.enter_context(BatchRunner(harness, settings, proxy=link, health_check=health))
             batch.submit(tasks)
             if batch.stats.skipped:
@@ -285,12 +284,13 @@ def _warn_secret_argv() -> None:
                           f"${env}[/]")
 
 
-def _services(stack, checks, o) -> ProxyLink:
-    """Start (or attach to) the engine and the proxy; ``stack`` stops what was started, ``checks`` watch it."""
-    if o.service:  # (before --proxy-url's early return: the harnesses need it with a running proxy too)
-        _start_service(stack, checks, o)
-    if o.proxy_url:
-        return _attach_proxy(o)
+def _services(stack, checks, o) -> tuple[ProxyLink, dict[str, str]]:
+    """Start (or attach to) the engine and the proxy, and the harness service; ``stack`` stops what was
+    started, ``checks`` watch it. Returns the proxy link and what the service adds to each harness's
+    environment."""
+    service_env = _start_service(stack, checks, o) if o.service else {}
+    if o.proxy_url:  # (the service first: harnesses need it with a running proxy too)
+        return _attach_proxy(o), service_env
     upstreams, served_name = list(o.upstreams), o.served_name
     if o.model_dir:
         upstreams, served_name = [_start_engine(stack, checks, o)], served_name or Path(o.model_dir).name
@@ -299,10 +299,10 @@ def _services(stack, checks, o) -> ProxyLink:
         "route_hosts": o.route_hosts, "confdir": o.proxy_confdir,
         "listen_host": "0.0.0.0" if o.k8s_template else "127.0.0.1",  # pods reach it from elsewhere
     })
-    return _start_proxy(stack, checks, config, o.traces / "launch", o.api_key)
+    return _start_proxy(stack, checks, config, o.traces / "launch", o.api_key), service_env
 
 
-def _start_service(stack, checks, o) -> None:
+def _start_service(stack, checks, o) -> dict[str, str]:
     """--service: started in the harnesses' folder; its socket path joins every harness's environment."""
     from .service import HarnessService
 
@@ -314,8 +314,8 @@ def _start_service(stack, checks, o) -> None:
     service.start()
     checks.append(lambda: None if service.process.poll() is None
                   else f"the harness service exited with code {service.process.returncode} (log {log})")
-    o.service_env = service.env
     console.print(f"harness service ready at {service.socket_path} (log {log})")
+    return service.env
 
 
 def _attach_proxy(o) -> ProxyLink:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -133,3 +134,30 @@ def test_uses_a_running_proxy_and_leaves_it_running(tmp_path, write_tasks, make_
     res = launch(tasks, "--traces", traces, "--proxy-url", proxy.reverse_url, "--proxy-token", proxy.token,
                  "--proxy-control-token", "wrong", "--no-progress", "--", sys.executable, HARNESS)
     assert res.returncode == 1 and "cannot use the proxy" in res.stderr and "401" in res.stderr
+
+
+SOCKET_SERVICE = """import os, socket
+s = socket.socket(socket.AF_UNIX)
+s.bind(os.environ["LIGHTNING_HARNESS_SERVICE"])
+s.listen()
+while True:
+    s.accept()[0].close()
+"""
+
+
+def test_a_harness_service_starts_beside_a_running_proxy_too(tmp_path, write_tasks, make_proxy, rows):
+    """--service with --proxy-url: the service is started (and stopped) although no proxy is, and every
+    harness gets its socket (a harness without it exits 7 here)."""
+    proxy = make_proxy()
+    traces = proxy.traces_dir
+    (tmp_path / "svc.py").write_text(SOCKET_SERVICE)
+    harness = f'test -S "$LIGHTNING_HARNESS_SERVICE" || exit 7; exec {sys.executable} {HARNESS}'
+    res = launch(write_tasks([{"id": "a"}, {"id": "b"}]), "--traces", traces, "--proxy-url", proxy.reverse_url,
+                 "--proxy-token", proxy.token, "--proxy-control-token", proxy.control_token,
+                 "--proxy-ca", proxy.ca_bundle, "--no-progress", "--service", f"{sys.executable} svc.py",
+                 "--cwd", tmp_path, "--", "/bin/sh", "-c", harness)
+    assert res.returncode == 0, res.stdout + res.stderr
+    socket_path = re.search(r"harness service ready at (\S+)", res.stderr)[1]
+    assert sorted((r["task_id"], r["state"]) for r in rows(traces, "rollouts")) == [
+        ("a", "succeeded"), ("b", "succeeded")]
+    assert not Path(socket_path).parent.exists()  # stopped with the batch

@@ -302,6 +302,45 @@ def test_a_rollout_whose_process_is_killed_is_cancelled_in_the_service_which_ser
     assert not Path(service.socket_path).parent.exists()
 
 
+BAD_REQUESTS = {  # request line -> what the answer's error says
+    b"not json\n": "not JSON", b"\xff\xfe{\n": "not JSON", b"[" * 100_000 + b"\n": "not JSON",
+    b"[1, 2]\n": "not a JSON object", b"{}\n": "'task' missing",
+    b'{"task": {"prompt": "x"}, "workdir": "rel", "output_path": "o", "config": "c", "model": "m"}\n': "absolute",
+    b'{"task": {"prompt": "x"}, "workdir": "/tmp/x", "output_path": "o", "config": "c", "model": "m", '
+    b'"temperature": "hot"}\n': "'temperature' has the wrong type",
+    b"x" * ((1 << 22) + 10): "longer than",
+}
+
+
+@needs_swe_env
+def test_the_service_answers_bad_requests_with_their_reason_and_serves_on(tmp_path, solver_upstream):
+    from lightning_harness.launcher.service import HarnessService
+
+    service = HarnessService([str(SWE_PY), str(SWE / "harness.py"), "--serve"], cwd=SWE,
+                             log_path=tmp_path / "service.log").start()
+    try:
+        for line, reason in BAD_REQUESTS.items():
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(service.socket_path)
+                try:
+                    s.sendall(line)
+                except OSError:  # a refused over-long line may be cut off while it is sent
+                    pass
+                answer = json.loads(s.makefile("rb").readline())
+            assert answer["error"].startswith("bad request:") and reason in answer["error"], (line[:80], answer)
+        task = task_by_family("missing_return")
+        env = {**os.environ, **service.env, "OPENAI_BASE_URL": solver_upstream(noise=0.0) + "/v1",
+               "OPENAI_API_KEY": "x", "LIGHTNING_OUTPUT_DIR": str(tmp_path / "ok"), "LIGHTNING_TASK": json.dumps(task)}
+        ok = subprocess.run([str(SWE_PY), str(SWE / "harness.py")], env=env, capture_output=True, text=True,
+                            timeout=120)
+        assert ok.returncode == 0 and json.loads(ok.stdout)["exit_status"] == "Submitted", ok.stderr[-2000:]
+        assert reward.score(task, tmp_path / "ok" / "repo")[0] == 1.0
+        assert service.process.poll() is None
+    finally:
+        service.stop()
+    assert "Traceback" not in (tmp_path / "service.log").read_text()
+
+
 @needs_swe_env
 def test_collect_writes_each_call_with_the_request_mini_swe_agent_sent(tmp_path):
     out = tmp_path / "traj.jsonl"

@@ -133,11 +133,18 @@ def serve(socket_path: str) -> None:
 
     class Episode(socketserver.StreamRequestHandler):
         def handle(self) -> None:
-            line = self.rfile.readline(MAX_REQUEST)
+            line = self.rfile.readline(MAX_REQUEST + 1)
             if not line.strip():  # a readiness probe
                 return
-            answer = serve_episode(json.loads(line), self.connection)
-            self.wfile.write(json.dumps(answer).encode() + b"\n")
+            try:
+                answer = serve_episode(parse_request(line), self.connection)
+            except ValueError as exc:
+                answer = {"error": f"bad request: {exc}"}
+                print(f"harness service: {answer['error']}", flush=True)
+            try:
+                self.wfile.write(json.dumps(answer).encode() + b"\n")
+            except OSError:  # the rollout's process is gone: nobody to answer
+                pass
 
     class Server(socketserver.ThreadingUnixStreamServer):
         daemon_threads = True
@@ -145,6 +152,32 @@ def serve(socket_path: str) -> None:
     with Server(socket_path, Episode) as server:
         print(f"harness service: mini-swe-agent ready at {socket_path}", flush=True)
         server.serve_forever()
+
+
+REQUEST_FIELDS = {"task": dict, "workdir": str, "output_path": str, "config": str, "model": str}
+OPTIONAL_FIELDS = {"base_url": str, "api_key": str, "temperature": (int, float)}
+
+
+def parse_request(line: bytes) -> dict:
+    """One request line (:func:`ask_service`) as a checked dict; ValueError says what is wrong, so a
+    bad request is answered with its reason and the service serves on."""
+    if len(line) > MAX_REQUEST:
+        raise ValueError(f"longer than {MAX_REQUEST} bytes")
+    try:
+        req = json.loads(line)
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
+        raise ValueError(f"not JSON ({type(exc).__name__})") from None
+    if not isinstance(req, dict):
+        raise ValueError("not a JSON object")
+    for key, kind in REQUEST_FIELDS.items():
+        if not isinstance(req.get(key), kind):
+            raise ValueError(f"{key!r} missing or not a {kind.__name__}")
+    for key, kinds in OPTIONAL_FIELDS.items():
+        if req.get(key) is not None and (not isinstance(req[key], kinds) or isinstance(req[key], bool)):
+            raise ValueError(f"{key!r} has the wrong type")
+    if not isinstance(req["task"].get("prompt"), str) or not Path(req["workdir"]).is_absolute():
+        raise ValueError("the task has no prompt text, or workdir is not an absolute path")
+    return req
 
 
 def serve_episode(req: dict, conn: socket.socket) -> dict:
