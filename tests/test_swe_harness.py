@@ -305,9 +305,12 @@ def test_a_rollout_whose_process_is_killed_is_cancelled_in_the_service_which_ser
 BAD_REQUESTS = {  # request line -> what the answer's error says
     b"not json\n": "not JSON", b"\xff\xfe{\n": "not JSON", b"[" * 100_000 + b"\n": "not JSON",
     b"[1, 2]\n": "not a JSON object", b"{}\n": "'task' missing",
-    b'{"task": {"prompt": "x"}, "workdir": "rel", "output_path": "o", "config": "c", "model": "m"}\n': "absolute",
+    b'{"task": {"prompt": "x"}, "workdir": "/tmp/x", "output_path": "o", "config": "c", "model": "m"}\n':
+        "'base_url' missing",  # never litellm's default host, from a process without proxy variables
+    b'{"task": {"prompt": "x"}, "workdir": "rel", "output_path": "o", "config": "c", "model": "m", '
+    b'"base_url": "http://h/v1"}\n': "absolute",
     b'{"task": {"prompt": "x"}, "workdir": "/tmp/x", "output_path": "o", "config": "c", "model": "m", '
-    b'"temperature": "hot"}\n': "'temperature' has the wrong type",
+    b'"base_url": "http://h/v1", "temperature": "hot"}\n': "'temperature' has the wrong type",
     b"x" * ((1 << 22) + 10): "longer than",
 }
 
@@ -329,6 +332,11 @@ def test_the_service_answers_bad_requests_with_their_reason_and_serves_on(tmp_pa
                 answer = json.loads(s.makefile("rb").readline())
             assert answer["error"].startswith("bad request:") and reason in answer["error"], (line[:80], answer)
         task = task_by_family("missing_return")
+        bare = {k: v for k, v in os.environ.items() if k != "OPENAI_BASE_URL"}
+        no_url = subprocess.run([str(SWE_PY), str(SWE / "harness.py")], capture_output=True, text=True, timeout=60,
+                                env={**bare, **service.env, "LIGHTNING_OUTPUT_DIR": str(tmp_path / "no-url"),
+                                     "LIGHTNING_TASK": json.dumps(task)})
+        assert no_url.returncode == 1 and "OPENAI_BASE_URL is not set" in no_url.stderr, no_url.stderr
         env = {**os.environ, **service.env, "OPENAI_BASE_URL": solver_upstream(noise=0.0) + "/v1",
                "OPENAI_API_KEY": "x", "LIGHTNING_OUTPUT_DIR": str(tmp_path / "ok"), "LIGHTNING_TASK": json.dumps(task)}
         ok = subprocess.run([str(SWE_PY), str(SWE / "harness.py")], env=env, capture_output=True, text=True,

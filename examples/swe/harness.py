@@ -154,8 +154,10 @@ def serve(socket_path: str) -> None:
         server.serve_forever()
 
 
-REQUEST_FIELDS = {"task": dict, "workdir": str, "output_path": str, "config": str, "model": str}
-OPTIONAL_FIELDS = {"base_url": str, "api_key": str, "temperature": (int, float)}
+# base_url is required: an episode without it would reach litellm's default host from the service,
+# whose environment has no proxy variables (a call the proxy never sees)
+REQUEST_FIELDS = {"task": dict, "workdir": str, "output_path": str, "config": str, "model": str, "base_url": str}
+OPTIONAL_FIELDS = {"api_key": str, "temperature": (int, float)}
 
 
 def parse_request(line: bytes) -> dict:
@@ -205,6 +207,9 @@ def serve_episode(req: dict, conn: socket.socket) -> dict:
 def ask_service(socket_path: str, task: dict, workdir: Path, output_path: Path, config: str, name: str,
                 temperature: float | None) -> dict:
     """The per-rollout side: hand the episode to the service and wait for its answer."""
+    if not os.environ.get("OPENAI_BASE_URL"):
+        sys.exit("harness.py: OPENAI_BASE_URL is not set; the harness service only runs episodes against "
+                 "the URL its rollout was given (the proxy)")
     req = {"task": task, "workdir": str(workdir.resolve()), "output_path": str(output_path.resolve()),
            "config": str(Path(config).resolve()), "model": name, "temperature": temperature,
            "base_url": os.environ.get("OPENAI_BASE_URL"), "api_key": os.environ.get("OPENAI_API_KEY")}
