@@ -10,9 +10,9 @@ also measures aggregate throughput with N proxy processes (workers spread across
 Against plain mitmproxy (``mitmdump`` in reverse mode, streaming on for event streams, same stub,
 same run) it measures JSON at ``--plain-json-concurrency`` (default 1) and streamed SSE answers
 (``--sse-tokens`` chunks, default 50) at ``--sse-concurrency`` (default 16): CPU per request,
-p50, time to first byte, and the proxy/plain ratios the targets are stated in. A third row ("same
-bytes") sends plain mitmproxy the request with token ids and logprobs asked for, so that it relays
-the very stream the proxy receives: the part of the ratio that is our work, not the bigger answer.
+p50, time to first byte, and the proxy/plain ratios the targets are stated in. The "same bytes" rows
+send plain mitmproxy the request with token ids and logprobs asked for, so that it relays the very
+answer or stream the proxy receives: the part of the ratio that is our work, not the bigger answer.
 
 The load generator is a small asyncio HTTP/1.1 keep-alive client (one connection per worker,
 opened before the clock starts) so that it costs far less CPU than the proxy it measures.
@@ -229,9 +229,10 @@ def plain_comparison(a, proxy_target: Target, proxy_pid: int, plain: PlainMitmpr
         load(proxy_target, 4, total=100, body=body)
     # (case, concurrency, what plain mitmproxy is sent, what the proxy is sent). "sse_same": plain
     # mitmproxy relays the very upstream stream the proxy gets (the harness's request plus the token
-    # ids and logprobs the proxy injects), so the ratio is the cost of our work on equal bytes.
-    cases = [("json", a.plain_json_concurrency, "json", "json"), ("sse", a.sse_concurrency, "sse", "sse"),
-             ("sse_same", a.sse_concurrency, "sse_asked", "sse")]
+    # ids and logprobs the proxy injects), so the ratio is the cost of our work on equal bytes; "json_same"
+    # likewise for a JSON answer.
+    cases = [("json", a.plain_json_concurrency, "json", "json"), ("json_same", a.plain_json_concurrency, "json_asked", "json"),
+             ("sse", a.sse_concurrency, "sse", "sse"), ("sse_same", a.sse_concurrency, "sse_asked", "sse")]
     out = []
     for kind, c, plain_body, proxy_body in cases:
         rounds = {"plain": [], "proxy": []}
@@ -281,6 +282,7 @@ def main() -> int:
                                 {"role": "user", "content": "Say something short, please."}]}
     sse_body = json.dumps(sse_request).encode()
     sse_asked = json.dumps({**sse_request, "return_token_ids": True, "logprobs": True}).encode()
+    json_asked = json.dumps({**json.loads(body), "return_token_ids": True, "logprobs": True}).encode()
     stub = StubServer(work)
     plain: PlainMitmproxy | None = None
     proxies: list[ProxyProcess] = []
@@ -307,7 +309,8 @@ def main() -> int:
             plain = PlainMitmproxy(stub.url, work)
             console.print("[dim]proxy vs plain mitmproxy ...[/dim]")
             results["plain"] = plain_comparison(a, via, p.pid, plain,
-                                                {"json": body, "sse": sse_body, "sse_asked": sse_asked})
+                                                {"json": body, "json_asked": json_asked, "sse": sse_body,
+                                                 "sse_asked": sse_asked})
             plain.stop()
             plain = None
         if a.only_plain:
@@ -393,7 +396,7 @@ def report_plain(out: Console, res: dict) -> None:
         t.add_column(col, justify="right")
     for pt in res["plain"]:
         b, x = pt["plain"], pt["proxy"]
-        case = {"sse": f"SSE x{res['config']['sse_tokens']}", "json": "JSON",
+        case = {"sse": f"SSE x{res['config']['sse_tokens']}", "json": "JSON", "json_same": "JSON same bytes",
                 "sse_same": f"SSE x{res['config']['sse_tokens']} same bytes"}[pt["case"]]
         t.add_row(case, str(pt["concurrency"]), f"{b['rps']:.0f}", f"{x['rps']:.0f}",
                   f"{b['cpu_ms_per_req']:.2f}", f"{x['cpu_ms_per_req']:.2f}",
@@ -411,6 +414,9 @@ def report_plain(out: Console, res: dict) -> None:
         elif pt["case"] == "sse_same":
             r = x["cpu_ms_per_req"] / b["cpu_ms_per_req"]
             verdicts.append(f"(plain relaying the same upstream stream: {r:.2f}x)")
+        elif pt["case"] == "json_same":
+            r = x["p50_ms"] / b["p50_ms"]
+            verdicts.append(f"(plain relaying the same upstream answer: p50 {r:.2f}x)")
         else:
             r = x["p50_ms"] / b["p50_ms"]
             verdicts.append(f"JSON c={pt['concurrency']} p50 <= plain: {r:.2f}x -> {'OK' if r <= 1.0 else 'MISSED'}")

@@ -9,6 +9,7 @@ and the count of non-blank lines. Exits 1 if a function or a signature is over i
 
 from __future__ import annotations
 
+import argparse
 import ast
 import sys
 from pathlib import Path
@@ -58,4 +59,7 @@ def main(roots: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or CORE))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("roots", nargs="*", default=CORE, help="folders or files under the repository (default: the core)")
+    sys.exit(main(ap.parse_args().roots))

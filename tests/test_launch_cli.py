@@ -136,13 +136,7 @@ def test_uses_a_running_proxy_and_leaves_it_running(tmp_path, write_tasks, make_
     assert res.returncode == 1 and "cannot use the proxy" in res.stderr and "401" in res.stderr
 
 
-SOCKET_SERVICE = """import os, socket
-s = socket.socket(socket.AF_UNIX)
-s.bind(os.environ["LIGHTNING_HARNESS_SERVICE"])
-s.listen()
-while True:
-    s.accept()[0].close()
-"""
+ECHO_SERVICE = Path(__file__).parent / "support" / "echo_service.py"
 
 
 def test_a_harness_service_starts_beside_a_running_proxy_too(tmp_path, write_tasks, make_proxy, rows):
@@ -150,11 +144,10 @@ def test_a_harness_service_starts_beside_a_running_proxy_too(tmp_path, write_tas
     harness gets its socket (a harness without it exits 7 here)."""
     proxy = make_proxy()
     traces = proxy.traces_dir
-    (tmp_path / "svc.py").write_text(SOCKET_SERVICE)
     harness = f'test -S "$LIGHTNING_HARNESS_SERVICE" || exit 7; exec {sys.executable} {HARNESS}'
     res = launch(write_tasks([{"id": "a"}, {"id": "b"}]), "--traces", traces, "--proxy-url", proxy.reverse_url,
                  "--proxy-token", proxy.token, "--proxy-control-token", proxy.control_token,
-                 "--proxy-ca", proxy.ca_bundle, "--no-progress", "--service", f"{sys.executable} svc.py",
+                 "--proxy-ca", proxy.ca_bundle, "--no-progress", "--service", f"{sys.executable} {ECHO_SERVICE}",
                  "--cwd", tmp_path, "--", "/bin/sh", "-c", harness)
     assert res.returncode == 0, res.stdout + res.stderr
     socket_path = re.search(r"harness service ready at (\S+)", res.stderr)[1]

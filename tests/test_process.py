@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -149,27 +150,15 @@ def test_direct_env_drops_every_proxy_variable():
 
 
 # -- a harness service (launcher/service.py) on the same helper ---------------------------------------
-ECHO_SERVICE = """import os, socket, sys
-s = socket.socket(socket.AF_UNIX)
-s.bind(os.environ["LIGHTNING_HARNESS_SERVICE"])
-s.listen()
-print("cwd", os.getcwd(), "proxy", [k for k in os.environ if k.lower().endswith("_proxy")], flush=True)
-while True:
-    c, _ = s.accept()
-    try:
-        c.sendall(b"hello from " + str(os.getpid()).encode())
-    except OSError:  # the readiness probe hangs up at once
-        pass
-    c.close()
-"""
+ECHO_SERVICE = Path(__file__).parent / "support" / "echo_service.py"
 
 
 def test_a_harness_service_listens_where_its_variable_says_and_is_gone_after_stop(tmp_path, monkeypatch):
     from lightning_harness.launcher.service import SERVICE_VAR, HarnessService
 
     monkeypatch.setenv("HTTPS_PROXY", "http://user:secret@127.0.0.1:9")  # never the service's
-    (tmp_path / "svc.py").write_text(ECHO_SERVICE)
-    service = HarnessService([sys.executable, "svc.py"], cwd=tmp_path, log_path=tmp_path / "svc.log").start(timeout=30)
+    service = HarnessService([sys.executable, str(ECHO_SERVICE)], cwd=tmp_path, log_path=tmp_path / "svc.log")
+    service.start(timeout=30)
     try:
         assert service.env == {SERVICE_VAR: service.socket_path}
         assert oct(os.stat(os.path.dirname(service.socket_path)).st_mode & 0o777) == "0o700"

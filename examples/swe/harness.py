@@ -207,12 +207,13 @@ def serve_episode(req: dict, conn: socket.socket) -> dict:
 def ask_service(socket_path: str, task: dict, workdir: Path, output_path: Path, config: str, name: str,
                 temperature: float | None) -> dict:
     """The per-rollout side: hand the episode to the service and wait for its answer."""
-    if not os.environ.get("OPENAI_BASE_URL"):
+    base_url = os.environ.get("OPENAI_BASE_URL")
+    if not base_url:
         sys.exit("harness.py: OPENAI_BASE_URL is not set; the harness service only runs episodes against "
                  "the URL its rollout was given (the proxy)")
     req = {"task": task, "workdir": str(workdir.resolve()), "output_path": str(output_path.resolve()),
            "config": str(Path(config).resolve()), "model": name, "temperature": temperature,
-           "base_url": os.environ.get("OPENAI_BASE_URL"), "api_key": os.environ.get("OPENAI_API_KEY")}
+           "base_url": base_url, "api_key": os.environ.get("OPENAI_API_KEY")}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(socket_path)
         s.sendall(json.dumps(req).encode() + b"\n")
