@@ -231,8 +231,9 @@ def plain_comparison(a, proxy_target: Target, proxy_pid: int, plain: PlainMitmpr
     # mitmproxy relays the very upstream stream the proxy gets (the harness's request plus the token
     # ids and logprobs the proxy injects), so the ratio is the cost of our work on equal bytes; "json_same"
     # likewise for a JSON answer.
-    cases = [("json", a.plain_json_concurrency, "json", "json"), ("json_same", a.plain_json_concurrency, "json_asked", "json"),
-             ("sse", a.sse_concurrency, "sse", "sse"), ("sse_same", a.sse_concurrency, "sse_asked", "sse")]
+    cj, cs = a.plain_json_concurrency, a.sse_concurrency
+    cases = [("json", cj, "json", "json"), ("json_same", cj, "json_asked", "json"),
+             ("sse", cs, "sse", "sse"), ("sse_same", cs, "sse_asked", "sse")]
     out = []
     for kind, c, plain_body, proxy_body in cases:
         rounds = {"plain": [], "proxy": []}
