@@ -52,11 +52,17 @@ build() {  # build NAME LINK INSTALL_FUNCTION
     "$PY" -m venv "$dir"
     "$dir/bin/pip" install --quiet "${PIP_FLAGS[@]}" --upgrade pip >/dev/null
     heartbeat "$dir.log" & local beat=$!
-    if ! V="$dir" "$install" >"$dir.log" 2>&1; then
-      kill "$beat" 2>/dev/null
+    # Not `if ! install`: bash ignores `set -e` inside a function called as a condition, so a failed
+    # step would go on to the next and a broken environment would be marked complete. The subshell
+    # stops at the first failing command.
+    set +e
+    (set -e; V="$dir" "$install") >"$dir.log" 2>&1
+    local rc=$?
+    set -e
+    kill "$beat" 2>/dev/null
+    if [[ $rc -ne 0 ]]; then
       tail -n 40 "$dir.log" >&2; echo "[setup] $name environment failed; full log: $dir.log" >&2; exit 1
     fi
-    kill "$beat" 2>/dev/null
     touch "$dir/.complete"
     echo "[setup] $name environment ready in $(( SECONDS - STARTED ))s" >&2
   fi
@@ -83,11 +89,13 @@ install_proxy() {
 }
 install_verl() {
   "$V/bin/pip" install "${PIP_FLAGS[@]}" setuptools wheel
-  step "1/2 torch (CPU), transformers 5.10, ray, tensordict"
+  step "1/3 torch (CPU), transformers 5.10, ray, tensordict"
   "$V/bin/pip" install "${PIP_FLAGS[@]}" torch==2.13.0 "numpy>=2" tensordict==0.10.0 \
     "transformers>=5.5.3,<5.11" ray accelerate hydra-core codetiming dill pyarrow click pyyaml rich pytest
-  step "2/2 verl 0.9.1 (without its GPU dependencies)"
+  step "2/3 verl 0.9.1 (without its GPU dependencies)"
   "$V/bin/pip" install "${PIP_FLAGS[@]}" --no-deps verl==0.9.1
+  step "3/3 checking that torch, numpy and verl import"
+  "$V/bin/python" -c "import torch, numpy, verl" >/dev/null
 }
 install_swe() {
   "$V/bin/pip" install "${PIP_FLAGS[@]}" setuptools wheel
