@@ -37,7 +37,13 @@ step() {  # to the log and the terminal (not `tee /dev/fd/3`: that reopens, and 
   echo "$line"; echo "$line" >&3
 }
 heartbeat() {  # heartbeat LOG: every 20 s, elapsed time and what pip is doing
-  while sleep 20; do
+  # killed (TERM) while waiting, it takes its sleep along: an orphaned sleep kept the caller's output
+  # open (a pipe, `| tee`) for up to 20 s after the script had ended
+  local nap=""
+  trap 'kill $nap 2>/dev/null; exit 0' TERM
+  while :; do
+    sleep 20 & nap=$!
+    wait "$nap"
     echo "[setup] $BUILDING: still installing, $(( SECONDS - STARTED ))s; $(tail -n 1 "$1" 2>/dev/null | cut -c1-100) (log: $1)" >&3
   done
 }

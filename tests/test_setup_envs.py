@@ -42,11 +42,10 @@ def test_a_failed_install_step_stops_the_build_and_leaves_no_complete_environmen
     fake.chmod(0o755)
     cache = tmp_path / "cache"
     env = {**os.environ, "LIGHTNING_ENV_CACHE": str(cache), "LIGHTNING_PYTHON": str(fake)}
-    with open(tmp_path / "out", "w") as out:  # a file, not a pipe: the heartbeat's last sleep may hold a pipe open
-        rc = subprocess.run(["bash", str(repo / "scripts" / "setup_envs.sh"), "verl"], env=env, stdout=out,
-                            stderr=subprocess.STDOUT, timeout=120).returncode
-    output = (tmp_path / "out").read_text()
-    assert rc == 1, output
+    res = subprocess.run(["bash", str(repo / "scripts" / "setup_envs.sh"), "verl"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    output = res.stdout
+    assert res.returncode == 1, output
     assert "[setup] verl environment failed" in output and "simulated: connection reset" in output
     (built,) = [p for p in cache.iterdir() if p.is_dir()]
     assert not (built / ".complete").exists()
