@@ -122,14 +122,15 @@ def print_summary(console, summary: dict[str, Any], traces: Path, run_id: str) -
     if evals:
         versions = sorted(int(v) for v in evals)
         first, last = str(versions[0]), str(versions[-1])
-        t = Table("metric", *(Column(h, justify="right") for h in (f"before (v{first})", f"after (v{last})", "change")),
-                  title="held-out evaluation")
+        once = first == last  # an evaluation-only run (steps=0): one column, no change to show
+        heads = (f"v{first}",) if once else (f"before (v{first})", f"after (v{last})", "change")
+        t = Table("metric", *(Column(h, justify="right") for h in heads), title="held-out evaluation")
         for key, fmt in (("eval/success", "{:.1%}"), ("eval/reward_mean", "{:.3f}")):
             a, b = evals[first].get(key), evals[last].get(key)
             if a is None or b is None:
                 continue
             delta = (f"{(b - a) * 100:+.1f} pts" if key == "eval/success" else f"{b - a:+.3f}")
-            t.add_row(key, fmt.format(a), fmt.format(b), delta)
+            t.add_row(key, fmt.format(a), *(() if once else (fmt.format(b), delta)))
         console.print(t)
     if summary.get("plot"):
         console.print(f"reward curve:     {summary['plot']}", soft_wrap=True)
