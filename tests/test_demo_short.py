@@ -41,7 +41,7 @@ def test_calc_demo_config_runs_two_updates(tmp_path: Path, api: str):
         cmd += ["--set", f"{key}={value}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "held-out evaluation" in proc.stdout + proc.stderr  # the before/after table
+    assert "evaluation on tasks_eval.jsonl" in proc.stdout + proc.stderr  # the before/after table
 
     traces = run_dir / "traces"
     con = duckdb.connect()

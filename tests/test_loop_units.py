@@ -158,13 +158,15 @@ def test_summary_table_before_after_and_evaluation_only():
 
     def table(evals):
         console = Console(record=True, width=200)
-        print_summary(console, {"evals": evals, "checkpoint": "ck", "model_version": 0, "run_dir": "r"},
+        print_summary(console, {"evals": evals, "checkpoint": "ck", "model_version": 0, "run_dir": "r",
+                                "eval_tasks": "/x/tasks_eval.jsonl"},
                       "traces", "run")
         return console.export_text()
 
     two = table({"0": {"eval/success": 0.25, "eval/reward_mean": 0.3},
                  "4": {"eval/success": 0.5, "eval/reward_mean": 0.5}})
     assert "before (v0)" in two and "after (v4)" in two and "+25.0 pts" in two
+    assert "evaluation on tasks_eval.jsonl" in two
     one = table({"0": {"eval/success": 0.25, "eval/reward_mean": 0.3}})  # steps=0: one evaluation
     assert "before" not in one and "after" not in one and "change" not in one
     assert "v0" in one and one.count("25.0%") == 1

@@ -168,6 +168,8 @@ def test_one_step_swaps_served_weights_and_holds_requests_during_the_pause(tmp_p
             by_split.setdefault((r["split"], r["step"]), set()).add(s["model_version"])
     assert by_split[("train", 1)] == {0}
     assert by_split[("eval", 0)] == {0} and by_split[("eval", 1)] == {1}
+    n_eval = sum(1 for r in rollouts.values() if r["split"] == "eval" and r["step"] == 1)
+    assert run.progress.fields["done"] == f"{n_eval}/{n_eval} rollouts"  # the live line counted the evaluation
     # samples and metrics were written for lightning-sql
     samples = read_table(cfg.run_path / "traces", "samples")
     assert samples.num_rows > 0 and set(samples["step"].to_pylist()) == {1}

@@ -31,7 +31,7 @@ def test_swe_config_runs_two_updates_through_mini_swe_agent(tmp_path: Path):
         cmd += ["--set", f"{key}={value}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1400, env=os.environ)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "held-out evaluation" in proc.stdout + proc.stderr
+    assert "evaluation on tasks_eval.jsonl" in proc.stdout + proc.stderr  # the before/after table
 
     traces = run_dir / "traces"
     con = duckdb.connect()

@@ -124,7 +124,9 @@ def print_summary(console, summary: dict[str, Any], traces: Path, run_id: str) -
         first, last = str(versions[0]), str(versions[-1])
         once = first == last  # an evaluation-only run (steps=0): one column, no change to show
         heads = (f"v{first}",) if once else (f"before (v{first})", f"after (v{last})", "change")
-        t = Table("metric", *(Column(h, justify="right") for h in heads), title="held-out evaluation")
+        tasks = summary.get("eval_tasks")  # held out, or (swe-practice) the train tasks under new ids
+        t = Table("metric", *(Column(h, justify="right") for h in heads),
+                  title=f"evaluation on {Path(tasks).name}" if tasks else "evaluation")
         for key, fmt in (("eval/success", "{:.1%}"), ("eval/reward_mean", "{:.3f}")):
             a, b = evals[first].get(key), evals[last].get(key)
             if a is None or b is None:

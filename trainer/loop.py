@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import os
 import sys
@@ -263,9 +264,12 @@ class TrainingRun:
         if not self.eval_tasks:
             return {}
         cfg, e = self.cfg, self.cfg.eval
-        self.progress.update(phase=f"eval v{version}")
-        command, settings = self._harness_phase(e.command or cfg.harness.command, e.temperature, step=version,
-                                                run_id=f"{cfg.run_id}-eval", samples=e.group_size, split="eval")
+        total, finished = len(self.eval_tasks) * e.group_size, itertools.count(1)
+        self.progress.update(phase=f"eval v{version}", done=f"0/{total} rollouts")
+        command, settings = self._harness_phase(
+            e.command or cfg.harness.command, e.temperature, step=version, run_id=f"{cfg.run_id}-eval",
+            samples=e.group_size, split="eval",
+            on_result=lambda _r: self.progress.update(done=f"{next(finished)}/{total} rollouts"))
         t0 = time.monotonic()
         results = run_batch(self.eval_tasks, command, settings)
         rewards = [r.reward if r.reward is not None else 0.0 for r in results]
@@ -469,7 +473,8 @@ class TrainingRun:
             png = plot_rewards(self.traces, self.run_dir / "reward_curve.png", cfg.run_id)
         summary = {"run_dir": str(self.run_dir), "checkpoint": self.state["checkpoint"],
                    "model_version": self.state["model_version"], "plot": str(png) if png else None,
-                   "evals": self.state.get("evals", {}), "steps": self.state["step"]}
+                   "evals": self.state.get("evals", {}), "steps": self.state["step"],
+                   "eval_tasks": str(cfg.path(cfg.tasks.eval)) if cfg.tasks.eval else None}
         self.progress.close()
         print_summary(self.console, summary, self.traces, cfg.run_id)
         write_json_atomic(self.run_dir / "summary.json", summary)

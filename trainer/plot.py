@@ -25,7 +25,7 @@ def plot_rewards(traces_root: str | os.PathLike, out_png: str | os.PathLike, run
     m = read_metrics(traces_root, run_id)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     for key, label, style in ((TRAIN_KEY, "train reward (rollouts of the step)", "-o"),
-                              (EVAL_KEY, "held-out reward", "-s")):
+                              (EVAL_KEY, "eval reward (tasks.eval)", "-s")):
         series = m.get(key, {})
         if series:
             steps = sorted(series)
