@@ -66,6 +66,16 @@ def test_splits_share_no_project_or_function_and_sizes():
     assert {t["family"] for t in train} == set(gen.FAMILIES)
 
 
+def test_practice_set_is_train_tasks_under_their_own_ids():
+    """`scripts/demo.sh swe-practice`: the practice tasks are train tasks as committed, its evaluation the
+    same tasks under new ids (the loop refuses train and eval files sharing an id), none held out."""
+    train = {t["id"]: t for t in committed("train")}
+    practice = committed("practice")
+    assert practice and all(train.get(t["id"]) == t for t in practice)
+    assert committed("practice_eval") == [{**t, "id": "again-" + t["id"]} for t in practice]
+    assert not {t["project"] for t in practice} & {t["project"] for t in committed("eval")}
+
+
 def _defined_names(source: str) -> set[str]:
     return {n.name.lower() for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
