@@ -114,25 +114,36 @@ def step_line(step: int, total: int, r: dict[str, Any]) -> str:
             f"reload {g('time/reload_s', '{:.2f}')}s | rollouts {g('time/rollout_s', '{:.1f}')}s")
 
 
+MAX_EVAL_COLUMNS = 6  # evaluations in the summary table (a long run with frequent ones shows its latest)
+
+
 def print_summary(console, summary: dict[str, Any], traces: Path, run_id: str) -> None:
-    """The end of a run: held-out success before and after, where the curve, checkpoint and traces are."""
+    """The end of a run: success at each evaluation (before, in between, after) and the change; where the
+    curve, checkpoint and traces are."""
     from rich.table import Column, Table
 
     evals = summary.get("evals") or {}
     if evals:
         versions = sorted(int(v) for v in evals)
+        if len(versions) > MAX_EVAL_COLUMNS:  # the first, then the latest ones
+            versions = versions[:1] + versions[1 - MAX_EVAL_COLUMNS:]
         first, last = str(versions[0]), str(versions[-1])
-        once = first == last  # an evaluation-only run (steps=0): one column, no change to show
-        heads = (f"v{first}",) if once else (f"before (v{first})", f"after (v{last})", "change")
+        heads = [f"v{v}" for v in versions]
+        if first != last:  # an evaluation-only run (steps=0) has one column and no change to show
+            heads[0], heads[-1] = f"before ({heads[0]})", f"after ({heads[-1]})"
+            heads.append("change")
         tasks = summary.get("eval_tasks")  # held out, or (swe-practice) the train tasks under new ids
         t = Table("metric", *(Column(h, justify="right") for h in heads),
                   title=f"evaluation on {Path(tasks).name}" if tasks else "evaluation")
         for key, fmt in (("eval/success", "{:.1%}"), ("eval/reward_mean", "{:.3f}")):
-            a, b = evals[first].get(key), evals[last].get(key)
-            if a is None or b is None:
+            values = [evals[str(v)].get(key) for v in versions]
+            if None in values:
                 continue
-            delta = (f"{(b - a) * 100:+.1f} pts" if key == "eval/success" else f"{b - a:+.3f}")
-            t.add_row(key, fmt.format(a), *(() if once else (fmt.format(b), delta)))
+            cells = [fmt.format(x) for x in values]
+            if first != last:
+                a, b = values[0], values[-1]
+                cells.append(f"{(b - a) * 100:+.1f} pts" if key == "eval/success" else f"{b - a:+.3f}")
+            t.add_row(key, *cells)
         console.print(t)
     if summary.get("plot"):
         console.print(f"reward curve:     {summary['plot']}", soft_wrap=True)
