@@ -245,6 +245,9 @@ def plain_comparison(a, proxy_target: Target, proxy_pid: int, plain: PlainMitmpr
             point[who] = {key: sorted(x[key] for x in xs)[len(xs) // 2]
                           for key in ("rps", "p50_ms", "p99_ms", "ttfb_p50_ms", "cpu_ms_per_req")}
             point[who]["errors"] = sum(x["errors"] for x in xs)
+        for key in ("cpu_ms_per_req", "p50_ms"):  # each round's proxy/plain ratio: this machine's noise
+            ratios = [x[key] / b[key] for b, x in zip(rounds["plain"], rounds["proxy"]) if b[key]]
+            point[f"{key}_ratio_range"] = (min(ratios), max(ratios)) if ratios else None
         out.append(point)
     return out
 
@@ -391,18 +394,25 @@ def main() -> int:
 
 def report_plain(out: Console, res: dict) -> None:
     t = Table(title="lightning-proxy vs plain mitmproxy (mitmdump, event streams streamed), same stub, median of "
-                    f"{res['config']['rounds']} alternating rounds")
+                    f"{res['config']['rounds']} alternating rounds (ratios: of the medians, then the lowest "
+                    "and highest of one round's pair)")
     for col in ("case", "conc", "plain req/s", "proxy req/s", "plain CPU ms/req", "proxy CPU ms/req", "CPU ratio",
                 "plain p50", "proxy p50", "p50 ratio", "plain TTFB", "proxy TTFB", "TTFB ratio", "errors"):
         t.add_column(col, justify="right")
+
+    def ratio(pt: dict, key: str) -> str:
+        """The ratio of the medians, and the lowest and highest ratio of one round's pair."""
+        lo_hi = pt.get(f"{key}_ratio_range")
+        spread = f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})" if lo_hi and res["config"]["rounds"] > 1 else ""
+        return f"{pt['proxy'][key] / pt['plain'][key]:.2f}{spread}"
+
     for pt in res["plain"]:
         b, x = pt["plain"], pt["proxy"]
         case = {"sse": f"SSE x{res['config']['sse_tokens']}", "json": "JSON", "json_same": "JSON same bytes",
                 "sse_same": f"SSE x{res['config']['sse_tokens']} same bytes"}[pt["case"]]
         t.add_row(case, str(pt["concurrency"]), f"{b['rps']:.0f}", f"{x['rps']:.0f}",
                   f"{b['cpu_ms_per_req']:.2f}", f"{x['cpu_ms_per_req']:.2f}",
-                  f"{x['cpu_ms_per_req'] / b['cpu_ms_per_req']:.2f}",
-                  f"{b['p50_ms']:.2f}", f"{x['p50_ms']:.2f}", f"{x['p50_ms'] / b['p50_ms']:.2f}",
+                  ratio(pt, "cpu_ms_per_req"), f"{b['p50_ms']:.2f}", f"{x['p50_ms']:.2f}", ratio(pt, "p50_ms"),
                   f"{b['ttfb_p50_ms']:.2f}", f"{x['ttfb_p50_ms']:.2f}", f"{x['ttfb_p50_ms'] / b['ttfb_p50_ms']:.2f}",
                   f"{b['errors']}/{x['errors']}")
     out.print(t)
