@@ -20,8 +20,8 @@ case "$EXAMPLE" in
     bash scripts/setup_envs.sh train proxy swe
     EXAMPLE=swe
     set -- --set run_dir=runs/swe-practice --set tasks.train=tasks_practice.jsonl \
-      --set tasks.eval=tasks_practice_eval.jsonl --set eval.group_size=4 --set eval.every=8 --set steps=16 \
-      --set rollout.temperature=0.7 --set eval.temperature=0.7 "$@" ;;
+      --set tasks.eval=tasks_practice_eval.jsonl --set eval.group_size=4 --set eval.every=16 --set steps=32 \
+      --set update.kl_coef=0.05 --set rollout.temperature=0.7 --set eval.temperature=0.7 "$@" ;;
   *) echo "demo.sh: no example '$EXAMPLE' (calc, swe or swe-practice)" >&2; exit 2 ;;
 esac
 export LIGHTNING_PROXY_PYTHON="$ROOT/.venv-proxy/bin/python"
