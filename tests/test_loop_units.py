@@ -173,5 +173,8 @@ def test_summary_table_before_after_and_evaluation_only():
     three = table({"0": {"eval/success": 0.25}, "8": {"eval/success": 0.625}, "16": {"eval/success": 0.5}})
     assert "before (v0)" in three and "v8" in three and "after (v16)" in three  # the halfway one too
     assert "62.5%" in three and "+25.0 pts" in three and "│ eval/reward_mean" not in three  # none recorded
+    gap = table({"0": {"eval/success": 0.25, "eval/reward_mean": 0.3}, "8": {"eval/success": 0.5},
+                 "16": {"eval/success": 0.5, "eval/reward_mean": 0.45}})  # a middle one without the reward
+    assert "│ eval/reward_mean" in gap and "+0.150" in gap
     many = table({str(v): {"eval/success": v / 100} for v in range(0, 100, 10)})  # the first, then the latest
     assert "before (v0)" in many and "v10 " not in many and "v50" in many and "after (v90)" in many

@@ -127,9 +127,9 @@ def print_summary(console, summary: dict[str, Any], traces: Path, run_id: str) -
         versions = sorted(int(v) for v in evals)
         if len(versions) > MAX_EVAL_COLUMNS:  # the first, then the latest ones
             versions = versions[:1] + versions[1 - MAX_EVAL_COLUMNS:]
-        first, last = str(versions[0]), str(versions[-1])
+        several = len(versions) > 1  # an evaluation-only run (steps=0) has one column and no change to show
         heads = [f"v{v}" for v in versions]
-        if first != last:  # an evaluation-only run (steps=0) has one column and no change to show
+        if several:
             heads[0], heads[-1] = f"before ({heads[0]})", f"after ({heads[-1]})"
             heads.append("change")
         tasks = summary.get("eval_tasks")  # held out, or (swe-practice) the train tasks under new ids
@@ -137,10 +137,10 @@ def print_summary(console, summary: dict[str, Any], traces: Path, run_id: str) -
                   title=f"evaluation on {Path(tasks).name}" if tasks else "evaluation")
         for key, fmt in (("eval/success", "{:.1%}"), ("eval/reward_mean", "{:.3f}")):
             values = [evals[str(v)].get(key) for v in versions]
-            if None in values:
+            if values[0] is None or values[-1] is None:
                 continue
-            cells = [fmt.format(x) for x in values]
-            if first != last:
+            cells = ["-" if x is None else fmt.format(x) for x in values]  # (a metric one evaluation lacks)
+            if several:
                 a, b = values[0], values[-1]
                 cells.append(f"{(b - a) * 100:+.1f} pts" if key == "eval/success" else f"{b - a:+.3f}")
             t.add_row(key, *cells)
