@@ -121,6 +121,10 @@ class ProxyConfig:
     upstream_ca: str | None = option(None, "PEM file of extra CAs trusted for upstream TLS.", is_file=True)
     lean: bool = option(True, "Load only the mitmproxy built-ins a capture proxy needs (faster), or stock "
                         "DumpMaster's.", off="--full-mitmproxy")
+    gc_young: int = option(
+        10_000, "Allocations between collections of Python's youngest generation (Python's default: 700; "
+        "0 keeps it). Parsed stream events live until their span is written: at 700 the collector took "
+        "~8% of the proxy's CPU on streamed answers.")
     # durability
     flush_seconds: float = option(1.0, "Longest time a span waits in memory (what a SIGKILL can lose).")
     flush_rows: int = option(5000, "Write a part after this many rows.")

@@ -219,6 +219,9 @@ async def _serve(config: ProxyConfig) -> int:
         master.options.update(ssl_verify_upstream_trusted_ca=str(Path(config.upstream_ca).resolve()))
     if config.idle_timeout != mitm_server.TCP_TIMEOUT:
         mitm_server.TCP_TIMEOUT = config.idle_timeout  # read per connection; no option exists in 11.0.2
+    if config.gc_young > 0:  # the older generations keep Python's ratios to it (see the option's help)
+        gc.set_threshold(config.gc_young, *gc.get_threshold()[1:])
+    log.info("python gc thresholds %s", gc.get_threshold())
     state = ProxyState(config)
     addons = build_addons(state)
     master.addons.add(*addons)

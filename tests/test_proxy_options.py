@@ -24,8 +24,8 @@ def _changed_everywhere(tmp_path) -> ProxyConfig:
         "model_map": {"gpt-4o": "policy", "x": "y=z"}, "served_model": "served", "reverse_target": "https://c",
         "no_intercept": ["pinned:443"], "model_version": 7, "idle_timeout": 12.5, "max_body_size": 3,
         "max_decoded_size": 4, "max_inflight_bytes": 5, "shutdown_grace": 0.25, "ssl_insecure": True,
-        "upstream_ca": str(ca), "lean": False, "flush_seconds": 0.2, "flush_rows": 6, "flush_bytes": 7,
-        "fsync": False, "compact_seconds": 0.0, "capture_failure": "serve", "max_buffer_bytes": 8,
+        "upstream_ca": str(ca), "lean": False, "gc_young": 2000, "flush_seconds": 0.2, "flush_rows": 6,
+        "flush_bytes": 7, "fsync": False, "compact_seconds": 0.0, "capture_failure": "serve", "max_buffer_bytes": 8,
         "inject_token_ids": False,
     }
     names = {f.name for f in dataclasses.fields(ProxyConfig)}
@@ -99,6 +99,7 @@ def test_key_value_pairs_one_parser():
 
 def test_started_proxy_runs_with_the_declared_options(make_proxy):
     """A real proxy from ProxyProcess: options reach it (the model version it reports)."""
-    p = make_proxy(model_version=4, served_model="policy", flush_seconds=0.2)
+    p = make_proxy(model_version=4, served_model="policy", flush_seconds=0.2, gc_young=1234)
     state = p.control.state()
     assert state["model_version"] == 4 and state["forward_port"] == p.forward_port
+    assert "python gc thresholds (1234, 10, 10)" in p.log_path.read_text()  # the collector's young generation
