@@ -7,6 +7,7 @@ Real Parquet parts (schemas.PartWriter), real DuckDB views, real subprocesses ki
 from __future__ import annotations
 
 import io
+import json
 import signal
 import subprocess
 import sys
@@ -75,6 +76,21 @@ def test_compaction_keeps_every_row_exactly_once(tmp_path):
     compact_store(root, grace_s=0)
     assert files(root, "spans") == 1 and span_ids(root) == sorted(ids + [late["span_id"]])
     assert [p.name.count("-c") for p in (root / "spans").glob("**/*.parquet")] == [1]  # names do not grow
+
+
+def test_a_batch_is_bounded_by_its_uncompressed_size_not_only_its_file_size(tmp_path):
+    """Agent contexts compress a hundredfold: batches sized by file alone read gigabytes at once."""
+    root = tmp_path / "t"
+    context = "the same long context " * 25_000  # 550 KB a row, a few KB on disk
+    for r in range(6):
+        row = span(f"big-{r}", 0, [1, 2], [3])
+        write_traces(root, spans=[{**row, "request_json": json.dumps({"messages": [{"content": context}]})}])
+    parts = sorted((root / "spans").glob("**/*.parquet"))
+    assert sum(p.stat().st_size for p in parts) < 200_000  # all six fit one batch by file size
+    rep = compact_table(root, "spans", raw_bytes=1_300_000, grace_s=0)  # about two rows' worth
+    assert rep.parts_written == 3 and rep.rows_compacted == 6 and files(root, "spans") == 3
+    assert len(span_ids(root)) == 6
+    assert compact_table(root, "spans", grace_s=0).parts_written == 1  # the default budget takes them all
 
 
 def test_replaced_parts_stay_for_the_grace_period_but_are_never_read_twice(tmp_path):
