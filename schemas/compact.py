@@ -43,15 +43,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .checked import COMPACTED_FROM, finished_parts, part_error, replaced_parts
-from .parts import write_part
+from .parts import RAW_BYTES, write_part
 from .tables import TABLES
 
 log = logging.getLogger("lightning.schemas")
 
 TARGET_BYTES = 64 << 20  # compacted part size aimed at (compressed); parts under half of it are "small"
-# uncompressed bytes one batch may hold: a batch is read, sorted and written whole, and agent contexts
-# repeat themselves, so rows can be a hundred times their compressed size (a proxy's RSS reached 3 GB
-# compacting 2.9 MB of parts that held 4,200 requests of 400 KB)
+# bytes of rows in memory one batch may hold (writers record them in each part's footer): a batch is
+# read, sorted and written whole, and agent contexts repeat themselves, so rows can be a hundred times
+# their size on disk (a proxy's RSS reached 3.2 GB compacting 2.9 MB of parts: 4,200 requests of 400 KB)
 RAW_BATCH_BYTES = 128 << 20
 GRACE_S = 30.0  # seconds replaced inputs stay readable for readers that listed them earlier
 ROW_GROUP_BYTES = 1 << 20  # input bytes per row group: small enough that statistics prune well
@@ -216,9 +216,11 @@ def _batches(parts: list[Path], target_bytes: int, raw_bytes: int) -> list[list[
 
 
 def _raw_size(part: Path) -> int:
-    """The part's uncompressed column data (its footer's row-group sizes)."""
+    """The part's rows in memory, as its writer recorded them; for a part written before the footer
+    said so, its uncompressed column data (a repeated dictionary value counted once)."""
     md = pq.read_metadata(part)
-    return sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
+    recorded = (md.metadata or {}).get(RAW_BYTES)
+    return int(recorded) if recorded else sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
 
 
 def _read_inputs(batch: list[Path], table: str) -> pa.Table | None:

@@ -302,13 +302,19 @@ class PartWriter:
         return final
 
 
+# footer key: the part's rows in memory (Arrow bytes). Compaction sizes its batches by it: the Parquet
+# footer's own sizes count a dictionary-encoded value once, however many rows repeat it
+RAW_BYTES = b"lightning.raw_bytes"
+
+
 def write_part(table: pa.Table, final: Path, metadata: dict, *, fsync: bool, tmp: Path | None = None,
                check: Callable[[Path], None] | None = None, **options: Any) -> Path:
     """Write ``table`` (``metadata`` + the schema version in its footer) under a hidden temporary name
     (``tmp``), fsync it, ``check(tmp)`` it, rename it to ``final``: a reader never sees half a file,
     and a failed write leaves nothing behind (disk full: frees the space). ``options``: pq.write_table's."""
     tmp = tmp or final.with_name(f".{final.name}.tmp")
-    table = table.replace_schema_metadata({**metadata, b"lightning.schema_version": str(SCHEMA_VERSION).encode()})
+    table = table.replace_schema_metadata({**metadata, b"lightning.schema_version": str(SCHEMA_VERSION).encode(),
+                                           RAW_BYTES: str(table.nbytes).encode()})
     try:
         with open(tmp, "wb") as fh:
             pq.write_table(table, fh, compression="zstd", **options)

@@ -81,15 +81,15 @@ def test_compaction_keeps_every_row_exactly_once(tmp_path):
 def test_a_batch_is_bounded_by_its_uncompressed_size_not_only_its_file_size(tmp_path):
     """Agent contexts compress a hundredfold: batches sized by file alone read gigabytes at once."""
     root = tmp_path / "t"
-    context = "the same long context " * 25_000  # 550 KB a row, a few KB on disk
-    for r in range(6):
-        row = span(f"big-{r}", 0, [1, 2], [3])
-        write_traces(root, spans=[{**row, "request_json": json.dumps({"messages": [{"content": context}]})}])
+    request = json.dumps({"messages": [{"content": "the same long context " * 25_000}]})  # 550 KB
+    for r in range(6):  # three equal rows a part: Parquet's own sizes count the value once
+        write_traces(root, spans=[{**span(f"big-{r}", seq, [1, 2], [3]), "request_json": request}
+                                  for seq in range(3)])
     parts = sorted((root / "spans").glob("**/*.parquet"))
     assert sum(p.stat().st_size for p in parts) < 200_000  # all six fit one batch by file size
-    rep = compact_table(root, "spans", raw_bytes=1_300_000, grace_s=0)  # about two rows' worth
-    assert rep.parts_written == 3 and rep.rows_compacted == 6 and files(root, "spans") == 3
-    assert len(span_ids(root)) == 6
+    rep = compact_table(root, "spans", raw_bytes=3_500_000, grace_s=0)  # about two parts' rows
+    assert rep.parts_written == 3 and rep.rows_compacted == 18 and files(root, "spans") == 3
+    assert len(span_ids(root)) == 18
     assert compact_table(root, "spans", grace_s=0).parts_written == 1  # the default budget takes them all
 
 
