@@ -12,8 +12,9 @@ Protocol, per day folder of a table, under an exclusive ``flock`` on ``ROOT/<tab
 1. *finish*: a compacted part whose inputs are still on disk and that is older than ``grace_s``
    has its inputs removed (the step a crash or the grace period left for later);
 2. temporaries of a compaction that was killed (``.compact-*.tmp``) are removed;
-3. readable parts under ``target_bytes / 2`` that are neither replaced nor waiting for their own
-   inputs to go are taken in name (= time) order, in batches of about ``target_bytes``; each batch
+3. readable parts under ``target_bytes / 2`` (and ``raw_bytes / 2`` in memory) that are neither
+   replaced nor waiting for their own inputs to go are taken in name (= time) order, in batches of
+   about ``target_bytes`` (at most ``raw_bytes`` in memory); each batch
    of two or more becomes one part: rows sorted by ``rollout_id`` (stable, so time order within a
    rollout; row-group statistics then prune a query for a few rollouts), written under a hidden
    temporary name, row count checked against the inputs, fsynced, renamed, folder fsynced. Its
@@ -194,7 +195,7 @@ def _compact_folder(folder: Path, table: str, rep: CompactReport, budget: tuple[
     pending = _remove_replaced(folder, grace_s, rep, fsync, step)
     replaced = {folder / n for p in pending for n in replaced_parts(p)}
     small = [p for p in _visible_parts(folder) if p not in replaced and p not in pending
-             and not part_error(p) and p.stat().st_size < budget[0] // 2]
+             and not part_error(p) and p.stat().st_size < budget[0] // 2 and _raw_size(p) < budget[1] // 2]
     for batch in _batches(small, *budget):
         if len(batch) >= 2:
             _write_compacted(folder, table, batch, rep, fsync, step)
