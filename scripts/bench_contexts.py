@@ -6,7 +6,8 @@ repeat each other. For each kind of context (``equal``: the same request every t
 case for compression; ``distinct``: different words per call) it starts a proxy on the stub,
 sends ``--calls`` requests at concurrency 16 with the proxy compacting every ``--compact-seconds``,
 samples the proxy's RSS every half second, and prints RSS at start, peak and end, the spans on
-disk against the calls sent, and the store's size.
+disk against the calls sent, the store's size and its parts (readers' view; the files
+include replaced parts waiting out their grace period).
 
     .venv/bin/python scripts/bench_contexts.py                  # 3,000 calls of each kind (~3 min)
     .venv/bin/python scripts/bench_contexts.py --calls 600 --kinds equal
@@ -34,7 +35,7 @@ sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
 from bench_proxy_ab import memory_mib  # noqa: E402
 
 from lightning_harness.proxy.client import ProxyProcess  # noqa: E402
-from lightning_harness.schemas import read_table  # noqa: E402
+from lightning_harness.schemas import finished_parts, read_table  # noqa: E402
 
 
 def request(kind: str, i: int, size: int) -> bytes:
@@ -75,7 +76,8 @@ def run(kind: str, a, work: Path, stub_url: str) -> dict:
     size = sum(f.stat().st_size for f in (traces / "spans").glob("**/*.parquet"))
     return {"kind": kind, "calls": a.calls, "ok": sum(c == 200 for c in codes), "spans": spans, "seconds": sent,
             "rss_start": start, "rss_peak": max(peak[0], end), "rss_end": end, "store_mb": size / 1e6,
-            "files": len(list((traces / "spans").glob("**/*.parquet")))}
+            "files": len(list((traces / "spans").glob("**/*.parquet"))),
+            "parts": len(finished_parts(traces, "spans")[0])}
 
 
 def main() -> int:
@@ -93,12 +95,12 @@ def main() -> int:
     t = Table(title=f"proxy RSS under {a.size // 1000} KB contexts, concurrency 16, compaction every "
                     f"{a.compact_seconds:g} s")
     for col in ("contexts", "calls (200)", "spans on disk", "calls/s", "RSS start", "RSS peak", "RSS end",
-                "spans store", "files"):
+                "spans store", "parts read (files)"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(r["kind"], f"{r['calls']} ({r['ok']})", str(r["spans"]), f"{r['calls'] / r['seconds']:.0f}",
                   f"{r['rss_start']:.0f} MiB", f"{r['rss_peak']:.0f} MiB", f"{r['rss_end']:.0f} MiB",
-                  f"{r['store_mb']:.1f} MB", str(r["files"]))
+                  f"{r['store_mb']:.1f} MB", f"{r['parts']} ({r['files']})")
     Console().print(t)
     print(f"work dir: {work}")
     return 0 if all(r["spans"] == r["ok"] == r["calls"] for r in rows) else 1
