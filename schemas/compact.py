@@ -194,20 +194,22 @@ def _compact_folder(folder: Path, table: str, rep: CompactReport, budget: tuple[
         tmp.unlink(missing_ok=True)
     pending = _remove_replaced(folder, grace_s, rep, fsync, step)
     replaced = {folder / n for p in pending for n in replaced_parts(p)}
-    small = [p for p in _visible_parts(folder) if p not in replaced and p not in pending
-             and not part_error(p) and p.stat().st_size < budget[0] // 2 and _raw_size(p) < budget[1] // 2]
+    on_disk = {p: p.stat().st_size for p in _visible_parts(folder)
+               if p not in replaced and p not in pending and not part_error(p)}
+    small = [(p, (n, raw)) for p, n in on_disk.items()  # the footer read only for parts small on disk
+             if n < budget[0] // 2 and (raw := _raw_size(p)) < budget[1] // 2]
     for batch in _batches(small, *budget):
         if len(batch) >= 2:
             _write_compacted(folder, table, batch, rep, fsync, step)
     _remove_replaced(folder, grace_s, rep, fsync, step)
 
 
-def _batches(parts: list[Path], target_bytes: int, raw_bytes: int) -> list[list[Path]]:
-    """Consecutive parts, each batch within ``target_bytes`` on disk and ``raw_bytes`` uncompressed."""
+def _batches(parts: list[tuple[Path, tuple[int, int]]], target_bytes: int, raw_bytes: int) -> list[list[Path]]:
+    """Consecutive parts (each with its bytes on disk and in memory), each batch within
+    ``target_bytes`` on disk and ``raw_bytes`` in memory."""
     out: list[list[Path]] = [[]]
     size = raw = 0
-    for p in parts:
-        n, r = p.stat().st_size, _raw_size(p)
+    for p, (n, r) in parts:
         if out[-1] and (size + n > target_bytes or raw + r > raw_bytes):
             out.append([])
             size = raw = 0

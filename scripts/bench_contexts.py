@@ -32,7 +32,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
 
-from bench_proxy_ab import memory_mib  # noqa: E402
+from bench_proxy import rss_mib  # noqa: E402
 
 from lightning_harness.proxy.client import ProxyProcess  # noqa: E402
 from lightning_harness.schemas import finished_parts, read_table  # noqa: E402
@@ -49,11 +49,11 @@ def run(kind: str, a, work: Path, stub_url: str) -> dict:
     p = ProxyProcess(traces, upstreams=[stub_url], route_hosts=["api.openai.com"], confdir=work / "conf",
                      log_path=work / f"proxy-{kind}.log", compact_seconds=a.compact_seconds).start()
     url = p.env_for(f"ctx-{kind}")["OPENAI_BASE_URL"] + "/chat/completions"
-    start, peak, done = memory_mib(p.pid)[0], [0.0], threading.Event()
+    start, peak, done = rss_mib(p.pid), [0.0], threading.Event()
 
     def sample() -> None:
         while not done.wait(0.5):
-            peak[0] = max(peak[0], memory_mib(p.pid)[0])
+            peak[0] = max(peak[0], rss_mib(p.pid))
 
     threading.Thread(target=sample, daemon=True).start()
     local = threading.local()
@@ -70,7 +70,7 @@ def run(kind: str, a, work: Path, stub_url: str) -> dict:
     sent = time.monotonic() - t0
     time.sleep(a.compact_seconds + 5)  # one more compaction after the last call
     done.set()
-    end = memory_mib(p.pid)[0]
+    end = rss_mib(p.pid)
     p.stop()
     spans = read_table(traces, "spans").num_rows
     size = sum(f.stat().st_size for f in (traces / "spans").glob("**/*.parquet"))

@@ -26,26 +26,18 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
 
-from bench_proxy import Target, load, measure  # noqa: E402
+from bench_proxy import Target, load, measure, rss_mib  # noqa: E402
 
 from lightning_harness.proxy.client import ProxyProcess  # noqa: E402
+from lightning_harness.proxy.config import parse_pairs  # noqa: E402
 
 
-def options(pairs: list[str]) -> dict:
+def options(pairs: list[str], flag: str) -> dict:
     """``["gc_young=700"]`` -> ``{"gc_young": 700}`` (values read as YAML scalars)."""
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"expected KEY=VALUE, got {pair!r}")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
-def memory_mib(pid: int) -> tuple[float, float]:
-    """(VmRSS, VmHWM) of a process in MiB."""
-    got = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return tuple(int(got[k].split()[0]) / 1024 for k in ("VmRSS", "VmHWM"))
+    try:
+        return {k: yaml.safe_load(v) for k, v in parse_pairs(pairs, flag).items()}
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def main() -> int:
@@ -65,7 +57,7 @@ def main() -> int:
                        "messages": [{"role": "system", "content": "You are terse."},
                                     {"role": "user", "content": "Say something short, please."}]}).encode()
     stub = StubServer(work)
-    sides = {"A": options(a.a), "B": options(a.b)}
+    sides = {"A": options(a.a, "--a"), "B": options(a.b, "--b")}
     procs = {}
     try:
         for name, opts in sides.items():
@@ -82,7 +74,7 @@ def main() -> int:
             print(f"round {r + 1}/{a.rounds}: A {cpu['A'][-1]:.2f}  B {cpu['B'][-1]:.2f} ms CPU/request", flush=True)
         print(f"\nSSE x{a.sse_tokens}, concurrency {a.concurrency}, {a.rounds} alternating rounds of {a.seconds:g} s")
         for name, opts in sides.items():
-            rss, peak = memory_mib(procs[name].pid)
+            rss, peak = rss_mib(procs[name].pid), rss_mib(procs[name].pid, "VmHWM")
             print(f"  {name} {opts or '(defaults)'}: median {statistics.median(cpu[name]):.2f} ms CPU/request, "
                   f"RSS {rss:.0f} MiB (peak {peak:.0f})")
         ratios = [b / x for x, b in zip(cpu["A"], cpu["B"])]
