@@ -713,8 +713,10 @@ def agent_rollouts(model, tok, tasks: list[dict], step_limit: int, temperature: 
         states = [{"task": t, "folder": swe_tasks.write_task(t, Path(tmp) / f"r{i}"), "done": False, "calls": 0,
                    "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": t["prompt"]}]}
                   for i, t in enumerate(tasks)]
-        for _ in range(step_limit):
+        for step in range(step_limit):
             active = [s for s in states if not s["done"]]
+            print(f"[eval] call {step + 1}/{step_limit}: {len(active)} of {len(states)} episodes still running",
+                  file=sys.stderr, flush=True)
             prompts = [tok(tok.apply_chat_template(s["messages"], tools=[BASH_TOOL], add_generation_prompt=True,
                                                    tokenize=False), add_special_tokens=False)["input_ids"]
                        for s in active]
@@ -733,6 +735,7 @@ def agent_rollouts(model, tok, tasks: list[dict], step_limit: int, temperature: 
                 s["submitted"] = False
                 text = tok.decode([t for t in out if t != tok.eos_token_id], skip_special_tokens=False)
                 step_episode(s, parse_reply(text))
+        print(f"[eval] scoring {len(states)} episodes with the hidden tests", file=sys.stderr, flush=True)
         for s in states:
             s["reward"] = swe_reward.score(s["task"], s["folder"])[0]
     return [{"task_id": s["task"]["id"], "reward": s["reward"], "calls": s["calls"],

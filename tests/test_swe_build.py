@@ -297,3 +297,29 @@ def test_grown_model_computes_the_same_function_and_then_trains_its_new_layers()
     assert silent.mlp.down_proj.weight.grad.abs().sum() > 0
     with pytest.raises(click.BadParameter, match="between 1 and"):
         build.grown(model, 9)
+
+
+def test_in_process_episodes_run_the_committed_model_repeatably_and_show_progress(capsys):
+    """The held-out evaluation's loop (``--eval-only``) with the committed model: real sampling, the
+    model's commands in the sandbox, the hidden tests scoring each folder; the same seed gives the same
+    episodes (figures of different builds are compared on that), and each call round says how many
+    episodes are still running."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    model_dir = ROOT / "examples" / "swe" / "model"
+    model, tok = Qwen2ForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    model.eval()
+    tasks = build.read_tasks("eval")[:2]
+
+    def episodes():
+        return build.agent_rollouts(model, tok, tasks, 3, 0.7, torch.Generator().manual_seed(0))
+
+    first, again = episodes(), episodes()
+    assert [r["messages"] for r in first] == [r["messages"] for r in again]
+    for run, task in zip(first, tasks):
+        assert run["task_id"] == task["id"] and 1 <= run["calls"] <= 3 and run["reward"] in (0.0, 1.0)
+        assert run["messages"][0]["role"] == "system" and run["messages"][1]["content"] == task["prompt"]
+        assert sum(m["role"] == "assistant" for m in run["messages"]) == run["calls"]
+    err = capsys.readouterr().err
+    assert "[eval] call 1/3: 2 of 2 episodes still running" in err and "[eval] scoring 2 episodes" in err
