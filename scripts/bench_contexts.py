@@ -73,10 +73,10 @@ def run(kind: str, a, work: Path, stub_url: str) -> dict:
     end = rss_mib(p.pid)
     p.stop()
     spans = read_table(traces, "spans").num_rows
-    size = sum(f.stat().st_size for f in (traces / "spans").glob("**/*.parquet"))
+    files = list((traces / "spans").glob("**/*.parquet"))
     return {"kind": kind, "calls": a.calls, "ok": sum(c == 200 for c in codes), "spans": spans, "seconds": sent,
-            "rss_start": start, "rss_peak": max(peak[0], end), "rss_end": end, "store_mb": size / 1e6,
-            "files": len(list((traces / "spans").glob("**/*.parquet"))),
+            "rss_start": start, "rss_peak": max(peak[0], end), "rss_end": end,
+            "store_mb": sum(f.stat().st_size for f in files) / 1e6, "files": len(files),
             "parts": len(finished_parts(traces, "spans")[0])}
 
 
