@@ -197,16 +197,26 @@ def imitation_episodes(task: dict, rng: random.Random, p_wrong: float) -> list[d
     return out
 
 
+def _lines(path: Path) -> list[str]:
+    """A trajectory file's lines: plain JSONL, or gzip-compressed (``.gz``: the committed, packed data)."""
+    import gzip
+
+    return (gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()).decode().splitlines()
+
+
 def load_trajectories(paths: list[Path]) -> list[dict]:
     """Whole conversations from per-call lines: the last call of each episode plus the solver's reply,
-    with the solver's action kind per assistant turn (``kinds``: look, test, fix, wrong, submit)."""
+    with the solver's action kind per assistant turn (``kinds``: look, test, fix, wrong, submit).
+    A packed file (:func:`pack_trajectories`) holds only each episode's last call, with every call's
+    kind in ``actions``; both kinds of file give the same episodes."""
     last: dict = {}
     kinds: dict = {}
     for path in paths:
-        for line in path.read_text().splitlines():
+        for line in _lines(path):
             row = json.loads(line)
-            key = (path.name, row.get("task_id"), row.get("episode", 0))
-            kinds.setdefault(key, {})[row["call_index"]] = row.get("action")
+            key = (path.name.removesuffix(".gz"), row.get("task_id"), row.get("episode", 0))
+            kinds.setdefault(key, {}).update(enumerate(row["actions"]) if "actions" in row
+                                             else [(row["call_index"], row.get("action"))])
             if key not in last or row["call_index"] > last[key]["call_index"]:
                 last[key] = row
     episodes = []
@@ -218,6 +228,29 @@ def load_trajectories(paths: list[Path]) -> list[dict]:
                          "reward": row.get("reward"), "source": key[0],
                          "kinds": [kinds[key].get(i) for i in range(row["call_index"] + 1)]})
     return episodes
+
+
+def pack_trajectories(path: Path, out: Path) -> dict:
+    """The collector's per-call file as the SFT reads it, small enough to commit: each episode's last
+    call (its request holds the whole conversation) with every call's action kind, gzip-compressed
+    without a timestamp (the same input packs to the same bytes). Per-call lines repeat every
+    earlier turn of their episode; this keeps one copy."""
+    import gzip
+
+    last: dict = {}
+    for line in _lines(path):
+        row = json.loads(line)
+        key = (row.get("task_id"), row.get("episode", 0))
+        prev = last.get(key)
+        actions = prev["actions"] if prev else []
+        actions += [None] * (row["call_index"] + 1 - len(actions))
+        actions[row["call_index"]] = row.get("action")
+        if prev is None or row["call_index"] > prev["call_index"]:
+            last[key] = {**{k: v for k, v in row.items() if k != "action"}, "actions": actions}
+    data = "".join(json.dumps(row, sort_keys=True) + "\n" for row in last.values()).encode()
+    out.write_bytes(gzip.compress(data, compresslevel=9, mtime=0))
+    return {"file": out.name, "episodes": len(last), "bytes": out.stat().st_size,
+            "sha256": hashlib.sha256(out.read_bytes()).hexdigest()}
 
 
 # ---------------------------------------------------------------- the unaddressed edit form
@@ -777,6 +810,32 @@ def upsampled(episodes: list[dict], rules: tuple[str, ...]) -> list[dict]:
     return [e for e in episodes for _ in range(times.get(e["source"], 1))]
 
 
+def pack_all(trajectories: list[Path], extra_tasks: list[Path], folder: Path) -> None:
+    """``--pack``: each trajectory file packed, and of each ``--extra-tasks`` file the rows those
+    episodes name (all that a build needs of it), both as ``<name>.gz`` in ``folder``."""
+    import gzip
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in trajectories:
+        console.print(json.dumps(pack_trajectories(path, folder / f"{path.name.removesuffix('.gz')}.gz")))
+    used = {e["task_id"] for e in load_trajectories(trajectories)}
+    for path in extra_tasks:
+        rows = [line + "\n" for line in _lines(path) if json.loads(line)["id"] in used]
+        out = folder / f"{path.name.removesuffix('.gz')}.gz"
+        out.write_bytes(gzip.compress("".join(rows).encode(), compresslevel=9, mtime=0))
+        console.print(json.dumps({"file": out.name, "tasks": len(rows), "bytes": out.stat().st_size}))
+
+
+def tasks_by_id(tasks: list[dict]) -> dict[str, dict]:
+    """Task rows by id; two different rows under one id (generated projects of two ``--synth-seed``
+    runs can share a name) are an error: an episode would be rewritten against the wrong module."""
+    out: dict[str, dict] = {}
+    for t in tasks:
+        if out.setdefault(t["id"], t) != t:
+            raise click.UsageError(f"task id {t['id']!r} names two different tasks in the task files given")
+    return out
+
+
 def read_tasks(split: str) -> list[dict]:
     return [json.loads(line) for line in (SWE_DIR / f"tasks_{split}.jsonl").read_text().splitlines()]
 
@@ -867,6 +926,9 @@ def served_tokenizer(tok, config):
               help="reuse the imitation episodes saved in this JSONL (written there when missing)")
 @click.option("--device", default="cpu", show_default=True, help="where SFT runs (cuda if you have one)")
 @click.option("--eval/--no-eval", "run_eval", default=True, help="measure held-out success after the build")
+@click.option("--pack", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="skip the build: write each --trajectories file packed (<name>.gz) into this folder, "
+                   "and of each --extra-tasks file the tasks they use")
 @click.option("--eval-only", is_flag=True, help="skip the build: evaluate the model in --out")
 @click.option("--tf-only", is_flag=True, help="skip the build: teacher-forced fix-turn accuracy of the model in --out")
 @click.option("--tf-every", default=0, show_default=True,
@@ -877,10 +939,13 @@ def served_tokenizer(tok, config):
 def main(out, trajectories, extra_tasks, upsample, mask_wrong, edit_weight, edit_form, init, grow_layers, renames,
          id_renames, names, originals, max_tokens, seed, p_wrong, vocab, layers, hidden, max_len, steps, minutes, lr,
          batch, eval_tasks, eval_split, eval_shard, eval_samples, temperature, step_limit, threads, workers,
-         episodes_file, device, run_eval, eval_only, tf_only, tf_every, snapshots):
+         episodes_file, device, run_eval, pack, eval_only, tf_only, tf_every, snapshots):
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
+    if pack:
+        pack_all(list(trajectories), list(extra_tasks), pack)
+        return
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     shard, shards = (int(x) for x in eval_shard.split("/"))
@@ -897,8 +962,7 @@ def main(out, trajectories, extra_tasks, upsample, mask_wrong, edit_weight, edit
     init_tok = AutoTokenizer.from_pretrained(init) if init else None
     if trajectories:
         episodes = upsampled(load_trajectories(list(trajectories)), upsample)
-        by_id = {t["id"]: t for t in read_tasks("train") + [json.loads(line) for f in extra_tasks
-                                                              for line in f.read_text().splitlines()]}
+        by_id = tasks_by_id(read_tasks("train") + [json.loads(line) for f in extra_tasks for line in _lines(f)])
         if edit_form == "unaddressed":
             episodes = [unaddress_edits(e, by_id[e["task_id"]]) for e in episodes]
         base = episodes

@@ -275,6 +275,47 @@ def test_upsample_repeats_one_source_and_refuses_unknown_names(tmp_path):
         build.upsampled(episodes, ("b.jsonl",))
 
 
+def test_packed_trajectories_give_the_same_episodes_in_fewer_bytes(tmp_path):
+    """--pack keeps each episode's last call and every call's action: the SFT reads the same
+    conversations (same source name, so --upsample rules still apply) from a file small enough to
+    commit, and the same input packs to the same bytes. Calls may come in any order."""
+    rows = []
+    for ep, task in enumerate(("t1", "t2")):
+        messages = [{"role": "user", "content": task}]
+        for call, action in enumerate(("look", "wrong", "fix", "submit")[: 3 + ep]):
+            reply = {"role": "assistant", "content": f"{task}-{call}"}
+            rows.append({"task_id": task, "episode": ep, "call_index": call, "action": action, "reward": 1.0,
+                         "request": {"messages": list(messages), "tools": [{"name": "bash"}]}, "reply": reply})
+            messages += [reply, {"role": "tool", "content": "ok", "tool_call_id": f"c{call}"}]
+    raw = tmp_path / "raw" / "calls.jsonl"
+    raw.parent.mkdir()
+    raw.write_text("".join(json.dumps(r) + "\n" for r in reversed(rows)))
+    first = build.pack_trajectories(raw, tmp_path / "calls.jsonl.gz")
+    packed = (tmp_path / "calls.jsonl.gz").read_bytes()
+    assert first["episodes"] == 2 and first["bytes"] < raw.stat().st_size
+    assert build.pack_trajectories(raw, tmp_path / "again.gz")["sha256"] == first["sha256"]
+    assert (tmp_path / "again.gz").read_bytes() == packed
+    want = sorted(build.load_trajectories([raw]), key=lambda e: e["task_id"])
+    got = sorted(build.load_trajectories([tmp_path / "calls.jsonl.gz"]), key=lambda e: e["task_id"])
+    assert got == want
+    assert [e["kinds"] for e in got] == [["look", "wrong", "fix"], ["look", "wrong", "fix", "submit"]]
+    assert got[0]["source"] == "calls.jsonl" and len(got[1]["messages"]) == 1 + 2 * 3 + 1
+    tasks = tmp_path / "raw" / "tasks_x.jsonl"  # --pack with --extra-tasks: only the tasks episodes name
+    tasks.write_text("".join(json.dumps({"id": i, "files": {}}) + "\n" for i in ("t0", "t1", "t2", "t9")))
+    build.pack_all([raw], [tasks], tmp_path / "packed")
+    assert [json.loads(line)["id"] for line in build._lines(tmp_path / "packed" / "tasks_x.jsonl.gz")] == ["t1", "t2"]
+    assert (tmp_path / "packed" / "calls.jsonl.gz").read_bytes() == packed
+
+
+def test_task_files_may_repeat_a_task_but_not_reuse_its_id():
+    import click
+
+    a = {"id": "p-f-wrong_operator-0", "files": {"p.py": "x = 1\n"}}
+    assert build.tasks_by_id([a, dict(a)]) == {a["id"]: a}
+    with pytest.raises(click.UsageError, match="p-f-wrong_operator-0"):
+        build.tasks_by_id([a, {**a, "files": {"p.py": "x = 2\n"}}])
+
+
 def test_grown_model_computes_the_same_function_and_then_trains_its_new_layers():
     """--grow-layers: the committed model with silent copies interleaved gives the same logits (so the
     warm start is kept), and one SFT step moves the new layers' zeroed projections."""
