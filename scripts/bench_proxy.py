@@ -13,6 +13,8 @@ same run) it measures JSON at ``--plain-json-concurrency`` (default 1) and strea
 p50, time to first byte, and the proxy/plain ratios the targets are stated in. The "same bytes" rows
 send plain mitmproxy the request with token ids and logprobs asked for, so that it relays the very
 answer or stream the proxy receives: the part of the ratio that is our work, not the bigger answer.
+``--bare`` adds a row for a second proxy with token-id injection off on the very stream plain
+mitmproxy gets: what capture and recording cost without the bigger stream and its stripping.
 
 The load generator is a small asyncio HTTP/1.1 keep-alive client (one connection per worker,
 opened before the clock starts) so that it costs far less CPU than the proxy it measures.
@@ -20,6 +22,7 @@ opened before the clock starts) so that it costs far less CPU than the proxy it 
     .venv/bin/python scripts/bench_proxy.py            # full run (~3 min on 2 cores)
     .venv/bin/python scripts/bench_proxy.py --quick    # ~30 s smoke run
     .venv/bin/python scripts/bench_proxy.py --only-plain   # just the proxy vs plain mitmproxy table
+    .venv/bin/python scripts/bench_proxy.py --only-plain --bare --seconds 3 --rounds 5   # + where the SSE gap is
 """
 
 from __future__ import annotations
@@ -221,9 +224,12 @@ def measure(target: Target, pid: int, concurrency: int, seconds: float, body: by
     return x
 
 
-def plain_comparison(a, proxy_target: Target, proxy_pid: int, plain: PlainMitmproxy, bodies: dict) -> list[dict]:
+def plain_comparison(a, proxy_target: Target, proxy_pid: int, plain: PlainMitmproxy, bodies: dict,
+                     bare: tuple[Target, int] | None = None) -> list[dict]:
     """The proxy vs plain mitmproxy, alternating (plain, proxy) ``--rounds`` times per case so
-    that load from other processes on the machine hits both alike; the median round counts."""
+    that load from other processes on the machine hits both alike; the median round counts.
+    ``bare``: a second proxy with token-id injection off (target, pid), for the "SSE, nothing injected"
+    row: the same small stream as plain mitmproxy, capture and recording only, no stripping."""
     plain_target = Target(plain.url)
     for body in bodies.values():  # warm up both paths
         load(plain_target, 4, total=100, body=body)
@@ -233,14 +239,18 @@ def plain_comparison(a, proxy_target: Target, proxy_pid: int, plain: PlainMitmpr
     # ids and logprobs the proxy injects), so the ratio is the cost of our work on equal bytes; "json_same"
     # likewise for a JSON answer.
     cj, cs = a.plain_json_concurrency, a.sse_concurrency
-    cases = [("json", cj, "json", "json"), ("json_same", cj, "json_asked", "json"),
-             ("sse", cs, "sse", "sse"), ("sse_same", cs, "sse_asked", "sse")]
+    main = (proxy_target, proxy_pid)
+    cases = [("json", cj, "json", "json", main), ("json_same", cj, "json_asked", "json", main),
+             ("sse", cs, "sse", "sse", main), ("sse_same", cs, "sse_asked", "sse", main)]
+    if bare is not None:
+        load(bare[0], 4, total=100, body=bodies["sse"])
+        cases.append(("sse_bare", cs, "sse", "sse", bare))
     out = []
-    for kind, c, plain_body, proxy_body in cases:
+    for kind, c, plain_body, proxy_body, (target, pid) in cases:
         rounds = {"plain": [], "proxy": []}
         for _ in range(a.rounds):
             rounds["plain"].append(measure(plain_target, plain.pid, c, a.seconds, bodies[plain_body]))
-            rounds["proxy"].append(measure(proxy_target, proxy_pid, c, a.seconds, bodies[proxy_body]))
+            rounds["proxy"].append(measure(target, pid, c, a.seconds, bodies[proxy_body]))
         point = {"case": kind, "concurrency": c}
         for who, xs in rounds.items():
             point[who] = {key: sorted(x[key] for x in xs)[len(xs) // 2]
@@ -272,6 +282,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per case vs plain mitmproxy (median)")
     ap.add_argument("--no-plain", action="store_true", help="skip the comparison with plain mitmproxy")
     ap.add_argument("--only-plain", action="store_true", help="only the comparison with plain mitmproxy")
+    ap.add_argument("--bare", action="store_true",
+                    help="also a proxy with injection off vs plain on the same stream (what recording alone costs)")
     a = ap.parse_args()
     if a.quick:
         a.seconds, a.memory_requests = 1.5, 2_000
@@ -293,10 +305,10 @@ def main() -> int:
     proxies: list[ProxyProcess] = []
     results: dict = {"points": [], "config": vars(a)}
     try:
-        def start_proxy(i: int) -> ProxyProcess:
+        def start_proxy(i: int, inject: bool = not a.no_inject) -> ProxyProcess:
             p = ProxyProcess(work / f"traces-{i}", upstreams=[stub.url], route_hosts=["api.openai.com"],
                              confdir=work / "conf",
-                             log_path=work / f"proxy-{i}.log", inject_token_ids=not a.no_inject)
+                             log_path=work / f"proxy-{i}.log", inject_token_ids=inject)
             proxies.append(p.start())
             return p
 
@@ -313,9 +325,16 @@ def main() -> int:
         if not a.no_plain:
             plain = PlainMitmproxy(stub.url, work)
             console.print("[dim]proxy vs plain mitmproxy ...[/dim]")
+            bare = None
+            if a.bare:
+                bp = start_proxy(99, inject=False)  # (its own traces folder, out of the scaling run's way)
+                bare = (proxy_target(bp, "bench"), bp.pid)
             results["plain"] = plain_comparison(a, via, p.pid, plain,
                                                 {"json": body, "json_asked": json_asked, "sse": sse_body,
-                                                 "sse_asked": sse_asked})
+                                                 "sse_asked": sse_asked}, bare)
+            if a.bare:
+                bp.stop()
+                proxies.remove(bp)
             plain.stop()
             plain = None
         if a.only_plain:
@@ -410,7 +429,8 @@ def report_plain(out: Console, res: dict) -> None:
     for pt in res["plain"]:
         b, x = pt["plain"], pt["proxy"]
         case = {"sse": f"SSE x{res['config']['sse_tokens']}", "json": "JSON", "json_same": "JSON same bytes",
-                "sse_same": f"SSE x{res['config']['sse_tokens']} same bytes"}[pt["case"]]
+                "sse_same": f"SSE x{res['config']['sse_tokens']} same bytes",
+                "sse_bare": f"SSE x{res['config']['sse_tokens']} nothing injected"}[pt["case"]]
         t.add_row(case, str(pt["concurrency"]), f"{b['rps']:.0f}", f"{x['rps']:.0f}",
                   f"{b['cpu_ms_per_req']:.2f}", f"{x['cpu_ms_per_req']:.2f}",
                   ratio(pt, "cpu_ms_per_req"), f"{b['p50_ms']:.2f}", f"{x['p50_ms']:.2f}", ratio(pt, "p50_ms"),
@@ -426,6 +446,9 @@ def report_plain(out: Console, res: dict) -> None:
         elif pt["case"] == "sse_same":
             r = x["cpu_ms_per_req"] / b["cpu_ms_per_req"]
             verdicts.append(f"(plain relaying the same upstream stream: {r:.2f}x)")
+        elif pt["case"] == "sse_bare":
+            r = x["cpu_ms_per_req"] / b["cpu_ms_per_req"]
+            verdicts.append(f"(a proxy injecting nothing, on the same stream as plain: {r:.2f}x)")
         elif pt["case"] == "json_same":
             r = x["p50_ms"] / b["p50_ms"]
             verdicts.append(f"(plain relaying the same upstream answer: p50 {r:.2f}x)")
