@@ -230,13 +230,18 @@ def load_trajectories(paths: list[Path]) -> list[dict]:
     return episodes
 
 
-def pack_trajectories(path: Path, out: Path) -> dict:
-    """The collector's per-call file as the SFT reads it, small enough to commit: each episode's last
-    call (its request holds the whole conversation) with every call's action kind, gzip-compressed
-    without a timestamp (the same input packs to the same bytes). Per-call lines repeat every
-    earlier turn of their episode; this keeps one copy."""
+def _write_gz(out: Path, lines: list[str]) -> None:
+    """``lines`` gzip-compressed without a timestamp: the same lines always give the same bytes."""
     import gzip
 
+    out.write_bytes(gzip.compress("".join(lines).encode(), compresslevel=9, mtime=0))
+
+
+def pack_trajectories(path: Path, out: Path) -> tuple[dict, set[str]]:
+    """The collector's per-call file as the SFT reads it, small enough to commit: each episode's last
+    call (its request holds the whole conversation) with every call's action kind (:func:`_write_gz`).
+    Per-call lines repeat every earlier turn of their episode; this keeps one copy. Returns what was
+    written and the ids of the tasks its episodes ran."""
     last: dict = {}
     for line in _lines(path):
         row = json.loads(line)
@@ -247,10 +252,9 @@ def pack_trajectories(path: Path, out: Path) -> dict:
         actions[row["call_index"]] = row.get("action")
         if prev is None or row["call_index"] > prev["call_index"]:
             last[key] = {**{k: v for k, v in row.items() if k != "action"}, "actions": actions}
-    data = "".join(json.dumps(row, sort_keys=True) + "\n" for row in last.values()).encode()
-    out.write_bytes(gzip.compress(data, compresslevel=9, mtime=0))
-    return {"file": out.name, "episodes": len(last), "bytes": out.stat().st_size,
-            "sha256": hashlib.sha256(out.read_bytes()).hexdigest()}
+    _write_gz(out, [json.dumps(row, sort_keys=True) + "\n" for row in last.values()])
+    return ({"file": out.name, "episodes": len(last), "bytes": out.stat().st_size,
+             "sha256": hashlib.sha256(out.read_bytes()).hexdigest()}, {task for task, _ in last})
 
 
 # ---------------------------------------------------------------- the unaddressed edit form
@@ -813,16 +817,16 @@ def upsampled(episodes: list[dict], rules: tuple[str, ...]) -> list[dict]:
 def pack_all(trajectories: list[Path], extra_tasks: list[Path], folder: Path) -> None:
     """``--pack``: each trajectory file packed, and of each ``--extra-tasks`` file the rows those
     episodes name (all that a build needs of it), both as ``<name>.gz`` in ``folder``."""
-    import gzip
-
     folder.mkdir(parents=True, exist_ok=True)
+    used: set[str] = set()
     for path in trajectories:
-        console.print(json.dumps(pack_trajectories(path, folder / f"{path.name.removesuffix('.gz')}.gz")))
-    used = {e["task_id"] for e in load_trajectories(trajectories)}
+        info, tasks = pack_trajectories(path, folder / f"{path.name.removesuffix('.gz')}.gz")
+        used |= tasks
+        console.print(json.dumps(info))
     for path in extra_tasks:
         rows = [line + "\n" for line in _lines(path) if json.loads(line)["id"] in used]
         out = folder / f"{path.name.removesuffix('.gz')}.gz"
-        out.write_bytes(gzip.compress("".join(rows).encode(), compresslevel=9, mtime=0))
+        _write_gz(out, rows)
         console.print(json.dumps({"file": out.name, "tasks": len(rows), "bytes": out.stat().st_size}))
 
 

@@ -290,10 +290,10 @@ def test_packed_trajectories_give_the_same_episodes_in_fewer_bytes(tmp_path):
     raw = tmp_path / "raw" / "calls.jsonl"
     raw.parent.mkdir()
     raw.write_text("".join(json.dumps(r) + "\n" for r in reversed(rows)))
-    first = build.pack_trajectories(raw, tmp_path / "calls.jsonl.gz")
+    first, tasks_run = build.pack_trajectories(raw, tmp_path / "calls.jsonl.gz")
     packed = (tmp_path / "calls.jsonl.gz").read_bytes()
-    assert first["episodes"] == 2 and first["bytes"] < raw.stat().st_size
-    assert build.pack_trajectories(raw, tmp_path / "again.gz")["sha256"] == first["sha256"]
+    assert first["episodes"] == 2 and first["bytes"] < raw.stat().st_size and tasks_run == {"t1", "t2"}
+    assert build.pack_trajectories(raw, tmp_path / "again.gz")[0]["sha256"] == first["sha256"]
     assert (tmp_path / "again.gz").read_bytes() == packed
     want = sorted(build.load_trajectories([raw]), key=lambda e: e["task_id"])
     got = sorted(build.load_trajectories([tmp_path / "calls.jsonl.gz"]), key=lambda e: e["task_id"])
