@@ -102,7 +102,7 @@ def table(title: str, a: Counter, b: Counter, per_a: float, per_b: float, rows: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--a", nargs="*", default=[], help="proxy options of A (KEY=VALUE ...)")
+    ap.add_argument("--a", nargs="*", default=[], help="proxy options of A (KEY=VALUE ...), or 'plain' (mitmdump)")
     ap.add_argument("--b", nargs="*", default=["plain"], help="proxy options of B, or 'plain' (mitmdump)")
     ap.add_argument("--seconds", type=float, default=12.0, help="load per side while sampling")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
@@ -117,20 +117,18 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="profile-proxy-"))
     body = json.dumps({"model": "gpt-4o", "max_tokens": a.sse_tokens, "stream": True,
                        "messages": [{"role": "user", "content": "Say something short, please."}]}).encode()
-    stub, procs = StubServer(work), {}
+    stub, procs, targets = StubServer(work), {}, {}
     console = Console()
     try:
-        procs["A"] = ProxyProcess(work / "traces-A", upstreams=[stub.url], route_hosts=["api.openai.com"],
-                                  confdir=work / "conf", log_path=work / "proxy-A.log", **options(a.a, "--a")).start()
-        targets = {"A": Target(procs["A"].env_for("profile")["OPENAI_BASE_URL"])}
-        if a.b == ["plain"]:
-            procs["B"] = PlainMitmproxy(stub.url, work)
-            targets["B"] = Target(procs["B"].url)
-        else:
-            procs["B"] = ProxyProcess(work / "traces-B", upstreams=[stub.url], route_hosts=["api.openai.com"],
-                                      confdir=work / "conf", log_path=work / "proxy-B.log",
-                                      **options(a.b, "--b")).start()
-            targets["B"] = Target(procs["B"].env_for("profile")["OPENAI_BASE_URL"])
+        for side, opts in (("A", a.a), ("B", a.b)):
+            if opts == ["plain"]:
+                procs[side] = PlainMitmproxy(stub.url, work)
+                targets[side] = Target(procs[side].url)
+                continue
+            procs[side] = ProxyProcess(work / f"traces-{side}", upstreams=[stub.url], route_hosts=["api.openai.com"],
+                                       confdir=work / "conf", log_path=work / f"proxy-{side}.log",
+                                       **options(opts, f"--{side.lower()}")).start()
+            targets[side] = Target(procs[side].env_for("profile")["OPENAI_BASE_URL"])
         res = {}
         for side in ("A", "B"):
             load(targets[side], 4, total=300, body=body)  # warm up
@@ -141,11 +139,11 @@ def main() -> int:
             r = res[s]
             console.print(f"{s} {' '.join(opts) or '(defaults)'}: {r['requests']} requests, "
                           f"{r['cpu_ms_per_req']:.2f} ms CPU/request (/proc), {r['agg'][3] * ms[s]:.2f} ms sampled "
-                          "(Python holding the GIL: not the kernel, nor C code that releases it)")
-        (ia, sa, pa, _), (ib, sb, pb, _) = res["A"]["agg"], res["B"]["agg"]
+                          "(wall time of Python holding the GIL: a process descheduled meanwhile counts; "
+                          "the kernel and C code that releases the GIL do not)")
+        (ia, sa, pa, ta), (ib, sb, pb, tb) = res["A"]["agg"], res["B"]["agg"]
         console.print(table("by package (self time)", pa, pb, ms["A"], ms["B"], len(PACKAGES) + 1, "package"))
-        total = {"A": res["A"]["agg"][3], "B": res["B"]["agg"][3]}
-        roots = {k for side, inc in (("A", ia), ("B", ib)) for k in inc if inc[k] >= 0.9 * total[side]}
+        roots = {k for inc, total in ((ia, ta), (ib, tb)) for k in inc if inc[k] >= 0.9 * total}
         ia, ib = (Counter({k: v for k, v in inc.items() if k not in roots}) for inc in (ia, ib))  # loop, click
         console.print(table("functions, inclusive", ia, ib, ms["A"], ms["B"], a.rows))
         console.print(table("functions, self", sa, sb, ms["A"], ms["B"], a.rows))
