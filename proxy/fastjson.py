@@ -23,6 +23,7 @@ except ImportError:  # an environment built before orjson was added: same result
     orjson = None
 
 _compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_compact_ascii = json.JSONEncoder(separators=(",", ":")).encode
 _spaced = json.JSONEncoder(ensure_ascii=False).encode
 
 
@@ -71,13 +72,18 @@ def dumps_exact(obj: Any, fast: bool) -> bytes:
 
 
 def dumps_bytes(obj: Any) -> bytes:
-    """Compact UTF-8 JSON, non-ASCII as is (what a rewritten body or event is sent as)."""
+    """Compact UTF-8 JSON, non-ASCII as is (what a rewritten body or event is sent as); a string
+    holding a lone surrogate (upstream sent the valid JSON escape ``\\udc00``) has no UTF-8 form,
+    so then everything non-ASCII is written as escapes, the way it came."""
     if orjson is not None:
         try:
             return _fit(orjson.dumps(obj))
         except TypeError:  # orjson.JSONEncodeError: lone surrogates, huge integers
             pass
-    return _compact(obj).encode()
+    try:
+        return _compact(obj).encode()
+    except UnicodeEncodeError:
+        return _compact_ascii(obj).encode()
 
 
 def dumps_text(obj: Any) -> str:

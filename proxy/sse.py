@@ -35,7 +35,9 @@ class SSERelay:
     state, cost three times what the same work costs in one loop; it was most of the proxy's CPU
     above plain mitmproxy on a streamed answer. Without filters, held events are raw payload bytes
     (parsed at settle, in that loop); with filters, each event is parsed once as it arrives, and that
-    object is held (filters return copies, so it is the event as upstream sent it)."""
+    object is held (filters return copies, so it is the event as upstream sent it), unless every
+    filter can rewrite the event's bytes itself (``cut``: a vLLM chat token chunk, see
+    ``filters.cut_chat_chunk``): then the raw bytes are held, as without filters."""
 
     SETTLE_EVERY = 256
 
@@ -54,6 +56,8 @@ class SSERelay:
         self.events = 0  # object events the sink got
         self.bytes = 0
         self.last_chunk: float | None = None
+        self._cuts: list | None = None  # the filters' ``cut`` functions, when every one has one
+        self._cuts_for = -1  # for how many filters _cuts was looked up
 
     def __call__(self, chunk: bytes) -> bytes | list[bytes]:
         if not chunk:  # end of stream
@@ -78,6 +82,10 @@ class SSERelay:
                 if not filters:
                     self._hold(payload)
                     return chunk
+                out = self._cut(payload, filters)
+                if out is not None:  # rewritten as bytes; the held bytes are parsed at settle
+                    self._hold(payload)
+                    return b"data: " + out + b"\n\n"
                 obj = self._loads(payload)
                 if type(obj) is dict:
                     self._hold(obj)  # filters return copies: the sink gets the event as sent
@@ -185,6 +193,20 @@ class SSERelay:
             obj = f(obj)
         head = b"\n".join(other) + b"\n" if other else b""
         return head + b"data: " + fastjson.dumps_bytes(obj)
+
+    def _cut(self, payload: bytes, filters: list) -> bytes | None:
+        """The event rewritten by the filters' byte-level versions (``cut``), or None where one has
+        none or declines the event (it is then parsed)."""
+        if self._cuts_for != len(filters):  # (the list is live: looked up again if it grew)
+            cuts = [getattr(f, "cut", None) for f in filters]
+            self._cuts, self._cuts_for = (None if None in cuts else cuts), len(filters)
+        if self._cuts is None:
+            return None
+        for cut in self._cuts:
+            payload = cut(payload)
+            if payload is None:
+                return None
+        return payload
 
     @staticmethod
     def _loads(payload: bytes):

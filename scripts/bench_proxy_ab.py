@@ -8,15 +8,24 @@ ratios B/A, and each proxy's resident memory at the end and at its peak. Use it 
 effect is smaller than the run-to-run noise of ``bench_proxy.py`` (which compares against plain
 mitmproxy, one run at a time).
 
+``--a-rev``/``--b-rev`` run that side from a git revision of the proxy's code instead of the
+working tree (a change's effect: ``--a-rev HEAD``). ``--together`` loads A and B at the same time
+instead of in turns: both then see the same moment of a shared machine, which narrows the spread
+of the ratios (each proxy gets less CPU than alone, so absolute figures are not the alternating ones).
+
     .venv/bin/python scripts/bench_proxy_ab.py --a gc_young=700 --b gc_young=10000
     .venv/bin/python scripts/bench_proxy_ab.py --a inject_token_ids=false --rounds 12
+    .venv/bin/python scripts/bench_proxy_ab.py --a-rev HEAD~1 --together --rounds 20
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +35,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
 
-from bench_proxy import Target, load, measure, rss_mib  # noqa: E402
+from bench_proxy import Target, cpu_seconds, load, measure, rss_mib, run_load  # noqa: E402
 
 from lightning_harness.proxy.client import ProxyProcess  # noqa: E402
 from lightning_harness.proxy.config import parse_pairs  # noqa: E402
@@ -40,6 +49,34 @@ def options(pairs: list[str], flag: str) -> dict:
         raise SystemExit(str(exc)) from None
 
 
+PACKAGES = ("proxy", "schemas", "launcher", "trainer")  # lightning_harness.<name> lives in <name>/
+
+
+def source_tree(rev: str, dest: Path) -> Path:
+    """The package at git revision ``rev``, importable from the returned folder (``PYTHONPATH``)."""
+    src = dest / "src"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "lightning_harness", *PACKAGES],
+                             capture_output=True, check=False)
+    if archive.returncode:
+        raise SystemExit(f"git archive {rev}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+    pkg = src / "lightning_harness"
+    for name in PACKAGES:
+        (pkg / name).symlink_to(src / name)
+    return src
+
+
+def together(targets: dict, procs: dict, concurrency: int, seconds: float, body: bytes) -> dict[str, float]:
+    """CPU per request of every side, all loaded at once for ``seconds``."""
+    async def run() -> list[dict]:
+        return await asyncio.gather(*(run_load(t, concurrency, seconds=seconds, body=body) for t in targets.values()))
+
+    before = {n: cpu_seconds(p.pid) for n, p in procs.items()}
+    got = asyncio.run(run())
+    return {n: 1000 * (cpu_seconds(procs[n].pid) - before[n]) / max(1, x["requests"]) for n, x in zip(targets, got)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--a", nargs="*", default=[], help="proxy options of A (KEY=VALUE ...)")
@@ -48,6 +85,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=3.0, help="measurement time per round and proxy")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--sse-tokens", type=int, default=50, help="chunks per streamed answer")
+    ap.add_argument("--a-rev", help="run A from this git revision (default: the working tree)")
+    ap.add_argument("--b-rev", help="run B from this git revision (default: the working tree)")
+    ap.add_argument("--together", action="store_true", help="load A and B at the same time, not in turns")
     a = ap.parse_args()
 
     from fixtures_proxy import StubServer
@@ -59,27 +99,39 @@ def main() -> int:
     stub = StubServer(work)
     sides = {"A": options(a.a, "--a"), "B": options(a.b, "--b")}
     procs = {}
+    revs = {"A": a.a_rev, "B": a.b_rev}
+    os.chdir(work)  # `python -m` puts the working folder first on sys.path: the repository's would win
     try:
         for name, opts in sides.items():
+            env = dict(os.environ)
+            if revs[name]:
+                env["PYTHONPATH"] = str(source_tree(revs[name], work / f"rev-{name}"))
             procs[name] = ProxyProcess(work / f"traces-{name}", upstreams=[stub.url], route_hosts=["api.openai.com"],
-                                       confdir=work / "conf", log_path=work / f"proxy-{name}.log", **opts).start()
+                                       confdir=work / "conf", log_path=work / f"proxy-{name}.log", env=env,
+                                       **opts).start()
         targets = {n: Target(p.env_for("bench")["OPENAI_BASE_URL"]) for n, p in procs.items()}
         for name in sides:
             load(targets[name], 4, total=300, body=body)  # warm up
         cpu: dict[str, list[float]] = {"A": [], "B": []}
         for r in range(a.rounds):
-            for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            if a.together:
+                for name, x in together(targets, procs, a.concurrency, a.seconds, body).items():
+                    cpu[name].append(x)
+            for name in () if a.together else ("A", "B") if r % 2 == 0 else ("B", "A"):
                 x = measure(targets[name], procs[name].pid, a.concurrency, a.seconds, body)
                 cpu[name].append(x["cpu_ms_per_req"])
             print(f"round {r + 1}/{a.rounds}: A {cpu['A'][-1]:.2f}  B {cpu['B'][-1]:.2f} ms CPU/request", flush=True)
-        print(f"\nSSE x{a.sse_tokens}, concurrency {a.concurrency}, {a.rounds} alternating rounds of {a.seconds:g} s")
+        how = "rounds loading both at once" if a.together else "alternating rounds"
+        print(f"\nSSE x{a.sse_tokens}, concurrency {a.concurrency} each, {a.rounds} {how} of {a.seconds:g} s")
         for name, opts in sides.items():
             rss, peak = rss_mib(procs[name].pid), rss_mib(procs[name].pid, "VmHWM")
-            print(f"  {name} {opts or '(defaults)'}: median {statistics.median(cpu[name]):.2f} ms CPU/request, "
+            what = f"{opts or '(defaults)'} at {revs[name] or 'the working tree'}"
+            print(f"  {name} {what}: median {statistics.median(cpu[name]):.2f} ms CPU/request, "
                   f"RSS {rss:.0f} MiB (peak {peak:.0f})")
         ratios = [b / x for x, b in zip(cpu["A"], cpu["B"])]
-        print(f"  B/A: median of the rounds' ratios {statistics.median(ratios):.3f} "
-              f"(range {min(ratios):.3f}-{max(ratios):.3f}); ratio of the medians "
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        print(f"  B/A: median of the rounds' ratios {statistics.median(ratios):.3f} (middle half "
+              f"{q[0]:.3f}-{q[2]:.3f}, range {min(ratios):.3f}-{max(ratios):.3f}); ratio of the medians "
               f"{statistics.median(cpu['B']) / statistics.median(cpu['A']):.3f}")
     finally:
         for p in procs.values():

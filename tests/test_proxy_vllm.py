@@ -45,6 +45,31 @@ def test_vllm_token_ids_through_the_proxy(make_proxy, vllm_engine, tiny_model_di
     assert chat["prompt_token_ids"] == chat_stream["prompt_token_ids"]
 
 
+def test_vllm_stream_chunks_are_cut_as_bytes(vllm_engine):
+    """The proxy strips a streamed chat chunk's injected fields without parsing it when the chunk has
+    vLLM's shape (filters.cut_chat_chunk): this engine's own chunks must have it, and the cut must
+    give what parsing and stripping gives."""
+    import json
+    import urllib.request
+
+    from lightning_harness.proxy.filters import cut_chat_chunk, make_model_restorer, make_stripper
+
+    body = {"model": vllm_engine.served_name, "messages": MSG, "max_tokens": 8, "temperature": 0, "stream": True,
+            "return_token_ids": True, "logprobs": True, "ignore_eos": True}  # (8 tokens, whatever the model says)
+    req = urllib.request.Request(vllm_engine.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=120) as r:
+        events = [e[6:] for e in r.read().split(b"\n\n") if e.startswith(b"data: {")]
+    strip, restore = make_stripper(token_ids=True, logprobs=True), make_model_restorer("gpt-4o")
+    cut = [cut_chat_chunk(e) for e in events]
+    # the first chunk carries prompt_token_ids and the last the system fingerprint: those are parsed
+    assert len(events) == 9 and cut[0] is None and b'"system_fingerprint"' in events[-1], events
+    assert all(c is not None for c in cut[1:-1]), events
+    for raw, got in zip(events[1:-1], cut[1:-1]):
+        assert json.loads(got) == strip(json.loads(raw))
+        assert json.loads(restore.cut(got)) == restore(strip(json.loads(raw)))
+
+
 def test_vllm_responses_api_captured_with_token_ids(make_proxy, vllm_engine, tiny_model_dir, openai_from_env):
     """The Responses API (OpenAI Agents SDK, Codex-style agents): the proxy asks vLLM for the exact
     prompt/output tokens and logprobs, records them, and the harness sees a plain response."""

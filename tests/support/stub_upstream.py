@@ -1,7 +1,8 @@
 """A small, fast OpenAI-compatible upstream for tests and benchmarks (stdlib only, any venv).
 
 Speaks ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON, and SSE with
-``"stream": true``), ``GET /v1/models`` and ``GET /health``. Like vLLM, it returns token ids only
+``"stream": true``; events as vLLM writes them: compact JSON, its field order), ``GET /v1/models``
+and ``GET /health``. Like vLLM, it returns token ids only
 when asked (``"return_token_ids": true`` -> ``prompt_token_ids`` and ``choices[0].token_ids``) and
 logprobs only when asked (chat: ``"logprobs": true`` -> ``choices[0].logprobs.content[j].logprob``;
 completions: ``"logprobs": N`` -> ``choices[0].logprobs.token_logprobs``). Output is deterministic:
@@ -211,9 +212,10 @@ def chat_chunks(body: dict):
                 tc.update(id="call_stub_0", type="function", function={"name": tool, "arguments": pieces[i]})
             delta = {"tool_calls": [tc]}
         last = "tool_calls" if tool else "length"
-        ch = {"index": 0, "delta": delta, "finish_reason": last if i == n - 1 else None,
+        ch = {"index": 0, "delta": delta,  # vLLM's field order
               "logprobs": {"content": [{"token": t[1], "logprob": t[2], "bytes": None, "top_logprobs": []}]}
-              if _want_chat_logprobs(body) else None}
+              if _want_chat_logprobs(body) else None,
+              "finish_reason": last if i == n - 1 else None}
         if ids:
             ch["token_ids"] = [t[0]]
         yield {**base, "choices": [ch]}
@@ -298,7 +300,7 @@ async def _send_sse(w: asyncio.StreamWriter, chunks, malformed: bool, drop: bool
             w.write(b"0\r\n\r\n")  # a clean end of the body, without the rest of the events
             await w.drain()
             return
-        data = b"{not json" if malformed and i == 1 else json.dumps(obj).encode()
+        data = b"{not json" if malformed and i == 1 else json.dumps(obj, separators=(",", ":")).encode()  # as vLLM
         if bad_utf8 and i == 1:
             data = data.replace(b"w0 ", b"w0\xff ")
         payload = b"data: " + data + b"\n\n"

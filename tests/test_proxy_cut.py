@@ -1,0 +1,184 @@
+"""The byte-level stripper of vLLM chat chunks (``filters.cut_chat_chunk``) against the parsing one.
+
+The cut runs on every streamed token in place of parse + strip + serialise, so it is checked on
+thousands of generated chunks whose text is the model's (quotes, backslashes, braces, the very
+key names it looks for, non-ASCII, escapes): whenever it answers, its bytes must parse to what
+the parsing stripper returns; and it must decline every shape outside its argument.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from lightning_harness.proxy.assemble import CHAT, StreamAssembler
+from lightning_harness.proxy.filters import cut_chat_chunk, make_model_restorer, make_stripper
+from lightning_harness.proxy.sse import SSERelay
+
+STRIP = make_stripper(token_ids=True, logprobs=True)
+NASTY = ['"', "\\", '\\"', "}", "]}]}", '},"finish_reason":', ',"token_ids":[1]}]}', '"index":', ',"logprobs":{',
+         '},"', "null", "é", "\u2028", "\x00", "\U0001F600", '{"a":1}', " ", ",", "[", ""]
+
+
+def _text(rng: random.Random) -> str:
+    return "".join(rng.choice(NASTY + ["w", "x y", "0"]) for _ in range(rng.randint(0, 6)))
+
+
+def _entry(rng: random.Random, top: bool) -> dict:
+    e = {"token": _text(rng), "logprob": rng.choice([-0.5, -1e-7, 0.0, -23.25]),
+         "bytes": rng.choice([None, [104, 105], []])}
+    if not top:
+        e["top_logprobs"] = [_entry(rng, True) for _ in range(rng.randint(0, 2))]
+    return e
+
+
+def _chunk(rng: random.Random) -> dict:
+    """A chat chunk as vLLM writes it (its field order), with the model's text in every string."""
+    delta = rng.choice([{"content": _text(rng)}, {"role": "assistant", "content": ""}, {},
+                        {"reasoning": _text(rng), "content": _text(rng)}])
+    choice = {"index": 0, "delta": delta}
+    lp = rng.random()
+    if lp < 0.8:
+        choice["logprobs"] = {"content": [_entry(rng, False) for _ in range(rng.randint(0, 3))]} if lp < 0.7 else None
+    if rng.random() < 0.8:
+        choice["finish_reason"] = rng.choice([None, "stop", "length"])
+    if rng.random() < 0.3:
+        choice["stop_reason"] = rng.choice([None, 7, "</s>"])
+    choice["token_ids"] = [rng.randint(0, 200000) for _ in range(rng.randint(0, 3))]
+    return {"id": f"chatcmpl-{rng.randint(0, 10**9)}", "object": "chat.completion.chunk", "created": 1,
+            "model": rng.choice(["m", "qwen/Qwen3-0.6B"]), "choices": [choice]}
+
+
+def _dump(obj: dict, ascii_only: bool) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+
+
+def test_cut_gives_what_parsing_and_stripping_gives_on_generated_chunks():
+    rng = random.Random(0)
+    cut = 0
+    for n in range(5000):
+        obj = _chunk(rng)
+        raw = _dump(obj, ascii_only=n % 2 == 0)
+        got = cut_chat_chunk(raw)
+        if got is None:
+            continue
+        cut += 1
+        assert json.loads(got) == STRIP(json.loads(raw)), raw
+    assert cut > 4000  # the usual chunk is cut (a token spelling `},"` is declined, for one)
+
+
+def test_model_name_cut_gives_what_the_restorer_gives():
+    """A harness that asked for ``gpt-4o`` gets ``gpt-4o`` back in every chunk, cut or parsed."""
+    rng = random.Random(2)
+    for asked in ("gpt-4o", 'é"\\name'):
+        restore = make_model_restorer(asked)
+        for n in range(500):
+            obj = _chunk(rng)
+            raw = _dump(obj, ascii_only=n % 2 == 0)
+            got = restore.cut(raw)
+            assert got is not None and json.loads(got) == restore(json.loads(raw))
+            both = restore.cut(cut_chat_chunk(raw) or raw)
+            assert json.loads(both) == restore(STRIP(json.loads(raw))) or cut_chat_chunk(raw) is None
+    restore = make_model_restorer("gpt-4o")
+    base = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": []}
+    for odd in ({"model": 'a"b'}, {"model": "a\\b"}, {"extra": {"model": "x"}}, {"object": "chat.completion"},
+                {"created": [1]}):
+        assert restore.cut(_dump({**base, **odd}, True)) is None, odd  # parsed instead
+    assert restore.cut(_dump({k: v for k, v in base.items() if k != "model"}, True)) is None
+
+
+def test_cut_declines_what_its_argument_does_not_cover():
+    base = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": {"content": "x"}, "logprobs": {"content": []},
+                         "finish_reason": None, "token_ids": [5]}]}
+    assert cut_chat_chunk(_dump(base, True)) == (
+        b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"content":"x"},"logprobs":null,"finish_reason":null}]}')
+
+    def variant(**change) -> bytes:
+        obj = json.loads(json.dumps(base))
+        for where, value in change.items():
+            if where == "top":
+                obj.update(value)
+            else:
+                obj["choices"][0] = value(obj["choices"][0])
+        return _dump(obj, True)
+
+    declined = [
+        variant(top={"prompt_token_ids": [1, 2]}),  # the first chunk: the parsing path strips it
+        variant(top={"object": "text_completion"}),
+        variant(top={"choices": [base["choices"][0], {**base["choices"][0], "index": 1}]}),  # two choices
+        variant(choice=lambda c: {**c, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}),
+        variant(choice=lambda c: {k: v for k, v in c.items() if k != "token_ids"}),  # nothing to cut
+        variant(choice=lambda c: {**c, "token_ids": [1.5]}),
+        variant(choice=lambda c: {**c, "token_ids": None}),
+        # a member between logprobs and what follows it must never be cut away with it
+        variant(choice=lambda c: {"index": 0, "delta": c["delta"], "logprobs": c["logprobs"], "extra": {"a": 1},
+                                  "finish_reason": None, "token_ids": [5]}),
+        variant(choice=lambda c: {"index": 0, "delta": c["delta"], "logprobs": c["logprobs"], "extra": {"a": 1},
+                                  "token_ids": [5]}),
+        variant(choice=lambda c: {"index": 0, "delta": c["delta"], "logprobs": c["logprobs"], "extra": 1,
+                                  "token_ids": [5]}),
+        variant(choice=lambda c: {"index": 0, "delta": c["delta"], "logprobs": c["logprobs"], "extra": [1],
+                                  "finish_reason": None, "token_ids": [5]}),
+        variant(choice=lambda c: {**c, "logprobs": [1]}),
+    ]
+    for raw in declined:
+        assert cut_chat_chunk(raw) is None, raw
+    spaced = json.dumps({**base, "choices": [{"index": 0, "delta": {}, "logprobs": {"content": []},
+                                              "x": {"a": 1}, "token_ids": [5]}]}).encode()
+    assert cut_chat_chunk(spaced) is None  # not vLLM's compact spelling: the parsing path takes it
+    # a member between logprobs and finish_reason, spelled with spaces inside the cut: still found
+    sly = _dump(base, True).replace(b'"logprobs":{"content":[]}', b'"logprobs":{"content":[]} , "x":{}')
+    assert cut_chat_chunk(sly) is None
+
+
+def _stream(chunks: list[bytes]) -> list[bytes]:
+    return [b"data: " + c + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
+
+
+def test_relay_cutting_gives_the_client_and_the_span_what_parsing_gives():
+    """Through the relay: the client's events parse to the parsing path's, and the span's assembled
+    answer is identical; a chunk the cut declines (the first, a malformed one) takes the parsing path."""
+    rng = random.Random(1)
+    first = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "prompt_token_ids": [1, 2],
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}]}
+    chunks = [_dump(first, False)] + [_dump(_chunk(rng), False) for _ in range(300)]
+    restore, cut_calls = make_model_restorer("gpt-4o"), []
+    model_cut = restore.cut
+    restore.cut = lambda p: cut_calls.append(p) or model_cut(p)  # (seen: the byte path is taken)
+    runs = []
+    for filters in ([STRIP], [lambda o: STRIP(o)], [STRIP, restore], [lambda o: restore(STRIP(o))]):
+        asm, errors = StreamAssembler(CHAT), []  # (a lambda has no ``cut``: the parsing path)
+        relay = SSERelay(asm.add, filters, on_error=errors.append)
+        out = [relay(e) for e in _stream(chunks)] + [relay(b"")]
+        events = [json.loads(o[6:-2]) for o in out[:-2]]
+        runs.append((events, json.loads(json.dumps(asm.result())), errors, relay.events, relay.done))
+    assert runs[0] == runs[1] and runs[2] == runs[3] and len(cut_calls) > 250
+    assert runs[0][3] == 301 and not runs[0][2] and {e["model"] for e in runs[2][0]} == {"gpt-4o"}
+
+
+def test_a_malformed_chunk_the_cut_took_is_reported_when_the_span_reads_it():
+    """The cut never parses: a chunk that passes its checks yet is not JSON is reported (and not
+    assembled) when the relay parses the held bytes, as the parsing path reports it on arrival."""
+    bad = (b'{"id":"c","object":"chat.completion.chunk","created":01,"model":"m",'
+           b'"choices":[{"index":0,"delta":{"content":"x"},"logprobs":null,"finish_reason":null,"token_ids":[5]}]}')
+    assert cut_chat_chunk(bad) is not None
+    seen, errors = [], []
+    relay = SSERelay(seen.append, [STRIP], on_error=errors.append)
+    relay(b"data: " + bad + b"\n\n")
+    relay(b"")
+    assert seen == [] and len(errors) == 1 and "malformed SSE event" in errors[0]
+
+
+def test_a_lone_surrogate_escape_is_relayed_not_raised():
+    """``"\\udc00"`` is valid JSON that has no UTF-8 form once parsed; rewriting such an event raised
+    inside mitmproxy's stream hook. It goes out as the escape it came as."""
+    seen = []
+    relay = SSERelay(seen.append, [lambda o: STRIP(o)])  # the parsing path
+    raw = b'{"choices":[{"index":0,"delta":{"content":"a\\udc00\\u00e9"},"token_ids":[1]}]}'
+    out = relay(b"data: " + raw + b"\n\n")
+    relay(b"")
+    assert json.loads(out[6:-2]) == {"choices": [{"index": 0, "delta": {"content": "a\udc00\u00e9"}}]}
+    assert seen == [json.loads(raw)]
