@@ -70,13 +70,14 @@ def test_cut_gives_what_parsing_and_stripping_gives_on_generated_chunks():
 def test_model_name_cut_gives_what_the_restorer_gives():
     """A harness that asked for ``gpt-4o`` gets ``gpt-4o`` back in every chunk, cut or parsed."""
     rng = random.Random(2)
-    for asked in ("gpt-4o", 'é"\\name'):
+    for asked in ("gpt-4o", 'é"\\name', "a\udc00b"):  # (the last: a lone surrogate the harness escaped)
         restore = make_model_restorer(asked)
         for n in range(500):
             obj = _chunk(rng)
             raw = _dump(obj, ascii_only=n % 2 == 0)
             got = restore.cut(raw)
             assert got is not None and json.loads(got) == restore(json.loads(raw))
+            got.decode("utf-8")  # what the harness gets is UTF-8 whatever name it asked for
             both = restore.cut(cut_chat_chunk(raw) or raw)
             assert json.loads(both) == restore(STRIP(json.loads(raw))) or cut_chat_chunk(raw) is None
     restore = make_model_restorer("gpt-4o")
