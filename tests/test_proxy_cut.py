@@ -108,6 +108,8 @@ def test_cut_declines_what_its_argument_does_not_cover():
     declined = [
         variant(top={"prompt_token_ids": [1, 2]}),  # the first chunk: the parsing path strips it
         variant(top={"object": "text_completion"}),
+        variant(top={"usage": {"prompt_tokens": 3, "completion_tokens": 1}}),  # continuous usage stats
+        variant(top={"system_fingerprint": "fp"}),  # vLLM's last chunk
         variant(top={"choices": [base["choices"][0], {**base["choices"][0], "index": 1}]}),  # two choices
         variant(choice=lambda c: {**c, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}),
         variant(choice=lambda c: {k: v for k, v in c.items() if k != "token_ids"}),  # nothing to cut
