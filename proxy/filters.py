@@ -11,10 +11,11 @@ No mitmproxy here, so they are tested alone.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from typing import Any
+
+from .fastjson import dumps_bytes
 
 
 def _with(obj: dict, key: str, value: Any) -> dict:
@@ -86,6 +87,13 @@ _FINISH, _STOP = b'},"finish_reason":', b'},"stop_reason":'
 _NEXT_MEMBER = re.compile(rb'}[ \t\r\n]*,[ \t\r\n]*"')  # an object's end, then another member
 
 
+def _chat_choices_at(payload: bytes) -> int:
+    """Where a vLLM chat chunk's ``,"choices":[{"index":`` starts (after its id, object, created and
+    model), or -1 when the payload is not one."""
+    c = payload.find(_CHOICES, 0, 400)
+    return c if c >= 0 and payload.find(_CHAT_CHUNK, 0, c) >= 0 else -1
+
+
 def cut_chat_chunk(payload: bytes) -> bytes | None:
     """A chat chunk without ``token_ids`` and with ``"logprobs":null``, cut out of its bytes; None
     when it is not the usual token chunk (the caller then parses and strips it).
@@ -110,9 +118,8 @@ def cut_chat_chunk(payload: bytes) -> bytes | None:
     if k < 0 or not ids.isdigit() and (ids.translate(None, b"0123456789,") or ids[:1] == b","
                                        or ids[-1:] == b"," or b",," in ids):
         return None  # token_ids is not the last member, or not a plain list of integers
-    c = payload.find(_CHOICES, 0, 400)  # (after the id, object, created and model)
-    if (c < 0 or payload.find(_CHAT_CHUNK, 0, c) < 0 or payload.find(b'"prompt_token_ids"', 0, c) >= 0
-            or payload.find(b'"index":', c + len(_CHOICES)) >= 0):
+    c = _chat_choices_at(payload)
+    if c < 0 or payload.find(b'"prompt_token_ids"', 0, c) >= 0 or payload.find(b'"index":', c + len(_CHOICES)) >= 0:
         return None
     i = payload.find(_LOGPROBS, c, k)
     start = i + len(_LOGPROBS)
@@ -177,10 +184,7 @@ def make_model_restorer(asked: str):
             obj = _with(obj, "response", _with(obj["response"], "model", asked))
         return obj
 
-    try:
-        value = json.dumps(asked, ensure_ascii=False).encode()
-    except UnicodeEncodeError:  # a lone surrogate (the harness sent an escape): only escapes carry it
-        value = json.dumps(asked).encode()
+    value = dumps_bytes(asked)  # (UTF-8 whatever the name holds: escapes where it has no UTF-8 form)
     restore.cut = lambda payload: cut_chunk_model(payload, value)
     return restore
 
@@ -196,8 +200,8 @@ def cut_chunk_model(payload: bytes, value: bytes) -> bytes | None:
     with no ``{`` or ``[`` there, the ``,"model":"`` found is the top-level one (such bytes are
     structure, see :func:`cut_chat_chunk`), and its string ends at the next ``"`` when no
     backslash comes before it."""
-    c = payload.find(_CHOICES, 0, 400)
-    if c < 0 or payload.find(_CHAT_CHUNK, 0, c) < 0 or payload.find(b"{", 1, c) >= 0 or payload.find(b"[", 0, c) >= 0:
+    c = _chat_choices_at(payload)
+    if c < 0 or payload.find(b"{", 1, c) >= 0 or payload.find(b"[", 0, c) >= 0:
         return None
     m = payload.find(_MODEL, 0, c)
     start = m + len(_MODEL) - 1  # the opening quote

@@ -115,11 +115,12 @@ def main() -> int:
         cpu: dict[str, list[float]] = {"A": [], "B": []}
         for r in range(a.rounds):
             if a.together:
-                for name, x in together(targets, procs, a.concurrency, a.seconds, body).items():
-                    cpu[name].append(x)
-            for name in () if a.together else ("A", "B") if r % 2 == 0 else ("B", "A"):
-                x = measure(targets[name], procs[name].pid, a.concurrency, a.seconds, body)
-                cpu[name].append(x["cpu_ms_per_req"])
+                got = together(targets, procs, a.concurrency, a.seconds, body)
+            else:
+                got = {name: measure(targets[name], procs[name].pid, a.concurrency, a.seconds, body)["cpu_ms_per_req"]
+                       for name in (("A", "B") if r % 2 == 0 else ("B", "A"))}
+            for name, x in got.items():
+                cpu[name].append(x)
             print(f"round {r + 1}/{a.rounds}: A {cpu['A'][-1]:.2f}  B {cpu['B'][-1]:.2f} ms CPU/request", flush=True)
         how = "rounds loading both at once" if a.together else "alternating rounds"
         print(f"\nSSE x{a.sse_tokens}, concurrency {a.concurrency} each, {a.rounds} {how} of {a.seconds:g} s")
