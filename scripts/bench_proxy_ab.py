@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Compare two settings of the proxy on streamed answers: two proxies side by side on one stub.
+"""Compare two settings of the proxy on streamed answers (or agent-sized requests): two proxies side
+by side on one stub.
 
 Each ``--a``/``--b`` is a list of proxy options (``KEY=VALUE``, the names of ``lightning-proxy serve``'s
 YAML keys). The rounds alternate A and B (B first every other round) so that this machine's drift
@@ -12,10 +13,13 @@ mitmproxy, one run at a time).
 working tree (a change's effect: ``--a-rev HEAD``). ``--together`` loads A and B at the same time
 instead of in turns: both then see the same moment of a shared machine, which narrows the spread
 of the ratios (each proxy gets less CPU than alone, so absolute figures are not the alternating ones).
+``--context KB`` sends what a coding agent sends instead: a JSON call (not streamed) whose message
+holds KB kilobytes of source code (this repository's), as an agent resends the files it has read.
 
     .venv/bin/python scripts/bench_proxy_ab.py --a gc_young=700 --b gc_young=10000
     .venv/bin/python scripts/bench_proxy_ab.py --a inject_token_ids=false --rounds 12
     .venv/bin/python scripts/bench_proxy_ab.py --a-rev HEAD~1 --together --rounds 20
+    .venv/bin/python scripts/bench_proxy_ab.py --a-rev HEAD~1 --context 400 --concurrency 4
 """
 
 from __future__ import annotations
@@ -67,6 +71,19 @@ def source_tree(rev: str, dest: Path) -> Path:
     return src
 
 
+def request_body(sse_tokens: int, context_kb: int) -> bytes:
+    """A short streamed chat call, or (``context_kb``) a JSON call carrying that much source code."""
+    if not context_kb:
+        return json.dumps({"model": "gpt-4o", "max_tokens": sse_tokens, "stream": True,
+                           "messages": [{"role": "system", "content": "You are terse."},
+                                        {"role": "user", "content": "Say something short, please."}]}).encode()
+    code, files = "", sorted(p for name in PACKAGES for p in (ROOT / name).rglob("*.py"))
+    while len(code) < context_kb * 1000:
+        code += "".join(f"$ cat {f.relative_to(ROOT)}\n{f.read_text()}\n" for f in files)
+    return json.dumps({"model": "gpt-4o", "max_tokens": 16,
+                       "messages": [{"role": "user", "content": code[:context_kb * 1000]}]}).encode()
+
+
 def together(targets: dict, procs: dict, concurrency: int, seconds: float, body: bytes) -> dict[str, float]:
     """CPU per request of every side, all loaded at once for ``seconds``."""
     async def run() -> list[dict]:
@@ -88,14 +105,14 @@ def main() -> int:
     ap.add_argument("--a-rev", help="run A from this git revision (default: the working tree)")
     ap.add_argument("--b-rev", help="run B from this git revision (default: the working tree)")
     ap.add_argument("--together", action="store_true", help="load A and B at the same time, not in turns")
+    ap.add_argument("--context", type=int, default=0, metavar="KB",
+                    help="send JSON calls with KB kilobytes of source code instead of streamed ones")
     a = ap.parse_args()
 
     from fixtures_proxy import StubServer
 
     work = Path(tempfile.mkdtemp(prefix="bench-ab-"))
-    body = json.dumps({"model": "gpt-4o", "max_tokens": a.sse_tokens, "stream": True,
-                       "messages": [{"role": "system", "content": "You are terse."},
-                                    {"role": "user", "content": "Say something short, please."}]}).encode()
+    body = request_body(a.sse_tokens, a.context)
     stub = StubServer(work)
     sides = {"A": options(a.a, "--a"), "B": options(a.b, "--b")}
     procs = {}
@@ -123,7 +140,8 @@ def main() -> int:
                 cpu[name].append(x)
             print(f"round {r + 1}/{a.rounds}: A {cpu['A'][-1]:.2f}  B {cpu['B'][-1]:.2f} ms CPU/request", flush=True)
         how = "rounds loading both at once" if a.together else "alternating rounds"
-        print(f"\nSSE x{a.sse_tokens}, concurrency {a.concurrency} each, {a.rounds} {how} of {a.seconds:g} s")
+        load_kind = f"JSON calls of {a.context} KB" if a.context else f"SSE x{a.sse_tokens}"
+        print(f"\n{load_kind}, concurrency {a.concurrency} each, {a.rounds} {how} of {a.seconds:g} s")
         for name, opts in sides.items():
             rss, peak = rss_mib(procs[name].pid), rss_mib(procs[name].pid, "VmHWM")
             what = f"{opts or '(defaults)'} at {revs[name] or 'the working tree'}"

@@ -23,3 +23,12 @@ def test_source_tree_of_a_revision_is_what_a_proxy_process_imports(tmp_path):
     assert all(path.startswith(str(tree)) for path in got.stdout.split()), got.stdout
     assert (tree / "proxy" / "sse.py").read_bytes() == subprocess.run(
         ["git", "-C", str(ROOT), "show", "HEAD:proxy/sse.py"], capture_output=True, check=True).stdout
+
+
+def test_context_body_is_a_json_call_of_that_many_kilobytes_of_source():
+    import json
+
+    body = json.loads(bench_proxy_ab.request_body(50, 400))
+    text = body["messages"][0]["content"]
+    assert len(text) == 400_000 and "stream" not in body and "$ cat proxy/" in text and "def " in text
+    assert json.loads(bench_proxy_ab.request_body(7, 0))["stream"] is True

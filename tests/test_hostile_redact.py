@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import base64
 import json
+import random
+import string
 import urllib.parse
 import urllib.request
 
 import pytest
 from fixtures_proxy import read_rewards, read_spans
 
+from lightning_harness.proxy import keyshapes
 from lightning_harness.proxy.redact import MASK, Redactor, decode_escapes, spellings
 
 KEY = "sk-real-Q7fGh2KpX9vLm4Ns8TbW1cYd"  # the harness's OPENAI_API_KEY
@@ -275,6 +278,24 @@ def test_words_placeholders_and_blobs_are_not_keys(word):
     for text in (json.dumps({"content": word}), json.dumps({"content": word}, ensure_ascii=False)):
         row = r.scrub_row({"request_json": text, "prompt_token_ids": [1]})
         assert row["request_json"] == text and row["secret_detected"] is False and row["prompt_token_ids"] == [1]
+
+
+def test_looking_only_at_hints_masks_what_the_whole_pattern_masks():
+    """Texts built from keys, hints inside identifiers (``work_``, ``task-``), hints that overlap
+    (``xoxox``, ``AKIAKIA``), escapes before keys, near-misses and random runs: the same masking."""
+    rnd = random.Random(7)
+    alnum = string.ascii_letters + string.digits
+    pieces = [*REAL_SHAPES, "work_dir", "task-id", "mask_keys", "xoxox", "AKIAKIA", "gsk-", "rk_", "sk_",
+              "\\n", "\\t", "\\", "-", "_", " ", "\n", "=", '"', "eyJ", "ghp_", "github_pat_", "AIza",
+              "PRIVATE KEY", "-----BEGIN ", "sk-proj-", "xoxb-123456789012-", "sk_live_", "sk-ant-api03-"]
+    masked = 0
+    for _ in range(3000):
+        text = "".join(rnd.choice(pieces) if rnd.random() < 0.7 else "".join(rnd.choices(alnum, k=rnd.randint(1, 60)))
+                       for _ in range(rnd.randint(1, 8)))
+        want = keyshapes.mask_everywhere(text, "X")
+        assert keyshapes.mask_keys(text, "X") == want, text
+        masked += want != text
+    assert masked > 500  # (the texts do hold keys)
 
 
 def test_a_key_hidden_behind_ascii_escapes_is_found():
