@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Where the proxy's CPU goes on streamed answers: py-spy profiles of two settings, side by side.
 
-Two processes on one stub under the same load (SSE, ``--sse-tokens`` chunks, concurrency 16): A is
+Two processes on one stub under the same load (SSE, ``--sse-tokens`` chunks, concurrency 16; or, with
+``--context KB``, JSON calls carrying KB kilobytes of source code, as a coding agent sends): A is
 the proxy with ``--a`` options, B the proxy with ``--b`` options, or plain mitmproxy with ``--b
 plain``. Each is sampled by py-spy in GIL mode (only the thread running Python counts): without it a
 thread waiting for the GIL is sampled where it waits, and mitmproxy's per-chunk functions looked up
@@ -12,12 +13,12 @@ and the same summed by package (ours, mitmproxy, asyncio, pyarrow, ...).
     pip install py-spy   # into the environment running this script
     .venv/bin/python scripts/profile_proxy.py --b inject_token_ids=false   # what injecting costs
     .venv/bin/python scripts/profile_proxy.py --b plain --seconds 20        # the proxy vs mitmproxy
+    .venv/bin/python scripts/profile_proxy.py --b plain --context 400       # agent-sized calls
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import subprocess
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
 
 from bench_proxy import PlainMitmproxy, Target, load, measure  # noqa: E402
-from bench_proxy_ab import options  # noqa: E402
+from bench_proxy_ab import options, request_body  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -108,6 +109,7 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--sse-tokens", type=int, default=50)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--context", type=int, default=0, metavar="KB", help="JSON calls with KB kilobytes of source code")
     a = ap.parse_args()
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(pyspy).exists():
@@ -115,8 +117,7 @@ def main() -> int:
     from fixtures_proxy import StubServer
 
     work = Path(tempfile.mkdtemp(prefix="profile-proxy-"))
-    body = json.dumps({"model": "gpt-4o", "max_tokens": a.sse_tokens, "stream": True,
-                       "messages": [{"role": "user", "content": "Say something short, please."}]}).encode()
+    body = request_body(a.sse_tokens, a.context)
     stub, procs, targets = StubServer(work), {}, {}
     console = Console()
     try:

@@ -331,6 +331,34 @@ def test_fastjson_reads_and_writes_what_the_standard_library_does(monkeypatch, w
         assert error(fastjson.loads, bad) == error(json.loads, bad) is not None
 
 
+def test_loads_exact_keeps_every_integer_exact():
+    """orjson reads an integer beyond 64 bits as a float: such a body goes to the standard library
+    (a float literal that large only costs the slow path). Run where the proxy runs (orjson)."""
+    import subprocess
+    import textwrap
+
+    from lightning_harness.proxy.locate import proxy_python
+
+    cases = {"18446744073709551615": True, "-9223372036854775808": True, "1.5e10": True,
+             "18446744073709551616": False, "-9223372036854775809": False,
+             "123456789012345678901234567890": False, "1e19": False}
+    code = textwrap.dedent("""
+        import json, sys
+        from lightning_harness.proxy import fastjson as f
+        out = {}
+        for n in json.loads(sys.argv[1]):
+            text = '{"messages": [{"content": "%s"}], "tools": [{"n": [1, {"seed": %s}]}]}' % ("9" * 40, n)
+            obj, fast = f.loads_exact(text)
+            back = json.loads(f.dumps_exact(obj, fast))  # what goes upstream
+            out[n] = [fast, json.dumps(obj) == json.dumps(json.loads(text)) == json.dumps(back)]
+        print(json.dumps([f.orjson is not None, out]))
+    """)
+    has_orjson, got = json.loads(subprocess.run([proxy_python(), "-c", code, json.dumps(list(cases))],
+                                                capture_output=True, text=True, check=True).stdout)
+    assert has_orjson
+    assert got == {n: [fast, True] for n, fast in cases.items()}
+
+
 def test_rewritten_bodies_hold_their_size_not_the_reserve_orjson_keeps():
     """orjson (3.12 on) returns bytes that keep its unused reserve: a rewritten 400 KB body held 4 MB
     for its flow's life. Run where the proxy runs (its environment has orjson)."""
