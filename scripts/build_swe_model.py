@@ -79,7 +79,7 @@ def run_sandboxed(command: str, folder: Path, timeout: float = 10.0) -> tuple[in
             "--setenv", "PATH", f"{prefix}/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
             "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--", "bash", "-c", command]
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return -1, "timeout"
     out = proc.stdout + proc.stderr

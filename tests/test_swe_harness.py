@@ -110,7 +110,8 @@ def test_reward_scores_the_fix_and_not_the_bug(tmp_path):
     assert reward.score(task, fixed) == (1.0, "hidden tests passed")
 
 
-@pytest.mark.parametrize("attack", ["exit_early", "sitecustomize", "symlink", "hang", "fake_pass_line", "kill"])
+@pytest.mark.parametrize("attack", ["exit_early", "sitecustomize", "symlink", "hang", "fake_pass_line", "kill",
+                                    "bad_bytes"])
 def test_reward_cannot_be_changed_by_what_the_agent_leaves(tmp_path, attack):
     task = task_by_family("inverted_condition")
     folder = generate.write_task(task, tmp_path / "repo")
@@ -132,6 +133,8 @@ def test_reward_cannot_be_changed_by_what_the_agent_leaves(tmp_path, attack):
         module.write_text("import os, sys\nprint('HIDDEN-TESTS-PASSED 0'); sys.stdout.flush(); os._exit(0)\n" + buggy)
     elif attack == "kill":        # kill everything it can see, the scorer included
         module.write_text("import os, signal\nos.kill(-1, signal.SIGKILL)\n" + buggy)
+    elif attack == "bad_bytes":   # output that is not UTF-8, on both streams (it crashed the scorer)
+        module.write_text("import os\nos.write(1, b'\\xef\\xff\\n'); os.write(2, b'\\xc3(\\n')\n" + buggy)
     assert reward.score(task, folder, timeout=5)[0] == 0.0
 
 

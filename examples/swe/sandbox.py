@@ -113,7 +113,9 @@ def run(command: list[str], workdir: str | Path, timeout: float, python: str | N
     inside = bind_at or wd
     argv = bwrap_prefix(python, memory_bytes) + ["--bind" if writable else "--ro-bind", wd, inside,
                                                   "--chdir", inside, "--", *command]
-    return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
+    # (errors="replace": what the model or its module prints need not be UTF-8)
+    return subprocess.run(argv, input=stdin, capture_output=True, text=True, errors="replace", timeout=timeout,
+                          check=False)
 
 
 def check() -> None:
