@@ -50,6 +50,7 @@ TRUNCATED_COLUMNS = ("error",)  # cut to a length by capture: may end inside a s
 _JSON_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})|\\/")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _PERCENT_ESCAPE = re.compile(r"%[0-9a-fA-F]{2}")  # what unquote decodes (it leaves any other % as is)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SAFE_RUN = re.compile(r"[A-Za-z0-9_.~-]+")
 _ASCII_ESCAPE = re.compile(r"\\u00(?:2[dDeE]|[3-7][0-9a-fA-F])")  # \u escape of a char a core or key may hold
 
@@ -94,12 +95,17 @@ def decode_escapes(text: str) -> str:
     Lenient on purpose (a stray escape is decoded wherever it sits): used only to look for
     secrets, and the decoded text replaces the original only when it held one.
     """
-    for _ in range(3):  # (each step only where it can change something: a 400 KB context cost 9 ms)
+    # each step only where it can change something (a 400 KB context cost 9 ms): surrogates come
+    # from the text itself or from decoding an escape of one (unquote gives none), and are gone
+    # after the repair, so the text is searched for them once
+    lone = not text.isascii() and _SURROGATE.search(text) is not None
+    for _ in range(3):
+        lone = lone or _SURROGATE_ESCAPE.search(text) is not None
         new = _JSON_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)) if m.group(1) else "/", text)
         if "%" in new and _PERCENT_ESCAPE.search(new):
             new = urllib.parse.unquote(new)
-        if not new.isascii() and _SURROGATE.search(new):
-            new = new.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        if lone:  # (pairs joined, lone halves replaced; without any, the same text)
+            new, lone = new.encode("utf-16", "surrogatepass").decode("utf-16", "replace"), False
         if new == text:
             break
         text = new

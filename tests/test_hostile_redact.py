@@ -298,6 +298,33 @@ def test_looking_only_at_hints_masks_what_the_whole_pattern_masks():
     assert masked > 500  # (the texts do hold keys)
 
 
+def test_decode_escapes_skips_only_steps_that_change_nothing():
+    """The decoder checks before each step whether it can change anything; the plain three passes
+    (every step every time) are the specification: the same text on generated escape soup."""
+    import re
+    import urllib.parse
+
+    from lightning_harness.proxy.redact import decode_escapes
+
+    def plain(text):
+        for _ in range(3):
+            new = re.sub(r"\\u([0-9a-fA-F]{4})|\\/", lambda m: chr(int(m.group(1), 16)) if m.group(1) else "/", text)
+            new = urllib.parse.unquote(new) if "%" in new else new
+            if re.search("[\ud800-\udfff]", new):
+                new = new.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            if new == text:
+                break
+            text = new
+        return text
+
+    rnd = random.Random(3)
+    pieces = ["\\ud83d", "\\ude00", "\\uD800", "\\u0073", "\\\\u0073", "\\u005cu0073", "%5Cu0073", "%73", "%",
+              "%zz", "%e2%82", "\\/", "\\", "\ud800", "\udfff", "é", "€", "sk-", "x", " ", "%25", "\\u00"]
+    for _ in range(3000):
+        text = "".join(rnd.choice(pieces) for _ in range(rnd.randint(1, 10)))
+        assert decode_escapes(text) == plain(text), ascii(text)
+
+
 def test_a_key_hidden_behind_ascii_escapes_is_found():
     key = REAL_SHAPES[0]
     hidden = "".join(f"\\u{ord(c):04x}" if i % 3 == 0 else c for i, c in enumerate(key))
