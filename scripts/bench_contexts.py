@@ -3,7 +3,8 @@
 
 A coding agent resends its whole conversation each call, so its requests run to hundreds of KB and
 repeat each other. For each kind of context (``equal``: the same request every time, the worst
-case for compression; ``distinct``: different words per call) it starts a proxy on the stub,
+case for compression; ``distinct``: different words per call; ``code``: a window of this repository's
+source, moved per call) it starts a proxy on the stub,
 sends ``--calls`` requests at concurrency 16 with the proxy compacting every ``--compact-seconds``,
 samples the proxy's RSS every half second, and prints RSS at start, peak and end, the spans on
 disk against the calls sent, the store's size and its parts (readers' view; the files
@@ -16,6 +17,7 @@ include replaced parts waiting out their grace period).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -38,9 +40,22 @@ from lightning_harness.proxy.client import ProxyProcess  # noqa: E402
 from lightning_harness.schemas import finished_parts, read_table  # noqa: E402
 
 
+@functools.cache
+def source_code(size: int) -> str:
+    """``size`` characters of this repository's source, as ``bench_proxy_ab.py --context`` sends it."""
+    from bench_proxy_ab import request_body
+
+    return json.loads(request_body(0, size // 1000))["messages"][0]["content"]
+
+
 def request(kind: str, i: int, size: int) -> bytes:
-    rnd = random.Random(0 if kind == "equal" else i)
-    text = " ".join(f"w{rnd.randrange(5000)}" for _ in range(size // 6))
+    if kind == "code":  # what a coding agent resends: source it has read (this repository's), per call a new window
+        code = source_code(2 * size)
+        start = (i * 7919) % (len(code) - size)
+        text = code[start:start + size]
+    else:
+        rnd = random.Random(0 if kind == "equal" else i)
+        text = " ".join(f"w{rnd.randrange(5000)}" for _ in range(size // 6))
     return json.dumps({"model": "gpt-4o", "max_tokens": 16, "messages": [{"role": "user", "content": text}]}).encode()
 
 
@@ -84,7 +99,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--size", type=int, default=400_000, help="bytes of context per request")
-    ap.add_argument("--kinds", nargs="+", choices=["equal", "distinct"], default=["equal", "distinct"])
+    ap.add_argument("--kinds", nargs="+", choices=["equal", "distinct", "code"], default=["equal", "distinct"])
     ap.add_argument("--compact-seconds", type=float, default=10.0)
     a = ap.parse_args()
     from fixtures_proxy import StubServer
