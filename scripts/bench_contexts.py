@@ -17,7 +17,6 @@ include replaced parts waiting out their grace period).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import random
 import sys
@@ -35,22 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
 
 from bench_proxy import rss_mib  # noqa: E402
+from bench_proxy_ab import source_text  # noqa: E402
 
 from lightning_harness.proxy.client import ProxyProcess  # noqa: E402
 from lightning_harness.schemas import finished_parts, read_table  # noqa: E402
 
 
-@functools.cache
-def source_code(size: int) -> str:
-    """``size`` characters of this repository's source, as ``bench_proxy_ab.py --context`` sends it."""
-    from bench_proxy_ab import request_body
-
-    return json.loads(request_body(0, size // 1000))["messages"][0]["content"]
-
-
 def request(kind: str, i: int, size: int) -> bytes:
     if kind == "code":  # what a coding agent resends: source it has read (this repository's), per call a new window
-        code = source_code(2 * size)
+        code = source_text(2 * size)
         start = (i * 7919) % (len(code) - size)
         text = code[start:start + size]
     else:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import statistics
@@ -71,17 +72,24 @@ def source_tree(rev: str, dest: Path) -> Path:
     return src
 
 
+@functools.cache
+def source_text(size: int) -> str:
+    """``size`` characters of this repository's source (``$ cat <file>`` and its text, repeated as
+    needed): what a coding agent resends once it has read the files."""
+    code, files = "", sorted(p for name in PACKAGES for p in (ROOT / name).rglob("*.py"))
+    while len(code) < size:
+        code += "".join(f"$ cat {f.relative_to(ROOT)}\n{f.read_text()}\n" for f in files)
+    return code[:size]
+
+
 def request_body(sse_tokens: int, context_kb: int) -> bytes:
     """A short streamed chat call, or (``context_kb``) a JSON call carrying that much source code."""
     if not context_kb:
         return json.dumps({"model": "gpt-4o", "max_tokens": sse_tokens, "stream": True,
                            "messages": [{"role": "system", "content": "You are terse."},
                                         {"role": "user", "content": "Say something short, please."}]}).encode()
-    code, files = "", sorted(p for name in PACKAGES for p in (ROOT / name).rglob("*.py"))
-    while len(code) < context_kb * 1000:
-        code += "".join(f"$ cat {f.relative_to(ROOT)}\n{f.read_text()}\n" for f in files)
     return json.dumps({"model": "gpt-4o", "max_tokens": 16,
-                       "messages": [{"role": "user", "content": code[:context_kb * 1000]}]}).encode()
+                       "messages": [{"role": "user", "content": source_text(context_kb * 1000)}]}).encode()
 
 
 def together(targets: dict, procs: dict, concurrency: int, seconds: float, body: bytes) -> dict[str, float]:
