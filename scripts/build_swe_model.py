@@ -681,8 +681,10 @@ def teacher_forced(model, tok, tasks: list[dict], addressed: bool = True) -> dic
 
 
 def renamed_task(task: dict, rng: random.Random) -> dict:
-    """The task with its project and identifiers renamed (made-up names), as ``--id-renames`` copies
-    read: a train task the model knows the shape of, whose names it can only copy."""
+    """The task with its project and identifiers renamed (made-up names), as
+    ``--id-renames`` copies read: the same bug and fix, whose names a model can only copy. Everything
+    the record names is renamed alike (files, prompt, solution, hidden and failing tests, function),
+    so the reward scores the renamed task as it scored the original; the id is the caller's to set."""
     mapping = identifier_mapping(task, rng, set())
     project = made_up_name(rng)
     while project in mapping.values():
@@ -690,7 +692,9 @@ def renamed_task(task: dict, rng: random.Random) -> dict:
     pattern = re.compile(rf"(?<![A-Za-z0-9]){re.escape(task['project'])}(?![A-Za-z0-9])")
     sub = lambda text: pattern.sub(project, rename_text(text, mapping))  # noqa: E731
     return {**task, "project": project, "prompt": sub(task["prompt"]), "solution": sub(task["solution"]),
-            "files": {sub(k): sub(v) for k, v in task["files"].items()}}
+            "files": {sub(k): sub(v) for k, v in task["files"].items()}, "hidden_tests": sub(task["hidden_tests"]),
+            "failing_visible_tests": [sub(t) for t in task["failing_visible_tests"]],
+            "function": ".".join(mapping.get(part, part) for part in task["function"].split("."))}
 
 
 def tf_report(model, tok, seed: int, addressed: bool = True, n: int = 84) -> dict:

@@ -161,6 +161,21 @@ def test_renamed_task_is_the_same_fix_under_other_names():
     module = build.module_name(renamed)
     fix = build._commands({"messages": build.edit_conversation(renamed, False)})[-1]
     assert fix.endswith(" " + module) and build.apply_edit(renamed["files"][module], fix) == renamed["solution"]
+    graded = json.dumps([renamed[k] for k in ("hidden_tests", "failing_visible_tests", "function")])
+    assert "bank" not in graded and "withdraw" not in graded and "balance" not in graded
+
+
+def test_renamed_copies_score_as_the_originals_and_avoid_the_names_asked():
+    import rename_swe_tasks
+
+    tasks = [t for t in TASKS if t["project"] in ("bank", "stats")][:2]
+    first = rename_swe_tasks.renamed_copies(tasks, 2, "s", set(), "renamed")
+    assert [t["id"] for t in first] == [f"renamed{k}-{t['id']}" for t in tasks for k in (0, 1)]
+    assert all(rename_swe_tasks.valid(t) for t in first)  # buggy 0.0, renamed solution 1.0, sandboxed
+    assert rename_swe_tasks.renamed_copies(tasks, 2, "s", set(), "renamed") == first  # deterministic
+    taken = rename_swe_tasks.names_of(first[0]) | rename_swe_tasks.names_of(first[3])
+    again = rename_swe_tasks.renamed_copies(tasks, 2, "s", taken, "renamed")
+    assert not any(rename_swe_tasks.names_of(t) & taken for t in again)
 
 
 def test_broad_names_are_made_of_vocabulary_pieces_and_never_name_a_held_out_project_or_function():
