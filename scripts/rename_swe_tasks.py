@@ -30,6 +30,11 @@ def names_of(task: dict) -> set[str]:
     return {task["project"], *task["function"].split(".")}
 
 
+def read(path: Path) -> list[dict]:
+    """A task file's records (JSONL, or gzip-compressed ``.gz``), read as the model build reads them."""
+    return [json.loads(line) for line in build._lines(path) if line.strip()]
+
+
 def valid(task: dict) -> bool:
     """The buggy module fails the hidden tests and the solution passes them (sandboxed scorer)."""
     with tempfile.TemporaryDirectory() as folder:
@@ -67,10 +72,8 @@ def renamed_copies(tasks: list[dict], copies: int, seed: str, avoid: set[str], p
               help="a task file whose projects and function names no copy may use (repeatable)")
 @click.option("--prefix", default="renamed", show_default=True, help="of each copy's id")
 def main(src: Path, dest: Path, copies: int, seed: str, avoid: tuple[Path, ...], prefix: str) -> None:
-    tasks = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
-    taken = {name for f in avoid for line in f.read_text().splitlines() if line.strip()
-             for name in names_of(json.loads(line))}
-    out = renamed_copies(tasks, copies, seed, taken, prefix)
+    taken = {name for f in avoid for task in read(f) for name in names_of(task)}
+    out = renamed_copies(read(src), copies, seed, taken, prefix)
     dest.write_text("".join(json.dumps(t, sort_keys=True) + "\n" for t in out))
     click.echo(f"{len(out)} renamed tasks ({len({t['project'] for t in out})} projects) -> {dest}")
 

@@ -168,7 +168,7 @@ def test_renamed_task_is_the_same_fix_under_other_names():
 def test_renamed_copies_score_as_the_originals_and_avoid_the_names_asked():
     import rename_swe_tasks
 
-    tasks = [t for t in TASKS if t["project"] in ("bank", "stats")][:2]
+    tasks = [next(t for t in TASKS if t["project"] == p) for p in ("bank", "stats")]  # two projects
     first = rename_swe_tasks.renamed_copies(tasks, 2, "s", set(), "renamed")
     assert [t["id"] for t in first] == [f"renamed{k}-{t['id']}" for t in tasks for k in (0, 1)]
     assert all(rename_swe_tasks.valid(t) for t in first)  # buggy 0.0, renamed solution 1.0, sandboxed
