@@ -13,12 +13,14 @@ and the same summed by package (ours, mitmproxy, asyncio, pyarrow, ...).
     pip install py-spy   # into the environment running this script
     .venv/bin/python scripts/profile_proxy.py --b inject_token_ids=false   # what injecting costs
     .venv/bin/python scripts/profile_proxy.py --b plain --seconds 20        # the proxy vs mitmproxy
+    .venv/bin/python scripts/profile_proxy.py --b plain --b-asks            # ... relaying the same stream
     .venv/bin/python scripts/profile_proxy.py --b plain --context 400       # agent-sized calls
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import subprocess
@@ -110,6 +112,9 @@ def main() -> int:
     ap.add_argument("--sse-tokens", type=int, default=50)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--context", type=int, default=0, metavar="KB", help="JSON calls with KB kilobytes of source code")
+    ap.add_argument("--b-asks", action="store_true",
+                    help="B's calls ask for token ids and logprobs themselves: with --b plain, mitmproxy relays the "
+                         "very stream the proxy gets by injecting (the profile of our work on equal bytes)")
     a = ap.parse_args()
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(pyspy).exists():
@@ -118,6 +123,8 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="profile-proxy-"))
     body = request_body(a.sse_tokens, a.context)
+    bodies = {"A": body, "B": json.dumps({**json.loads(body), "return_token_ids": True, "logprobs": True}).encode()
+              if a.b_asks else body}
     stub, procs, targets = StubServer(work), {}, {}
     console = Console()
     try:
@@ -132,9 +139,10 @@ def main() -> int:
             targets[side] = Target(procs[side].env_for("profile")["OPENAI_BASE_URL"])
         res = {}
         for side in ("A", "B"):
-            load(targets[side], 4, total=300, body=body)  # warm up
+            load(targets[side], 4, total=300, body=bodies[side])  # warm up
             console.print(f"[dim]profiling {side} for {a.seconds:g} s ...[/dim]")
-            res[side] = profile(pyspy, procs[side].pid, targets[side], body, a.seconds, a.rate, work / f"{side}.txt")
+            res[side] = profile(pyspy, procs[side].pid, targets[side], bodies[side], a.seconds, a.rate,
+                                work / f"{side}.txt")
         ms = {s: 1000.0 / a.rate / max(1, res[s]["requests"]) for s in res}  # ms a request per sample
         for s, opts in (("A", a.a), ("B", a.b)):
             r = res[s]
