@@ -99,6 +99,18 @@ def test_sandbox_time_and_memory_limits(tmp_path):
     assert proc.returncode != 0 and "MemoryError" in proc.stderr
 
 
+def test_sandbox_output_is_capped_and_its_tmp_bounded(tmp_path):
+    """A command that prints 200 MB costs the harness the first megabyte (read from a file, not memory),
+    and its private /tmp (memory) holds TMP_BYTES at most."""
+    argv = sandbox.argv(["bash", "-c", "echo start; head -c 200M /dev/zero | tr '\\0' a; echo"], tmp_path)
+    text, code = sandbox.run_capped(argv, timeout=60)
+    assert code is not None and text.startswith("start\naaaa")
+    assert len(text.encode()) < sandbox.MAX_OUTPUT_BYTES + 200 and "more bytes of" in text
+    fill = f"head -c {sandbox.TMP_BYTES + (16 << 20)} /dev/zero > /tmp/fill; echo rc=$?; df -B1 --output=size /tmp"
+    proc = sandbox.run(["bash", "-c", fill], tmp_path, timeout=60)
+    assert "rc=0" not in proc.stdout and int(proc.stdout.split()[-1]) == sandbox.TMP_BYTES
+
+
 # ---------------------------------------------------------------- the reward
 
 def test_reward_scores_the_fix_and_not_the_bug(tmp_path):
@@ -136,6 +148,147 @@ def test_reward_cannot_be_changed_by_what_the_agent_leaves(tmp_path, attack):
     elif attack == "bad_bytes":   # output that is not UTF-8, on both streams (it crashed the scorer)
         module.write_text("import os\nos.write(1, b'\\xef\\xff\\n'); os.write(2, b'\\xc3(\\n')\n" + buggy)
     assert reward.score(task, folder, timeout=5)[0] == 0.0
+
+
+# A made-up task whose tests use what the two-process scorer must carry faithfully: a class and
+# its objects, a tuple, an argument changed in place, an exception of the module's own (a ValueError).
+DEMO_TESTS = """
+from demo import Box, split_even, sort_in_place, take, Empty
+
+
+def test_values_and_objects():
+    b = Box(3)
+    assert b.add(4) == 7 and b.total == 7
+    assert split_even([1, 2, 3, 4]) == ([2, 4], [1, 3])
+    assert Box(1) == Box(1) and Box(1) != Box(2) and len(Box(5)) == 5
+
+
+def test_in_place_and_exceptions():
+    xs = [3, 1, 2]
+    assert sort_in_place(xs) is None
+    assert xs == [1, 2, 3]
+    try:
+        take([])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("take([]) should raise")
+    assert take([9]) == 9
+"""
+DEMO = """
+print("noise on stdout at import")
+
+
+class Empty(ValueError):
+    pass
+
+
+class Box:
+    def __init__(self, total):
+        self.total = total
+
+    def add(self, n):
+        self.total += n
+        return self.total
+
+    def __eq__(self, other):
+        return isinstance(other, Box) and other.total == self.total
+
+    def __len__(self):
+        return self.total
+
+
+def split_even(xs):
+    return [x for x in xs if x % 2 == 0], [x for x in xs if x % 2]
+
+
+def sort_in_place(xs):
+    xs.sort()
+
+
+def take(xs):
+    if not xs:
+        raise Empty("empty")
+    return xs[0]
+"""
+EQUAL_TO_ALL = """
+class Anything:
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    def __len__(self):
+        return 5
+
+    def __iter__(self):
+        return iter([])
+
+    def __getattr__(self, name):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+
+def __getattr__(name):
+    return Anything()
+"""
+
+
+def demo_score(tmp_path: Path, module: str, timeout: float = 30) -> float:
+    folder = tmp_path / "demo"
+    folder.mkdir(exist_ok=True)
+    (folder / "demo.py").write_text(module)
+    return reward.score({"project": "demo", "hidden_tests": DEMO_TESTS}, folder, timeout=timeout)
+
+
+def test_the_two_process_scorer_carries_objects_tuples_in_place_changes_and_exceptions(tmp_path):
+    assert demo_score(tmp_path, DEMO) == (1.0, "hidden tests passed")
+    assert demo_score(tmp_path, DEMO.replace("xs.sort()", "xs = sorted(xs)"))[0] == 0.0  # not in place
+    assert demo_score(tmp_path, DEMO.replace("class Empty(ValueError)", "class Empty(KeyError)"))[0] == 0.0
+
+
+ADD_TESTS = "from demo import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n    assert add(0, 0) == 0\n"
+
+
+@pytest.mark.parametrize("attack", ["equal_to_everything", "read_the_runner", "forge_answers"])
+def test_a_module_cannot_decide_its_own_verdict(tmp_path, attack):
+    """What a module running in the tests' own process could do (each passed the one-process scorer
+    this replaced): compare equal to every expected value; read the runner's state (its nonce, in
+    ``__main__``) and print the pass line it looks for, then exit 0; or write answers down every
+    pipe it holds before any question."""
+    if attack == "equal_to_everything":
+        module = EQUAL_TO_ALL
+    elif attack == "read_the_runner":
+        module = ("import os, sys, __main__\n"
+                  "print('\\nHIDDEN-TESTS-PASSED ' + getattr(__main__, 'nonce', '?'), flush=True)\n"
+                  "os._exit(0)\n")
+    else:
+        module = ("import os\n"
+                  "for fd in range(1, 10):\n"
+                  "    try:\n"
+                  "        os.write(fd, b'{\"v\": 5}\\n' * 64)\n"
+                  "    except OSError:\n"
+                  "        pass\n" + EQUAL_TO_ALL)
+    folder = tmp_path / "demo"
+    folder.mkdir()
+    (folder / "demo.py").write_text(module)
+    assert reward.score({"project": "demo", "hidden_tests": ADD_TESTS}, folder, timeout=10)[0] == 0.0
+    (folder / "demo.py").write_text("def add(a, b):\n    return a + b\n")
+    assert reward.score({"project": "demo", "hidden_tests": ADD_TESTS}, folder, timeout=10)[0] == 1.0
+
+
+def test_a_task_file_cannot_write_or_read_outside_its_folder(tmp_path):
+    """Task rows may come from anywhere: names that leave the folder are refused, nothing is written."""
+    task = TASKS[0]
+    for name in ("../escaped.py", str(tmp_path / "escaped.py"), "sub/escaped.py", ".."):
+        with pytest.raises(ValueError, match="not a plain file name"):
+            generate.write_task({**task, "files": {name: "x = 1\n"}}, tmp_path / "repo" / "inner")
+    assert not list(tmp_path.rglob("escaped.py"))
+    with pytest.raises(reward.ScoreError, match="not a module name"):
+        reward.score({**task, "project": "../../etc/passwd"}, tmp_path)
 
 
 # ---------------------------------------------------------------- the teacher
@@ -224,6 +377,8 @@ def test_episodes_through_the_launcher_and_proxy_are_attributed_and_rewarded(tmp
         trajectory = json.loads((Path(r["log_path"]).parent / "out" / "trajectory.json").read_text())
         assert trajectory["info"]["exit_status"] == "Submitted"
         assert trajectory["info"]["model_stats"]["api_calls"] == calls[r["rollout_id"]]
+        saved_kwargs = trajectory["info"]["config"]["model"]["model_kwargs"]
+        assert "api_key" not in saved_kwargs and "api_base" not in saved_kwargs  # (service mode passed both)
 
 
 SCAN_CODE = """import socket

@@ -352,8 +352,13 @@ def dump(tasks: list[dict]) -> str:
 # ---------------------------------------------------------------- materialise
 
 def write_task(task: dict, dest: str | Path) -> Path:
-    """Write the task's visible files (buggy module and visible tests) into dest."""
+    """Write the task's visible files (buggy module and visible tests) into dest. A task file may come
+    from anywhere: each name must be a plain file name (no folder, no ``..``), so nothing lands
+    outside dest."""
     dest = Path(dest)
+    for rel in task["files"]:
+        if not isinstance(rel, str) or rel in ("", ".", "..") or "/" in rel or "\\" in rel or "\0" in rel:
+            raise ValueError(f"task {task.get('id')!r}: file name {rel!r} is not a plain file name")
     dest.mkdir(parents=True, exist_ok=True)
     for rel, text in task["files"].items():
         (dest / rel).write_text(text)

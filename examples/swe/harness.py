@@ -80,11 +80,32 @@ def build_agent(config: dict, workdir: Path, name: str, output_path: Path | None
     litellm.suppress_debug_info = True  # its "Provider List" banner on every unpriced call
 
     class CancellableEnvironment(BubblewrapEnvironment):
-        def execute(self, *args, **kwargs):
+        def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict:
+            """The package's bubblewrap command line, run with its output capped (``sandbox.run_capped``:
+            the package's own execute keeps all of it in memory and in the trajectory)."""
             if cancel is not None and cancel.is_set():  # the rollout's process is gone
                 raise InterruptAgentFlow({"role": "exit", "content": "Cancelled",
                                           "extra": {"exit_status": "Cancelled", "submission": ""}})
-            return super().execute(*args, **kwargs)
+            cwd = cwd or self.config.cwd or str(self.working_dir)
+            argv = [self.config.executable, *self.config.wrapper_args, "--bind", cwd, cwd, "--chdir", cwd]
+            for key, value in self.config.env.items():
+                argv += ["--setenv", key, value]
+            limit = timeout or self.config.timeout
+            text, code = sandbox.run_capped([*argv, "bash", "-c", action.get("command", "")], limit)
+            output = {"output": text, "returncode": -1 if code is None else code,
+                      "exception_info": f"the command ran past {limit} s and was killed" if code is None else ""}
+            self._check_finished(output)
+            return output
+
+    class UnrecordedCredentials(LitellmModel):
+        def serialize(self) -> dict:
+            """The config as saved in trajectory.json, without the key and the base URL (which
+            carries the attempt's proxy credential): the saved trajectory is no place for secrets."""
+            data = super().serialize()
+            kwargs = data["info"]["config"]["model"].get("model_kwargs") or {}
+            for secret in ("api_key", "api_base"):
+                kwargs.pop(secret, None)
+            return data
 
     model_cfg = dict(config["model"], model_name=name)
     kwargs = dict(model_cfg.get("model_kwargs") or {})
@@ -100,7 +121,7 @@ def build_agent(config: dict, workdir: Path, name: str, output_path: Path | None
     agent_cfg = {k: v for k, v in config["agent"].items() if k != "mode"}
     if output_path is not None:
         agent_cfg["output_path"] = output_path
-    return DefaultAgent(LitellmModel(**model_cfg), env, **agent_cfg)
+    return DefaultAgent(UnrecordedCredentials(**model_cfg), env, **agent_cfg)
 
 
 def run_episode(task: dict, workdir: Path, config: dict, name: str, output_path: Path | None = None,

@@ -9,11 +9,12 @@ model-written code, so it is treated as hostile:
   symlink, and only when it is a regular file of at most 256 KiB; visible tests, ``conftest.py``,
   ``sitecustomize.py``, ``.pth`` files or a reward file in the folder are never read;
 * the hidden tests come from the task record, never from the folder;
-* they run with ``python -I -S -B`` in the bubblewrap sandbox (``sandbox.py``: no network, empty
-  environment, uid 65534, everything read-only, time and memory limits) in a fresh folder;
-* a pass needs the runner's exit 0 *and* its last line carrying a one-time nonce handed over on
-  stdin, so a module that calls ``os._exit(0)`` while being imported or tested does not pass; a
-  killed, crashed or timed-out run scores 0.0.
+* the module and the tests run in two processes, each with ``python -I -S -B`` in its own
+  bubblewrap sandbox (``sandbox.py``: no network, empty environment, uid 65534, everything
+  read-only, time and memory limits): the tests' process never imports the module, and values
+  cross between them as plain data (``remote.py``). So a module that reads the runner's secrets,
+  prints a pass line, exits 0, patches the runner or returns an object equal to everything does not
+  pass; a killed, crashed or timed-out run scores 0.0.
 
 Prints the reward (1.0 or 0.0) as the last stdout line; details go to stderr (the attempt log).
 Exits non-zero, printing no reward, only when the task cannot be read or the sandbox cannot run:
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import stat
 import subprocess
 import sys
@@ -41,26 +41,8 @@ import sandbox  # noqa: E402
 MAX_MODULE_BYTES = 256 << 10
 TIMEOUT_S = 60.0
 
-# Runs inside the sandbox: reads the nonce first, then imports the agent's module and runs each test.
-_RUNNER = r'''
-import sys
-nonce = sys.stdin.readline().strip()
-sys.path.insert(0, "/score/module")
-ns = {"__name__": "hidden_tests"}
-exec(compile(open("/score/hidden_tests.py").read(), "hidden_tests.py", "exec"), ns)
-tests = [(k, v) for k, v in list(ns.items()) if k.startswith("test_") and callable(v)]
-failed = 0
-for name, fn in tests:
-    try:
-        fn()
-    except Exception as exc:
-        failed += 1
-        print("FAILED", name, type(exc).__name__, str(exc)[:200], file=sys.stderr)
-if tests and not failed:
-    sys.stdout.write("\nHIDDEN-TESTS-PASSED " + nonce + "\n")
-    sys.stdout.flush()
-sys.exit(1 if failed or not tests else 0)
-'''
+REMOTE = Path(__file__).resolve().parent / "remote.py"  # the scorer's two halves
+MAX_LOG_BYTES = 64 << 10  # of each half's stderr kept for the reason
 
 
 class ScoreError(RuntimeError):
@@ -83,29 +65,61 @@ def read_module(folder: Path, name: str) -> bytes | None:
 
 
 def score(task: dict, folder: str | Path, timeout: float = TIMEOUT_S) -> tuple[float, str]:
-    """(reward, why): the hidden tests of task against folder's module, run in the sandbox."""
-    name = f"{task['project']}.py"
-    source = read_module(Path(folder), name)
+    """(reward, why): the hidden tests of task against folder's module, each half in its own sandbox
+    (remote.py): the tests' process decides and never imports the module."""
+    project = task["project"]
+    if not isinstance(project, str) or not project.isidentifier():
+        raise ScoreError(f"the task's project {project!r} is not a module name")
+    source = read_module(Path(folder), f"{project}.py")
     if source is None:
-        return 0.0, f"{name} missing, not a regular file, or over {MAX_MODULE_BYTES} bytes"
-    nonce = secrets.token_hex(16)
+        return 0.0, f"{project}.py missing, not a regular file, or over {MAX_MODULE_BYTES} bytes"
     with tempfile.TemporaryDirectory(prefix="swe-score-") as tmp:
-        root = Path(tmp) / "score"
-        (root / "module").mkdir(parents=True)
-        (root / "module" / name).write_bytes(source)
-        (root / "hidden_tests.py").write_text(task["hidden_tests"])
-        (root / "runner.py").write_text(_RUNNER)
+        serve_dir, drive_dir = Path(tmp) / "serve", Path(tmp) / "drive"
+        (serve_dir / "module").mkdir(parents=True)
+        drive_dir.mkdir()
+        (serve_dir / "module" / f"{project}.py").write_bytes(source)
+        (drive_dir / "hidden_tests.py").write_text(task["hidden_tests"])
+        for d in (serve_dir, drive_dir):
+            (d / "remote.py").write_bytes(REMOTE.read_bytes())
         os.chmod(tmp, 0o755)
-        argv = [sandbox.interpreter(), "-I", "-S", "-B", "/score/runner.py"]
+        python = [sandbox.interpreter(), "-I", "-S", "-B", "/score/remote.py"]
+        code, log = _run_halves(sandbox.argv(python + ["serve", "/score/module", project], serve_dir,
+                                             writable=False, bind_at="/score"),
+                                sandbox.argv(python + ["drive", "/score/hidden_tests.py", project], drive_dir,
+                                             writable=False, bind_at="/score"),
+                                Path(tmp), timeout)
+    if code is None:
+        return 0.0, f"hidden tests ran past {timeout:.0f} s"
+    return (1.0, "hidden tests passed") if code == 0 else (0.0, f"exit {code}: {log}")
+
+
+def _run_halves(serve_argv: list[str], drive_argv: list[str], tmp: Path, timeout: float) -> tuple[int | None, str]:
+    """Start both halves joined by two pipes; (drive's exit status or None on timeout, the end of both
+    logs). Their stderr goes to files (bounded by the sandbox's file-size limit), not to memory."""
+    to_serve, to_drive = os.pipe(), os.pipe()
+    procs = []
+    with open(tmp / "serve.log", "wb") as serve_log, open(tmp / "drive.log", "wb") as drive_log:
         try:
-            proc = sandbox.run(argv, root, timeout, writable=False, stdin=nonce + "\n", bind_at="/score")
+            procs.append(subprocess.Popen(serve_argv, stdin=to_serve[0], stdout=to_drive[1], stderr=serve_log))
+            procs.append(subprocess.Popen(drive_argv, stdin=to_drive[0], stdout=to_serve[1], stderr=drive_log))
+        finally:
+            for fd in (*to_serve, *to_drive):
+                os.close(fd)
+        try:
+            code = procs[1].wait(timeout)
         except subprocess.TimeoutExpired:
-            return 0.0, f"hidden tests ran past {timeout:.0f} s"
-    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    passed = proc.returncode == 0 and bool(lines) and lines[-1].strip() == f"HIDDEN-TESTS-PASSED {nonce}"
-    if proc.returncode == 0 and not passed:
-        return 0.0, "exit 0 without the runner's pass line (the module ended the process early?)"
-    return (1.0, "hidden tests passed") if passed else (0.0, f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}")
+            code = None
+        finally:
+            for p in procs:
+                p.kill()  # (bubblewrap's pid namespace: everything inside goes with it)
+                p.wait()
+    return code, "\n".join(_tail(tmp / f"{half}.log") for half in ("drive", "serve")).strip()[-600:]
+
+
+def _tail(path: Path) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - MAX_LOG_BYTES))
+        return f.read().decode("utf-8", errors="replace").strip()
 
 
 def read_task(arg: str | None) -> dict:

@@ -14,9 +14,11 @@ What a command in the sandbox gets:
 * its own pid, ipc, uts and user namespaces, running as uid/gid 65534 (nobody) inside, with no
   capabilities; `/proc` shows only its own processes;
 * a read-only view of `/usr` and of the Python installation that runs the tests, an empty private
-  `/tmp`, and exactly one writable folder: the private copy of the task (bound by the caller);
-* limits: address space (`prlimit --as`), file size (`--fsize`), open files, and the caller's
-  wall-clock timeout (killing bubblewrap ends everything inside: `--die-with-parent`, pid namespace).
+  `/tmp` of at most `TMP_BYTES`, and exactly one writable folder: the private copy of the task
+  (bound by the caller);
+* limits: address space (`prlimit --as`), file size (`--fsize`), open files, output kept
+  (`run_capped`), and the caller's wall-clock timeout (killing bubblewrap ends everything inside:
+  `--die-with-parent`, pid namespace).
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ import functools
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 SANDBOX_UID = 65534
 DEFAULT_MEMORY_BYTES = 1 << 30      # address space per command
 DEFAULT_FILE_BYTES = 64 << 20       # largest file a command may write
 DEFAULT_OPEN_FILES = 256
+TMP_BYTES = 256 << 20           # the private /tmp (memory-backed) holds at most this
+MAX_OUTPUT_BYTES = 1 << 20      # of a command's output kept (observation and trajectory)
 SANDBOX_PATH_TAIL = "/usr/local/bin:/usr/bin:/bin"
 
 
@@ -88,7 +93,7 @@ def bwrap_prefix(python: str | None = None, memory_bytes: int = DEFAULT_MEMORY_B
             "--die-with-parent", "--new-session", "--clearenv",
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
             "--symlink", "usr/lib64", "/lib64", "--ro-bind-try", "/etc/alternatives", "/etc/alternatives",
-            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+            "--proc", "/proc", "--dev", "/dev", "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
     for root in python_roots(str(exe)):
         argv += ["--ro-bind", root, root]
     argv += ["--setenv", "PATH", f"{bindir}:{SANDBOX_PATH_TAIL}", "--setenv", "HOME", "/tmp",
@@ -104,23 +109,48 @@ def environment_config(workdir: str | Path, timeout: int, env: dict | None = Non
             "timeout": int(timeout), "env": dict(env or {})}
 
 
+def argv(command: list[str], workdir: str | Path, python: str | None = None,
+         memory_bytes: int = DEFAULT_MEMORY_BYTES, writable: bool = True, bind_at: str | None = None) -> list[str]:
+    """The full argument list that runs command in the sandbox with workdir bound (at bind_at, else
+    its own path; read-only unless writable) as the current folder."""
+    wd = str(Path(workdir).resolve())
+    inside = bind_at or wd
+    return bwrap_prefix(python, memory_bytes) + ["--bind" if writable else "--ro-bind", wd, inside,
+                                                 "--chdir", inside, "--", *command]
+
+
 def run(command: list[str], workdir: str | Path, timeout: float, python: str | None = None,
         memory_bytes: int = DEFAULT_MEMORY_BYTES, writable: bool = True, stdin: str | None = None,
         bind_at: str | None = None) -> subprocess.CompletedProcess:
-    """Run command in the sandbox with workdir bound (at bind_at, else its own path; read-only unless
-    writable) as the current folder. Raises TimeoutExpired (bubblewrap and all inside are killed)."""
-    wd = str(Path(workdir).resolve())
-    inside = bind_at or wd
-    argv = bwrap_prefix(python, memory_bytes) + ["--bind" if writable else "--ro-bind", wd, inside,
-                                                  "--chdir", inside, "--", *command]
+    """Run command in the sandbox (see argv). Raises TimeoutExpired (bubblewrap and all inside are killed)."""
     # (errors="replace": what the model or its module prints need not be UTF-8)
-    return subprocess.run(argv, input=stdin, capture_output=True, text=True, errors="replace", timeout=timeout,
-                          check=False)
+    return subprocess.run(argv(command, workdir, python, memory_bytes, writable, bind_at), input=stdin,
+                          capture_output=True, text=True, errors="replace", timeout=timeout, check=False)
+
+
+def run_capped(argv: list[str], timeout: float, max_bytes: int = MAX_OUTPUT_BYTES) -> tuple[str, int | None]:
+    """(output, exit status; None past timeout) of a sandboxed argv, stdout and stderr together.
+
+    The output goes to a temporary file, not to memory, and only its first ``max_bytes`` are read:
+    a command that prints gigabytes costs the harness what a megabyte does (the sandbox's file-size
+    limit ends it at ``DEFAULT_FILE_BYTES``), and neither the observation nor the saved trajectory
+    carries more. Stdin is empty."""
+    with tempfile.TemporaryFile() as out:
+        try:
+            code = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=timeout, check=False).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+        size = out.tell()
+        out.seek(0)
+        text = out.read(max_bytes).decode("utf-8", errors="replace")
+    if size > max_bytes:
+        text += f"\n[output cut: {size - max_bytes} more bytes of {size} not shown]\n"
+    return text, code
 
 
 def check() -> None:
     """Raise SandboxUnavailable unless a trivial command runs in the sandbox."""
-    import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         try:
             proc = run(["true"], tmp, timeout=30)
