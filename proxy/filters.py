@@ -84,6 +84,8 @@ _CHOICES = b',"choices":[{"index":'
 _TOKEN_IDS = b',"token_ids":['
 _LOGPROBS = b',"logprobs":'
 _FINISH, _STOP = b'},"finish_reason":', b'},"stop_reason":'
+_ONCE = ((b'"token_ids":', 1), (b'"logprobs":', 1), (b'"finish_reason":', 1), (b'"stop_reason":', 1),
+         (b'"prompt_token_ids"', 0))  # (a quoted key then a colon is structure: it counts the keys so named)
 _NEXT_MEMBER = re.compile(rb'}[ \t\r\n]*,[ \t\r\n]*"')  # an object's end, then another member
 
 
@@ -105,21 +107,22 @@ def cut_chat_chunk(payload: bytes) -> bytes | None:
     member when the chunk ends ``[digits]}]}``, and ``logprobs``'s value (an object) runs to the
     ``}`` before the member after it; had another member come between, the cut would hold ``},"``,
     which no logprobs object of a chat chunk holds (a token of that text only costs the fast
-    path, whose check then fails: such runs are looked for). The result is the JSON value the
-    parsing stripper returns, in upstream's spelling. Whether the chunk is valid JSON at all is
-    decided when the relay parses the held bytes for the span (a malformed event is reported
-    there, as on the parsing path). Every step is a C-level scan (~2 us a chunk): parsing,
+    path, whose check then fails: such runs are looked for), and each key looked for occurs once
+    (a nested ``"finish_reason":`` inside logprobs would end the cut early; such a chunk is parsed).
+    The result is the JSON value the parsing stripper returns, in upstream's spelling. Whether the
+    chunk is valid JSON at all is decided when the relay parses the held bytes for the span (a
+    malformed event is reported there, as on the parsing path). Every step is a C-level scan (~2 us a chunk): parsing,
     stripping and re-serialising each event cost a tenth of the proxy's CPU on a streamed answer.
     """
-    if not payload.endswith(b"]}]}"):
-        return None
+    if not payload.endswith(b"]}]}") or any(payload.count(key) > most for key, most in _ONCE):
+        return None  # a key looked for below, twice (or one of vLLM's that is never there): parse it
     k = payload.rfind(_TOKEN_IDS)
     ids = payload[k + len(_TOKEN_IDS):-4]
     if k < 0 or not ids.isdigit() and (ids.translate(None, b"0123456789,") or ids[:1] == b","
                                        or ids[-1:] == b"," or b",," in ids):
         return None  # token_ids is not the last member, or not a plain list of integers
     c = _chat_choices_at(payload)
-    if c < 0 or payload.find(b'"prompt_token_ids"', 0, c) >= 0 or payload.find(b'"index":', c + len(_CHOICES)) >= 0:
+    if c < 0 or payload.find(b'"index":', c + len(_CHOICES)) >= 0:
         return None
     i = payload.find(_LOGPROBS, c, k)
     start = i + len(_LOGPROBS)

@@ -115,9 +115,12 @@ def decode_escapes(text: str) -> str:
 class KnownSecrets:
     """A set of secret values and all their spellings, to find and mask in text."""
 
-    def __init__(self, values: Iterable[str | None]) -> None:
-        kept = {v for v in values if v and len(v) >= MIN_SECRET_LEN and v not in PUBLIC_VALUES}
-        self.values = sorted(sorted(kept, key=len, reverse=True)[:MAX_SECRETS])
+    def __init__(self, values: Iterable[str | None], always: Iterable[str | None] = ()) -> None:
+        """``values`` (a call's): the ``MAX_SECRETS`` longest kept; ``always`` (the process's): all."""
+        def usable(vs):
+            return {v for v in vs if v and len(v) >= MIN_SECRET_LEN and v not in PUBLIC_VALUES}
+        capped = sorted(usable(values), key=len, reverse=True)[:MAX_SECRETS]
+        self.values = sorted(usable(always).union(capped))
         # the longest run of each value that no encoder rewrites: every spelling contains it, so a
         # text without it holds the value at no escape depth (the cheap test before any other)
         by_core: dict[str, set[str]] = {}
@@ -155,7 +158,7 @@ class Redactor:
         if got is None:
             if len(self._cache) > 1024:
                 self._cache.clear()
-            got = self._cache[key] = KnownSecrets((*self._process, *key))
+            got = self._cache[key] = KnownSecrets(key, always=self._process)
         return got
 
     # -- one string ---------------------------------------------------------------------------
@@ -239,14 +242,20 @@ class Redactor:
             return text
 
     @staticmethod
-    def cut_tail(text: str, known: KnownSecrets) -> str:
-        """Mask the start of a secret that a length cut left at the end of ``text``."""
+    def cut_starts(text: str, known: KnownSecrets) -> str:
+        """Mask the start of a secret that a length cut left anywhere in ``text``: an error message
+        quotes an excerpt cut at a length (``{payload[:200]!r}``) and goes on after it, so the cut
+        is not only at the text's end. Any run of at least ``MIN_SECRET_LEN`` characters that begins
+        a spelling of a secret is masked (in an error text, an innocent run is the rarer loss)."""
         for f in known.forms:
-            if f[:MIN_SECRET_LEN] not in text[-len(f):]:
-                continue  # (cheap) the tail holds no start of this spelling
-            for k in range(len(f) - 1, MIN_SECRET_LEN - 1, -1):
-                if text.endswith(f[:k]):
-                    return text[: len(text) - k] + MASK
+            start = f[:MIN_SECRET_LEN]
+            i = text.find(start)
+            while i >= 0:
+                k = len(start)
+                while k < len(f) and i + k < len(text) and text[i + k] == f[k]:
+                    k += 1
+                text = text[:i] + MASK + text[i + k:]
+                i = text.find(start, i + len(MASK))
         return text
 
     # -- what the addons call -----------------------------------------------------------------
@@ -264,7 +273,7 @@ class Redactor:
             as_json = col == "response_json" or (col == "request_json" and request_is_json)
             row[col], hit = self.scrub_json(val, known) if as_json else self.scrub_text(val, known)
             if col in TRUNCATED_COLUMNS:
-                row[col] = self.cut_tail(row[col], known)
+                row[col] = self.cut_starts(row[col], known)
             detected |= hit and col in JSON_COLUMNS
         row["secret_detected"] = detected = detected or bool(row.get("secret_detected"))
         if detected:

@@ -63,8 +63,11 @@ class SSERelay:
         if not chunk:  # end of stream
             rest = bytes(self.buf)
             self.buf.clear()
-            if rest.strip() and not self.oversize:
-                self._parse_block(rest)  # a last event without its blank line
+            if rest.strip() and not self.oversize:  # a last event without its blank line: rewritten
+                block = rest.rstrip(b"\r\n")      # too, its own line end kept (the client decides)
+                new = self._parse_block(block)
+                if new is not None and self.filters:
+                    rest = new + rest[len(block):]
             self.settle()
             return rest if rest else []
         self.bytes += len(chunk)

@@ -19,7 +19,8 @@ import pytest
 from fixtures_proxy import read_rewards, read_spans
 
 from lightning_harness.proxy import keyshapes
-from lightning_harness.proxy.redact import MASK, Redactor, decode_escapes, spellings
+from lightning_harness.proxy.redact import MASK, MAX_SECRETS, MIN_SECRET_LEN, Redactor, decode_escapes, spellings
+from lightning_harness.proxy.sse import SSERelay
 
 KEY = "sk-real-Q7fGh2KpX9vLm4Ns8TbW1cYd"  # the harness's OPENAI_API_KEY
 GATEWAY_KEY = "team-gateway-credential-2741"  # a key of no provider's shape: only known values catch it
@@ -235,6 +236,30 @@ def test_an_error_cut_inside_a_secret_keeps_no_part_of_it():
     r = Redactor()
     row = r.scrub_row({"error": f"upstream answered HTTP 400: echo {KEY[:-5]}"}, {KEY})
     assert row["error"] == f"upstream answered HTTP 400: echo {MASK}"
+    # the relay's own messages quote an excerpt cut at 200 bytes and go on after it (found by review)
+    secret = "corp-internal-9f8e7d6c5b4a3f2e1d0c"
+    head = b'{"choices":[{"delta":{"content":"my key is '
+    event = head + b"x" * (188 - len(head)) + secret.encode() + b'"}, BROKEN'
+    errors = []
+    relay = SSERelay(lambda e: None, [], on_error=errors.append)
+    relay(b"data: " + event + b"\n\n")
+    relay(b"")
+    assert errors and secret[:12] in errors[0] and secret not in errors[0]  # cut inside the secret, then quoted
+    masked = r.scrub_row({"error": errors[0]}, {secret})["error"]
+    assert secret[:MIN_SECRET_LEN] not in masked and masked.endswith(MASK + "'")
+
+
+def test_a_jar_of_long_cookies_cannot_crowd_the_api_key_out(proxy, openai_from_env):
+    """The redactor keeps a call's MAX_SECRETS longest values; cookies are capped first (found by review:
+    64 long cookies pushed a short api-key, with no provider shape, out of the set and into the trace)."""
+    client = openai_from_env(proxy.env_for("jar", api_key=KEY))
+    azure = "azure-9f8e7d6c5b4a3f2e1d0c"
+    jar = "; ".join(f"c{i}=session-{i:04d}-" + "a1" * 20 for i in range(2 * MAX_SECRETS))
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"AZURE_KEY={azure}"}],
+                                   extra_headers={"api-key": azure, "Cookie": jar})
+    (span,) = read_spans(proxy)
+    _assert_absent(span, azure, KEY)
+    _assert_scrubbed(span)
 
 
 # -- provider key shapes ---------------------------------------------------------------------------------

@@ -125,6 +125,13 @@ def test_cut_declines_what_its_argument_does_not_cover():
         variant(choice=lambda c: {"index": 0, "delta": c["delta"], "logprobs": c["logprobs"], "extra": [1],
                                   "finish_reason": None, "token_ids": [5]}),
         variant(choice=lambda c: {**c, "logprobs": [1]}),
+        # a key the cut looks for, twice: nested in logprobs, or the choice's prompt_token_ids (found by a
+        # fuzzer: the first gave the client invalid JSON, the second kept token ids the parse strips)
+        variant(choice=lambda c: {**c, "logprobs": {"content": [], "x": {}, "finish_reason": 1}}),
+        variant(choice=lambda c: {**c, "logprobs": {"x": {"logprobs": {}}, "content": []}}),
+        variant(choice=lambda c: {**c, "logprobs": {"content": [], "y": {"stop_reason": 1}}, "stop_reason": None}),
+        variant(choice=lambda c: {"index": 0, "delta": c["delta"], "logprobs": None, "finish_reason": None,
+                                  "prompt_token_ids": [1, 2, 3], "token_ids": [5]}),
     ]
     for raw in declined:
         assert cut_chat_chunk(raw) is None, raw
@@ -185,3 +192,20 @@ def test_a_lone_surrogate_escape_is_relayed_not_raised():
     relay(b"")
     assert json.loads(out[6:-2]) == {"choices": [{"index": 0, "delta": {"content": "a\udc00\u00e9"}}]}
     assert seen == [json.loads(raw)]
+
+
+def test_a_last_event_without_its_blank_line_is_stripped_too():
+    """The stream's last event, cut short of its blank line, still reaches the client rewritten (it went
+    out with the injected token ids, logprobs and served model name), with upstream's own line end."""
+    event = _dump({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "policy",
+                   "choices": [{"index": 0, "delta": {"content": "hi"}, "logprobs": {"content": []},
+                                "finish_reason": "stop", "token_ids": [42]}]}, True)
+    for tail in (b"\n", b"\r\n", b""):
+        asm = StreamAssembler(CHAT)
+        relay = SSERelay(asm.add, [STRIP, make_model_restorer("gpt-4o")])
+        first = relay(b"data: " + event + b"\n\n")
+        sent = (relay(b"data: " + event + tail), relay(b""))
+        rest = b"".join(r if isinstance(r, bytes) else b"".join(r) for r in sent)
+        assert rest.endswith(tail) and rest.startswith(b"data: ") and rest == first[:len(first) - 2] + tail
+        assert b"token_ids" not in rest and b'"policy"' not in rest
+        assert relay.events == 2 and asm.result()["choices"][0]["token_ids"] == [42, 42]

@@ -27,6 +27,7 @@ from ..state import META, MODEL, REWARD, Call
 
 # header names whose values are credentials (Authorization, X-Api-Key, Api-Key, X-Goog-Api-Key,
 # X-Amz-Security-Token, Private-Token, X-Auth-Token, ...); not Idempotency-Key, not session ids
+MAX_COOKIE_SECRETS = 16  # per request
 _CREDENTIAL_HEADER = re.compile(r"auth|token|secret|api-?key|apikey|access-?key|password", re.IGNORECASE)
 _CREDENTIAL_QUERY = re.compile(r"^(?:key|sig|signature|code|[\w-]*(?:api[-_]?key|token|secret|password))$",
                                re.IGNORECASE)
@@ -62,15 +63,19 @@ def from_cookie(value: str) -> set[str]:
 def credentials(headers: http.Headers, query=None) -> set[str]:
     """All credential values of one request (headers and URL query; None: the URL has none)."""
     out: set[str] = set()
+    cookies: set[str] = set()
     for name, value in headers.items(multi=True):
         low = name.lower()
         if low == "cookie":
-            out |= from_cookie(value)
+            cookies |= from_cookie(value)
         elif _CREDENTIAL_HEADER.search(low):
             out |= {value.strip()} | from_authorization(value)
     for name, value in query.items(multi=True) if query is not None else ():
         if value and _CREDENTIAL_QUERY.match(name):
             out.add(value)
+    # the longest cookies only: a jar of long cookies must not crowd the call's API key out of the
+    # redactor's per-call limit (redact.MAX_SECRETS)
+    out.update(sorted(cookies, key=len, reverse=True)[:MAX_COOKIE_SECRETS])
     return {v for v in out if v}
 
 
