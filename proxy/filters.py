@@ -84,8 +84,8 @@ _CHOICES = b',"choices":[{"index":'
 _TOKEN_IDS = b',"token_ids":['
 _LOGPROBS = b',"logprobs":'
 _FINISH, _STOP = b'},"finish_reason":', b'},"stop_reason":'
-_ONCE = ((b'"token_ids":', 1), (b'"logprobs":', 1), (b'"finish_reason":', 1), (b'"stop_reason":', 1),
-         (b'"prompt_token_ids"', 0))  # (a quoted key then a colon is structure: it counts the keys so named)
+_PROMPT_IDS_KEY = b'"prompt_token_ids"'
+_TAIL = re.compile(rb'(?:,"finish_reason":(?:null|"[A-Za-z_]*"))?(?:,"stop_reason":(?:null|-?\d+|"(?:[^"\\]|\\.)*"))?')
 _NEXT_MEMBER = re.compile(rb'}[ \t\r\n]*,[ \t\r\n]*"')  # an object's end, then another member
 
 
@@ -94,6 +94,15 @@ def _chat_choices_at(payload: bytes) -> int:
     model), or -1 when the payload is not one."""
     c = payload.find(_CHOICES, 0, 400)
     return c if c >= 0 and payload.find(_CHAT_CHUNK, 0, c) >= 0 else -1
+
+
+def _members_after(payload: bytes, start: int, k: int) -> int:
+    """Where the choice's members after the value at ``start`` begin (finish_reason, else stop_reason,
+    else token_ids at ``k``): just after the ``}`` that ends that value."""
+    end = payload.find(_FINISH, start, k)
+    if end < 0:
+        end = payload.find(_STOP, start, k)
+    return end + 1 if end >= 0 else k
 
 
 def cut_chat_chunk(payload: bytes) -> bytes | None:
@@ -107,15 +116,16 @@ def cut_chat_chunk(payload: bytes) -> bytes | None:
     member when the chunk ends ``[digits]}]}``, and ``logprobs``'s value (an object) runs to the
     ``}`` before the member after it; had another member come between, the cut would hold ``},"``,
     which no logprobs object of a chat chunk holds (a token of that text only costs the fast
-    path, whose check then fails: such runs are looked for), and each key looked for occurs once
-    (a nested ``"finish_reason":`` inside logprobs would end the cut early; such a chunk is parsed).
+    path, whose check then fails: such runs are looked for). What follows logprobs up to
+    ``token_ids`` must be vLLM's ``finish_reason`` and ``stop_reason`` exactly as it spells them
+    (``_TAIL``), so a key of the same name nested elsewhere (a fuzzer's find) cannot end the cut.
     The result is the JSON value the parsing stripper returns, in upstream's spelling. Whether the
     chunk is valid JSON at all is decided when the relay parses the held bytes for the span (a
     malformed event is reported there, as on the parsing path). Every step is a C-level scan (~2 us a chunk): parsing,
     stripping and re-serialising each event cost a tenth of the proxy's CPU on a streamed answer.
     """
-    if not payload.endswith(b"]}]}") or any(payload.count(key) > most for key, most in _ONCE):
-        return None  # a key looked for below, twice (or one of vLLM's that is never there): parse it
+    if not payload.endswith(b"]}]}") or _PROMPT_IDS_KEY in payload:
+        return None
     k = payload.rfind(_TOKEN_IDS)
     ids = payload[k + len(_TOKEN_IDS):-4]
     if k < 0 or not ids.isdigit() and (ids.translate(None, b"0123456789,") or ids[:1] == b","
@@ -125,15 +135,16 @@ def cut_chat_chunk(payload: bytes) -> bytes | None:
     if c < 0 or payload.find(b'"index":', c + len(_CHOICES)) >= 0:
         return None
     i = payload.find(_LOGPROBS, c, k)
+    if i >= 0 and payload[i - 1] != 125:  # not right after the delta object's }: not the choice's
+        return None
     start = i + len(_LOGPROBS)
-    if i < 0 or payload.startswith(b"null", start):
-        return payload[:k] + b"}]}"  # no logprobs value to drop
-    end = payload.find(_FINISH, start, k)
-    if end < 0:
-        end = payload.find(_STOP, start, k)
-    end = end + 1 if end >= 0 else k  # else logprobs is the member before token_ids
-    if payload[start] != 123 or payload[end - 1] != 125 or _NEXT_MEMBER.search(payload, start, end):
-        return None  # ({ and })
+    if i < 0 or payload.startswith(b"null", start):  # no logprobs value to drop: only token_ids goes,
+        end = _members_after(payload, c, k) if i < 0 else start + 4  # if it is the choice's (_TAIL)
+        return payload[:k] + b"}]}" if _TAIL.fullmatch(payload, end, k) else None
+    end = _members_after(payload, start, k)
+    if payload[start] != 123 or payload[end - 1] != 125 or _NEXT_MEMBER.search(payload, start, end) \
+            or not _TAIL.fullmatch(payload, end, k):
+        return None  # ({ and }; after logprobs, only finish_reason and stop_reason, spelled as vLLM does)
     return payload[:start] + b"null" + payload[end:k] + b"}]}"
 
 

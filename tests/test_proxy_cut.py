@@ -132,6 +132,10 @@ def test_cut_declines_what_its_argument_does_not_cover():
         variant(choice=lambda c: {**c, "logprobs": {"content": [], "y": {"stop_reason": 1}}, "stop_reason": None}),
         variant(choice=lambda c: {"index": 0, "delta": c["delta"], "logprobs": None, "finish_reason": None,
                                   "prompt_token_ids": [1, 2, 3], "token_ids": [5]}),
+        variant(choice=lambda c: {"index": 0, "delta": c["delta"], "x": {"x": 1, "logprobs": {"token_ids": [[]]}},
+                                  "finish_reason": None, "token_ids": []}),  # a logprobs key, not the choice's
+        variant(choice=lambda c: {**c, "logprobs": {"token_ids": {}, "finish_reason": []}}),  # no finish of its own
+        variant(top={"more": [{"finish_reason": None, "token_ids": []}]}),  # the last token_ids, not the choice's
     ]
     for raw in declined:
         assert cut_chat_chunk(raw) is None, raw
