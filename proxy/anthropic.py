@@ -278,8 +278,9 @@ def sse_event(name: str, data: dict) -> bytes:
 class EventTranslator:
     """Chat-completion chunks in, Messages stream events out (as SSE bytes), one chunk at a time.
 
-    Text deltas open a ``text`` block, each tool call a ``tool_use`` block (its argument pieces are
-    ``input_json_delta``); a block is stopped when the next kind starts or the answer ends.
+    Reasoning deltas open a ``thinking`` block, text deltas a ``text`` block, each tool call a
+    ``tool_use`` block (its argument pieces are ``input_json_delta``); a block is stopped when the
+    next kind starts or the answer ends.
     ``finish()`` (on ``[DONE]``) closes with ``message_delta`` (stop reason, output tokens) and
     ``message_stop``; a stream that ends without it gets an ``error`` event instead.
     """
@@ -305,6 +306,10 @@ class EventTranslator:
             if not isinstance(ch, dict) or ch.get("index", 0) != 0:
                 continue
             delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:  # as to_message keeps it: a thinking block first
+                yield from self._open(("thinking", -1), {"type": "thinking", "thinking": "", "signature": ""})
+                yield self._delta({"type": "thinking_delta", "thinking": reasoning})
             if isinstance(delta.get("content"), str) and delta["content"]:
                 yield from self._open(("text", -1), {"type": "text", "text": ""})
                 yield self._delta({"type": "text_delta", "text": delta["content"]})

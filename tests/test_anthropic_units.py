@@ -122,6 +122,22 @@ def test_event_stream_from_chunks_split_anywhere():
     assert msg["content"][1]["input"] == {"a": 1} and msg["stop_reason"] == "tool_use"
 
 
+def test_a_streamed_answer_keeps_its_reasoning_as_the_json_answer_does():
+    """Found by review: the stream dropped the thinking block that to_message keeps."""
+    answer = {"id": "c", "model": "m", "choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning_content": "think first", "content": "answer"}}]}
+    chunks = [{"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "think "}}]},
+              {"id": "c", "choices": [{"index": 0, "delta": {"reasoning_content": "first"}}]},
+              {"id": "c", "choices": [{"index": 0, "delta": {"content": "answer"}, "finish_reason": "stop"}]}]
+    raw = b"".join(_sse(c) for c in chunks) + b"data: [DONE]\n\n"
+    stream = EventStream(lambda b: b, EventTranslator("m"))
+    out = b"".join(bytes(x) if not isinstance(x, list) else b"".join(x) for x in (stream(raw), stream(b"")))
+    asm = MessageAssembler()
+    for _, data in _parse(out):
+        asm.add(data)
+    assert asm.result()["content"] == to_message(answer, "m")["content"]
+
+
 def test_stream_cut_short_ends_with_an_error_event():
     stream = EventStream(lambda b: b, EventTranslator("m"))
     out = stream(_sse({"choices": [{"index": 0, "delta": {"content": "a"}}]})) + stream(b"")
