@@ -26,10 +26,11 @@ Pure functions over JSON values; no mitmproxy here.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
+
+from .sse import EVENT_END
 
 MESSAGES = "messages"  # the span's endpoint for Anthropic Messages calls
 
@@ -38,7 +39,6 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                529: "overloaded_error"}
-_EVENT_END = re.compile(rb"\r\n\r\n|\n\n")  # what ends a server-sent event
 _PASSED = ("temperature", "top_p", "top_k")  # sampling parameters with the same meaning on both APIs
 # Messages fields translated above or with no chat equivalent (dropped); any other field (a vLLM
 # sampling extension such as ``seed`` or ``allowed_token_ids`` sent as extra body) passes through
@@ -400,7 +400,7 @@ class EventStream:
 
     def _events(self) -> Iterator[bytes]:
         start = 0
-        for end in _EVENT_END.finditer(self.buf):
+        for end in EVENT_END.finditer(self.buf):
             yield from self._block(bytes(self.buf[start:end.start()]))
             start = end.end()
         del self.buf[:start]

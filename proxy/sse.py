@@ -12,11 +12,16 @@ the object they are given.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
 from . import fastjson
 
+# A blank line ends an event; a line ends with CRLF, LF or CR (the SSE spec), so a line end followed
+# by another is one of these (the longest first where they start at the same byte). An end cut at
+# "\n\r" whose "\n" was still to come leaves an empty line before the next event: ignored, as the spec does.
+EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r|\n\r")
 EventSink = Callable[[dict], None]
 EventFilter = Callable[[dict], dict]  # returns the rewritten copy (see filters.py)
 
@@ -142,22 +147,13 @@ class SSERelay:
         rewritten if ``rewrite``, and how many bytes of ``data`` they took."""
         out = []
         start = 0  # where the current event begins
-        i = j = None  # next "\n\n" / "\r\n\r\n" at or after pos (-1: none left), found once each
-        while True:
-            if i is None or 0 <= i < pos:
-                i = data.find(b"\n\n", pos)
-            if j is None or 0 <= j < pos:
-                j = data.find(b"\r\n\r\n", pos)
-            if i < 0 and j < 0:
-                break
-            if j >= 0 and (i < 0 or j < i):
-                end, pos = j, j + 4
-            else:
-                end, pos = i, i + 2
+        while (sep := EVENT_END.search(data, pos)) is not None:
+            end, pos = sep.span()
             block = bytes(data[start:end])
             new = self._parse_block(block)
-            if rewrite:
-                out.append(block + data[end:pos] if new is None else new + data[end:pos])
+            if rewrite:  # (a rewritten block keeps its own last line end: "\r" of a CRLF cut at "\n\r")
+                tail = block[len(block.rstrip(b"\r\n")):] if new is not None else b""
+                out.append((block if new is None else new + tail) + data[end:pos])
             start = pos
         return b"".join(out), start
 

@@ -272,7 +272,10 @@ def test_sse_relay_split_anywhere_gives_the_same_events():
     from lightning_harness.proxy.sse import SSERelay
 
     events = [{"i": i, "s": "é" * i} for i in range(20)]
-    data = b"".join(b"data: " + json.dumps(e, ensure_ascii=False).encode() + (b"\r\n\r\n" if i % 3 else b"\n\n")
+    # every blank line the SSE spec allows (a line ends with CRLF, LF or CR); CR CR and LF CRLF held a
+    # whole stream back, unparsed and unstripped, until a review found them
+    ends = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n", b"\n\r", b"\r\r\n")
+    data = b"".join(b"data: " + json.dumps(e, ensure_ascii=False).encode() + ends[i % len(ends)]
                     for i, e in enumerate(events)) + b"data: [DONE]\n\n"
     for step in (1, 2, 3, 7, 64, len(data)):
         got = []
@@ -281,6 +284,7 @@ def test_sse_relay_split_anywhere_gives_the_same_events():
         out = b"".join(x if isinstance(x, bytes) else b"".join(x) for x in pieces)
         assert got == events and relay.done, step
         assert out.count(b"data: ") == 21 and out.endswith(b"data: [DONE]\n\n")
+        assert out.replace(b" ", b"") == data.replace(b" ", b""), step  # the same bytes but for JSON spacing
 
 
 def test_sse_relay_caps_one_event():
