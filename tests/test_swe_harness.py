@@ -250,6 +250,16 @@ def test_the_two_process_scorer_carries_objects_tuples_in_place_changes_and_exce
     assert demo_score(tmp_path, DEMO.replace("class Empty(ValueError)", "class Empty(KeyError)"))[0] == 0.0
 
 
+def test_a_long_integer_crosses_whole(tmp_path):
+    """An exact answer past Python's default 4,300-digit str limit is compared, not refused."""
+    tests = "import math\nfrom demo import fact\n\n\ndef test_big():\n    assert fact(3000) == math.factorial(3000)\n"
+    folder = tmp_path / "demo"
+    folder.mkdir()
+    for module, want in (("import math\nfact = math.factorial\n", 1.0), ("def fact(n):\n    return 10 ** 9131\n", 0.0)):
+        (folder / "demo.py").write_text(module)
+        assert reward.score({"project": "demo", "hidden_tests": tests}, folder)[0] == want
+
+
 ADD_TESTS = "from demo import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n    assert add(0, 0) == 0\n"
 
 
