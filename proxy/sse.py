@@ -68,11 +68,10 @@ class SSERelay:
         if not chunk:  # end of stream
             rest = bytes(self.buf)
             self.buf.clear()
-            if rest.strip() and not self.oversize:  # a last event without its blank line: rewritten
-                block = rest.rstrip(b"\r\n")      # too, its own line end kept (the client decides)
-                new = self._parse_block(block)
+            if rest.strip() and not self.oversize:  # a last event without its blank line: rewritten too
+                new = self._parse_block(rest)
                 if new is not None and self.filters:
-                    rest = new + rest[len(block):]
+                    rest = new
             self.settle()
             return rest if rest else []
         self.bytes += len(chunk)
@@ -151,9 +150,8 @@ class SSERelay:
             end, pos = sep.span()
             block = bytes(data[start:end])
             new = self._parse_block(block)
-            if rewrite:  # (a rewritten block keeps its own last line end: "\r" of a CRLF cut at "\n\r")
-                tail = block[len(block.rstrip(b"\r\n")):] if new is not None else b""
-                out.append((block if new is None else new + tail) + data[end:pos])
+            if rewrite:
+                out.append((block if new is None else new) + data[end:pos])
             start = pos
         return b"".join(out), start
 
@@ -169,11 +167,15 @@ class SSERelay:
         return (b"\n".join(data) if data else None), other
 
     def _parse_block(self, block: bytes) -> bytes | None:
-        """Take one event; return its rewritten bytes (None: keep as is)."""
-        payload, other = self._payload(block)
+        """Take one event; return its rewritten bytes, ending as ``block`` ended (a last line end
+        upstream left there: the "\r" of a CRLF cut at "\n\r", a stream's unterminated last line),
+        or None: keep it as is."""
+        body = block.rstrip(b"\r\n")
+        payload, other = self._payload(body)
         if payload is None:
             return None
-        return self._event(payload, other)
+        new = self._event(payload, other)
+        return None if new is None else new + block[len(body):]
 
     def _event(self, payload: bytes, other: list[bytes] | tuple) -> bytes | None:
         """The event whose data is ``payload`` (``other``: its lines that are not data): held for the

@@ -158,7 +158,7 @@ class Link:
         return self.refs[n]
 
     def ask(self, **req):
-        self.writer.write(json.dumps(req, default=self._reference) + "\n")
+        self.writer.write(json.dumps(req) + "\n")  # (every value in it went through send)
         self.writer.flush()
         line = self.reader.readline()
         if not line:
@@ -170,12 +170,9 @@ class Link:
             raise _builtin_exception(answer["e"])(str(answer.get("m", ""))[:MAX_TEXT])
         return decode(answer["v"], self.deref)
 
-    def _reference(self, obj):
-        raise TypeError(f"{type(obj).__name__} cannot be passed to the module")
-
     def send(self, value):
         """value in wire form: references to remote objects by number; our own objects refused."""
-        return encode(value, lambda obj: self._number(obj))
+        return encode(value, self._number)
 
     def _number(self, obj) -> int:
         if isinstance(obj, Remote) and obj._link is self:

@@ -79,8 +79,9 @@ def score(task: dict, folder: str | Path, timeout: float = TIMEOUT_S) -> tuple[f
         drive_dir.mkdir()
         (serve_dir / "module" / f"{project}.py").write_bytes(source)
         (drive_dir / "hidden_tests.py").write_text(task["hidden_tests"])
+        halves = REMOTE.read_bytes()
         for d in (serve_dir, drive_dir):
-            (d / "remote.py").write_bytes(REMOTE.read_bytes())
+            (d / "remote.py").write_bytes(halves)
         os.chmod(tmp, 0o755)
         python = [sandbox.interpreter(), "-I", "-S", "-B", "/score/remote.py"]
         code, log = _run_halves(sandbox.argv(python + ["serve", "/score/module", project], serve_dir,

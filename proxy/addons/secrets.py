@@ -25,9 +25,9 @@ from mitmproxy import http
 
 from ..state import META, MODEL, REWARD, Call
 
+MAX_COOKIE_SECRETS = 16  # per request
 # header names whose values are credentials (Authorization, X-Api-Key, Api-Key, X-Goog-Api-Key,
 # X-Amz-Security-Token, Private-Token, X-Auth-Token, ...); not Idempotency-Key, not session ids
-MAX_COOKIE_SECRETS = 16  # per request
 _CREDENTIAL_HEADER = re.compile(r"auth|token|secret|api-?key|apikey|access-?key|password", re.IGNORECASE)
 _CREDENTIAL_QUERY = re.compile(r"^(?:key|sig|signature|code|[\w-]*(?:api[-_]?key|token|secret|password))$",
                                re.IGNORECASE)
