@@ -379,3 +379,36 @@ def test_in_process_episodes_run_the_committed_model_repeatably_and_show_progres
         assert sum(m["role"] == "assistant" for m in run["messages"]) == run["calls"]
     err = capsys.readouterr().err
     assert "[eval] call 1/3: 2 of 2 episodes still running" in err and "[eval] scoring 2 episodes" in err
+
+
+def test_a_fresh_larger_model_on_the_committed_tokenizer_and_samples_from_worker_processes(tmp_path):
+    """--tokenizer: a fresh model of the asked size on the committed model's ids (so a larger warm
+    start serves and trains like the committed one); the samples tokenised in worker processes are
+    the ones one process makes; --init with --tokenizer is refused (one continues, one starts fresh)."""
+    import gzip
+
+    from click.testing import CliRunner
+    from transformers import AutoConfig, AutoTokenizer
+
+    committed = ROOT / "examples" / "swe" / "model"
+    source = ROOT / "examples" / "swe" / "data" / "train_noise1.jsonl.gz"
+    part = tmp_path / "train_noise1.jsonl.gz"
+    part.write_bytes(gzip.compress("".join(line + "\n" for line in build._lines(source)[:8]).encode()))
+    episodes = build.load_trajectories([part])
+    tok = AutoTokenizer.from_pretrained(committed)
+    one = build.weighted_samples(tok, episodes, 3.0, True, workers=1)
+    assert build.weighted_samples(tok, episodes, 3.0, True, workers=2) == one
+    assert any(w == 3.0 for _, weights in one for w in weights) and len(one) == 8
+
+    args = ["--trajectories", str(part), "--tokenizer", str(committed), "--names", "broad", "--id-renames", "1",
+            "--layers", "1", "--hidden", "64", "--steps", "2", "--batch", "2", "--workers", "2", "--no-eval",
+            "--out", str(tmp_path / "m")]
+    result = CliRunner().invoke(build.main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    config = AutoConfig.from_pretrained(tmp_path / "m")
+    assert (config.hidden_size, config.num_hidden_layers, config.tie_word_embeddings) == (64, 1, False)
+    assert AutoTokenizer.from_pretrained(tmp_path / "m").get_vocab() == tok.get_vocab()
+    info = json.loads((tmp_path / "m" / "build_info.json").read_text())
+    assert info["tokenizer"] == str(committed) and info["init"] is None and info["steps"] == 2
+    refused = CliRunner().invoke(build.main, args + ["--init", str(committed)])
+    assert refused.exit_code != 0 and "--tokenizer starts a fresh one" in refused.output
