@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from .identity import RolloutSpec
 from .local import AttemptJob, AttemptOutcome
 from .proxy_link import ProxyLink
 from .results import RolloutResult
-from .rewards import Reward, RewardsTable, read_reward_file, run_reward_cmd, winner
+from .rewards import Reward, RewardCancelled, RewardsTable, read_reward_file, run_reward_cmd, winner
 
 if TYPE_CHECKING:
     from .batch import BatchSettings
@@ -93,7 +94,7 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel,
         problem = s.proxy.end_attempt(spec.rollout_id, attempt)
         if problem:
             log.warning("%s", problem)
-    state, reward, error = judge(s, spec, attempt, work, outcome, ended_mono)
+    state, reward, error = judge(s, spec, attempt, work, outcome, ended_mono, cancel)
     result = make_result(spec, attempt, state, outcome, outcome.started_at, outcome.ended_at,
                          runner=getattr(s.runner, "name", "local"), reward=reward, error=error,
                          log_path=log_path, model_version=model_version)
@@ -101,15 +102,19 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel,
 
 
 def judge(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome,
-          ended_mono: float) -> tuple[RolloutState, Reward | None, str | None]:
-    """The attempt's state from how it ended; only a harness that exited 0 is scored."""
+          ended_mono: float, cancel=None) -> tuple[RolloutState, Reward | None, str | None]:
+    """The attempt's state from how it ended; only a harness that exited 0 is scored (a cancel
+    that stops the scorer leaves it cancelled: not judged)."""
     if outcome.cancelled:
         return RolloutState.CANCELLED, None, outcome.error
     if outcome.timed_out:
         return RolloutState.TIMED_OUT, None, outcome.error
     if outcome.error or outcome.exit_code != 0:
         return RolloutState.FAILED, None, outcome.error
-    reward, error = collect_reward(s, spec, attempt, work, outcome, ended_mono)
+    try:
+        reward, error = collect_reward(s, spec, attempt, work, outcome, ended_mono, cancel)
+    except RewardCancelled as exc:
+        return RolloutState.CANCELLED, None, str(exc)
     return (RolloutState.SUCCEEDED if reward is not None else RolloutState.NO_REWARD), reward, error
 
 
@@ -162,7 +167,7 @@ def proxy_env(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path) -
 
 
 def collect_reward(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome,
-                   ended_mono: float) -> tuple[Reward | None, str | None]:
+                   ended_mono: float, cancel=None) -> tuple[Reward | None, str | None]:
     """The attempt's reward by rank (schemas/rewards.py): verifier (command, api) over the harness's own
     report (file, proxy), which counts only without --reward-cmd and with self-rewards on.
     Errors are kept, never turned into 0."""
@@ -172,7 +177,7 @@ def collect_reward(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Pa
     errors: list[str] = []
     if s.batch.reward_cmd:
         try:
-            return score(s, spec, attempt, work, outcome), None
+            return score(s, spec, attempt, work, outcome, cancel), None
         except RewardError as exc:
             errors.append(str(exc))
     operator = lookup(("api",))  # the operator's word ranks with the verifier (and is latest when the scorer failed)
@@ -197,24 +202,27 @@ def collect_reward(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Pa
     return None, "; ".join(errors) or NO_REWARD_ERROR
 
 
-def score(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome) -> Reward:
+def score(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome,
+          cancel=None) -> Reward:
     """Run ``--reward-cmd`` (the verifier) on a finished attempt; raises RewardError when it gives no reward.
 
-    The scorer is ours: it sees the whole task row (private fields too: ``task.json`` is rewritten now
-    that the harness is gone, and back to the public row after), local paths, and no capture proxy."""
+    The scorer is ours: it sees the whole task row (private fields too) in a file of its own outside
+    the traces (``task.json`` there stays the public row the harness saw: a launcher killed while
+    scoring leaves no private field where a harness user can read it), local paths, no capture proxy."""
     log_path, whole = work / "harness.log", spec.task.to_json()
-    try:
-        write_task_file(work / "task.json", whole)
-    except OSError as exc:
-        raise RewardError(f"cannot write the reward command's task file: {exc}") from None
-    named = named_values(spec, attempt, {**local_paths(work), "log_file": str(log_path)})
-    env = {**contract_env(named, whole), "LIGHTNING_EXIT_CODE": str(outcome.exit_code)}
-    try:
-        return run_reward_cmd(substitute(s.batch.reward_cmd, {**spec.task.fields, **named}, quote=True), env,
-                              timeout=s.batch.reward_timeout,
-                              cwd=s.batch.cwd, log_path=log_path)
-    finally:  # the whole row leaves with the scorer: the folder stays readable to this harness user
+    with tempfile.TemporaryDirectory(prefix="lightning-score-") as private:
+        task_file = Path(private) / "task.json"
         try:
-            write_task_file(work / "task.json", spec.task.public_json())
+            task_file.write_text(whole + "\n")
         except OSError as exc:
-            log.warning("cannot restore the harness's task file in %s: %s", work, exc)
+            raise RewardError(f"cannot write the reward command's task file: {exc}") from None
+        paths = {**local_paths(work), "task_file": str(task_file), "log_file": str(log_path)}
+        named = named_values(spec, attempt, paths)
+        env = {**contract_env(named, whole), "LIGHTNING_EXIT_CODE": str(outcome.exit_code)}
+        try:
+            line = substitute(s.batch.reward_cmd, {**spec.task.fields, **named}, quote=True)
+        except ValueError as exc:  # a placeholder inside quotes
+            raise RewardError(str(exc)) from None
+        return run_reward_cmd(line, env,
+                              timeout=s.batch.reward_timeout, cwd=s.batch.cwd, log_path=log_path,
+                              max_log_bytes=getattr(s.runner, "max_log_bytes", 1 << 20), cancel=cancel)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import queue
 import shutil
 import threading
@@ -24,7 +25,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lightning_harness.process import exit_code
 from lightning_harness.proxy.health import CaptureUnhealthy, capture_baseline, require_capture
+from lightning_harness.proxy.redact import Redactor
 from lightning_harness.schemas import PartWriter
 from lightning_harness.schemas.states import CANCELLED, FAILED, NO_REWARD, RETRY_FAILURES
 
@@ -39,6 +42,7 @@ from .runas import lock_traces
 from .tasks import Task, tasks_from_rows
 
 _UNSET = object()
+API_KEY_VARS = ("LIGHTNING_API_KEY", "OPENAI_API_KEY", "ANTHROPIC_API_KEY")  # keys harnesses may be handed
 __all__ = ["BatchAborted", "BatchRunner", "BatchSettings", "run_batch", "WORK_DIR", "clean_work_dirs"]
 
 
@@ -73,7 +77,7 @@ def process_check(name: str, owner: Any) -> Callable[[], str | None] | None:
 
     def check() -> str | None:
         proc = getattr(owner, "proc", None)
-        rc = proc.poll() if proc is not None else None
+        rc = exit_code(proc) if proc is not None else None  # not reaped: stopping it still ends its group
         if rc is None:
             return None
         log = getattr(owner, "log_path", None)
@@ -173,6 +177,10 @@ class BatchRunner:
         self._rollouts = PartWriter(self.traces_dir, "rollouts", flush_seconds=s.flush_seconds)
         self._rewards = PartWriter(self.traces_dir, "rewards", flush_seconds=s.flush_seconds)
         control = self.proxy.control if self.proxy else None
+        # what a harness or scorer wrote (a reward file's text in an error, a reward's info) is recorded
+        # masked, as the proxy masks the info of a POSTed reward: known secrets and provider key shapes
+        self._redactor = Redactor([*((self.proxy.token, self.proxy.control_token, self.proxy.api_key)
+                                     if self.proxy else ()), *(os.environ.get(v) for v in API_KEY_VARS)])
         self._capture_baseline = capture_baseline(control) if control else None  # see _check_capture
         self._settings = AttemptSettings(s, harness, self.runner, self.proxy,
                                          RewardsTable(self.traces_dir, control.flush if control else None))
@@ -208,10 +216,10 @@ class BatchRunner:
             group_fn=self.settings.group_fn,
         )
         if self._history is None:
-            # read once: within this runner a rollout is submitted once, so only earlier runs matter
-            self._history = load_history(self.traces_dir,
-                                         run_id=self.settings.run_id) if self.settings.skip_finished else {}
-        history = self._history
+            # read once: within this runner a rollout is submitted once, so only earlier runs matter.
+            # Read without resuming too: attempt numbers never repeat (rows, spans and rewards are keyed by them)
+            self._history = load_history(self.traces_dir, run_id=self.settings.run_id)
+        history, resume = self._history, self.settings.skip_finished
         by_group: dict[str, list[RolloutSpec]] = {}
         for spec in specs:
             if spec.rollout_id in self._order:
@@ -229,12 +237,13 @@ class BatchRunner:
                     self._order[spec.rollout_id] = None
                     self.stats.total += 1
                     hist = history.get(spec.rollout_id, History())
-                    final = hist.final(self.settings.retries)
+                    final = hist.final(self.settings.retries) if resume else None
                     if final is not None:
                         self._finalize(group, RolloutResult.from_row(final, skipped=True), ran=False)
                         continue
                     attempt = max(hist.last_attempt, self._last_attempt_on_disk(spec)) + 1
-                    self._queue.put(_Item((gnum, spec.sample_index, attempt), spec, attempt, hist.failures))
+                    self._queue.put(_Item((gnum, spec.sample_index, attempt), spec, attempt,
+                                          hist.failures if resume else 0))
             self._lock.notify_all()
         self._ensure_workers()
         if self.progress is not None:
@@ -308,11 +317,13 @@ class BatchRunner:
             return
         try:
             self._capture_baseline = require_capture(self.proxy.control, self._capture_baseline)
+            return
         except CaptureUnhealthy as exc:
-            with self._lock:
-                self.error = self.error or str(exc)
-        except Exception as exc:  # proxy gone: its process check reports that; say it once here too
-            print(f"[lightning] could not check the capture proxy's health: {exc}", flush=True)
+            problem = str(exc)
+        except Exception as exc:  # unreachable: what was recorded cannot be vouched for
+            problem = self._health() or f"could not check the capture proxy's health: {exc}"
+        with self._lock:
+            self.error = self.error or problem
 
     def results(self) -> list[RolloutResult]:
         with self._lock:
@@ -458,20 +469,24 @@ class BatchRunner:
     def _run_attempt(self, item: _Item) -> RolloutResult:
         result, reward = run_attempt(self._settings, item.spec, item.attempt, self._cancel,
                                      self._current_model_version())
-        if result.state in RETRY_FAILURES:
+        if result.state in RETRY_FAILURES or result.state == NO_REWARD:  # a dead proxy loses POSTed rewards too
             problem = self._health()
             if problem:  # not the harness's fault: recorded as cancelled, so it neither retries now nor counts later
                 result.state, result.error = CANCELLED, f"{problem}; the attempt ended with: {result.error}"
                 self._abort(problem)
+        result.error = self._redactor.text(result.error)
         if reward is not None and reward.source in ("file", "command"):
             self._rewards.append({
                 "reward_id": uuid.uuid4().hex, "rollout_id": result.rollout_id, "attempt": result.attempt,
                 "reward": reward.value, "created_at": utcnow(), "source": reward.source,
-                "info_json": json.dumps(reward.info) if reward.info is not None else None,
+                "info_json": self._redactor.json_text(json.dumps(reward.info)) if reward.info is not None else None,
             })
         self._rollouts.append(result.row())
         if result.state == CANCELLED:
-            self.flush()
+            try:
+                self.flush()
+            except Exception as exc:  # the writers keep the rows (written at close); the row is appended once
+                print(f"[lightning] could not flush rows after a cancel: {exc!r}", flush=True)
         return result
 
 
@@ -497,4 +512,6 @@ def run_batch(tasks: Iterable[Task | Mapping[str, Any]], harness: Sequence[str] 
 
 def clean_work_dirs(traces_dir: str | Path, run_id: str) -> None:
     """Remove a run's per-attempt folders (logs included); rows in the tables stay."""
+    if "/" in run_id or run_id in ("", ".", ".."):
+        raise ValueError(f"{run_id!r} is not a run id")
     shutil.rmtree(Path(traces_dir) / WORK_DIR / run_id, ignore_errors=True)

@@ -15,9 +15,11 @@ from types import SimpleNamespace
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
+from lightning_harness.process import exit_code
 from lightning_harness.proxy.cli import proxy_options
-from lightning_harness.proxy.client import ProxyError, ProxyProcess
+from lightning_harness.proxy.client import BUNDLE_NAME, ProxyError, ProxyProcess
 from lightning_harness.proxy.config import CONTROL_TOKEN_VAR, TOKEN_VAR, ProxyConfig, parse_pairs
 from lightning_harness.schemas.states import FINISHED, RETRY_FAILURES
 
@@ -103,7 +105,8 @@ def main() -> None:
                    "signal the proxy or vLLM, or read other attempts (docs/LAUNCH.md). Repeat for one user per running "
                    "attempt (at most that many run at once). Needs root; refuses root. The --reward-cmd verifier keeps "
                    "the launcher's user.")
-@click.option("--reward-timeout", type=float, default=300.0, show_default=True, help="Seconds allowed to --reward-cmd.")
+@click.option("--reward-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              help="Seconds allowed to --reward-cmd.")
 @click.option("--k8s", "k8s_template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Run each attempt as a Kubernetes Job rendered from this Jinja2 YAML template.")
 @click.option("--k8s-namespace", default="default", show_default=True, help="Namespace of the Jobs.")
@@ -262,7 +265,7 @@ def _report(batch, results, code: int, traces: Path, run_id: str) -> int:
                       highlight=False)
     failed = sum(r.state in RETRY_FAILURES for r in results)
     if batch is not None and batch.error:
-        console.print(f"[red]batch stopped: {batch.error}[/]; run the same command again to resume")
+        console.print(f"[red]batch stopped: {escape(batch.error)}[/]; run the same command again to resume")
         code = EXIT_FAILURES
     console.print(f"rollouts {traces / 'rollouts'}, spans {traces / 'spans'}; run id {run_id}")
     if code == EXIT_CANCELLED:
@@ -295,7 +298,8 @@ def _services(stack, checks, o) -> tuple[ProxyLink, dict[str, str]]:
     if o.model_dir:
         upstreams, served_name = [_start_engine(stack, checks, o)], served_name or Path(o.model_dir).name
     config = ProxyConfig.from_mapping({
-        "traces": o.traces, "upstreams": upstreams, "token": o.proxy_token, "served_model": served_name,
+        "traces": o.traces, "upstreams": upstreams, "token": o.proxy_token, "control_token": o.proxy_control_token,
+        "served_model": served_name,
         "route_hosts": o.route_hosts, "confdir": o.proxy_confdir,
         "listen_host": "0.0.0.0" if o.k8s_template else "127.0.0.1",  # pods reach it from elsewhere
     })
@@ -312,15 +316,16 @@ def _start_service(stack, checks, o) -> dict[str, str]:
     service = HarnessService(o.service, cwd=o.cwd or ".", log_path=log)
     stack.callback(service.stop)
     service.start()
-    checks.append(lambda: None if service.process.poll() is None
-                  else f"the harness service exited with code {service.process.returncode} (log {log})")
+    checks.append(lambda: None if (code := exit_code(service.process)) is None
+                  else f"the harness service exited with code {code} (log {log})")
     console.print(f"harness service ready at {service.socket_path} (log {log})")
     return service.env
 
 
 def _attach_proxy(o) -> ProxyLink:
     try:
-        link = ProxyLink.attach(o.proxy_url, o.proxy_token, forward_url=o.proxy_forward_url, ca_bundle=o.proxy_ca,
+        ca = o.proxy_ca or (Path(o.proxy_confdir) / BUNDLE_NAME if o.proxy_confdir else None)  # the proxy's confdir
+        link = ProxyLink.attach(o.proxy_url, o.proxy_token, forward_url=o.proxy_forward_url, ca_bundle=ca,
                                 control_token=o.proxy_control_token, api_key=o.api_key)
     except (OSError, ProxyError, ValueError) as exc:
         raise click.ClickException(f"cannot use the proxy at {o.proxy_url}: {exc}") from None
@@ -339,8 +344,8 @@ def _start_engine(stack, checks, o) -> str:
         engine = VLLMEngine.start(o.model_dir, served_name, max_model_len=o.max_model_len or _context_len(o.model_dir),
                                   extra_args=list(o.engine_args), log_path=log)
     stack.callback(engine.stop)
-    checks.append(lambda: None if engine.process is None or engine.process.poll() is None
-                  else f"vLLM exited with code {engine.process.returncode} (log {log})")
+    checks.append(lambda: None if engine.process is None or (code := exit_code(engine.process)) is None
+                  else f"vLLM exited with code {code} (log {log})")
     console.print(f"vLLM serving {served_name} at {engine.url} (log {log})")
     return engine.url
 

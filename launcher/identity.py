@@ -84,8 +84,8 @@ def plan_rollouts(
     """tasks x samples -> specs, group by group (all samples of a task adjacent, so groups finish early)."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    if "~" in run_id or "/" in run_id:
-        raise ValueError(f"run id {run_id!r} may not contain '~' or '/'")
+    if "~" in run_id or "/" in run_id or run_id in ("", ".", ".."):  # it names a folder under TRACES/launch
+        raise ValueError(f"run id {run_id!r} may not be empty, '.' or '..', nor contain '~' or '/'")
     specs: list[RolloutSpec] = []
     seen: set[str] = set()
     for task in tasks:

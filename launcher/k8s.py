@@ -149,6 +149,8 @@ def render_job(
     if not isinstance(pod_spec, dict) or not pod_spec.get("containers"):
         raise K8sTemplateError("Job template needs spec.template.spec.containers with at least one container")
     pod_spec["restartPolicy"] = "Never"
+    # the harness runs model-written commands: no API credential of the cluster unless the template asks
+    pod_spec.setdefault("automountServiceAccountToken", False)
     volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in ("lightning-in", "lightning-out")]
     if secret:
         items = [{"key": k, "path": k} for k in sorted(job.files)]  # files only, not the env.* keys

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from statistics import fmean
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -148,7 +149,7 @@ def summary_tables(results: Iterable[RolloutResult]) -> list[Table]:
         vals = [r.reward for r in rs if r.reward is not None]
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         t1.add_row(
-            task_id, str(len(rs)), str(sum(r.state == SUCCEEDED for r in rs)),
+            escape(task_id), str(len(rs)), str(sum(r.state == SUCCEEDED for r in rs)),
             fmt(fmean(vals) if vals else None), fmt(min(vals) if vals else None), fmt(max(vals) if vals else None),
             str(sum(r.state == NO_REWARD for r in rs)), str(sum(r.state in RETRY_FAILURES for r in rs)),
         )
@@ -160,7 +161,7 @@ def summary_tables(results: Iterable[RolloutResult]) -> list[Table]:
     t2.add_column("rollouts", justify="right")
     t2.add_column("example log")
     for cause, n in causes.most_common():
-        t2.add_row(cause, str(n), example[cause])
+        t2.add_row(escape(cause), str(n), escape(example[cause]))  # a harness's words: text, not markup
     if not causes:
         t2.add_row("none", "0", "")
     return [t1, t2]

@@ -25,10 +25,15 @@ import pyarrow.parquet as pq
 
 from lightning_harness.schemas.rewards import RewardError, parse_reward, precedence
 
-from .local import launcher_env, open_log, open_regular
+from .local import launcher_env, open_log, open_regular, trim_to_tail
 from .proctree import finish_tree, start_tree
 
 MAX_REWARD_FILE = 1 << 16  # a reward is a number and a little info; more is not a reward
+SCORER_TAIL = 1 << 16  # of a scorer's stdout only the end is read: its reward is the last line
+
+
+class RewardCancelled(Exception):
+    """The batch was cancelled while the scorer ran (it was stopped): the attempt is cancelled, not judged."""
 
 
 @dataclass(frozen=True)
@@ -66,24 +71,32 @@ def run_reward_cmd(
     timeout: float = 300.0,
     cwd: str | None = None,
     log_path: Path | None = None,
+    max_log_bytes: int = 1 << 20,
+    cancel: threading.Event | None = None,
 ) -> Reward:
-    """Run the scorer (a shell command line) and parse the last non-empty line of its stdout.
+    """Run the scorer (a shell command line) and parse the last non-empty line of its stdout (read
+    from its last :data:`SCORER_TAIL` bytes: scorers print what model-written code printed).
 
     The scorer sees the harness's task and output through ``LIGHTNING_TASK``, ``LIGHTNING_TASK_FILE``,
     ``LIGHTNING_OUTPUT_DIR``, ``LIGHTNING_LOG_FILE`` and ``LIGHTNING_EXIT_CODE``. Its stderr is appended
-    to the attempt log. Raises RewardError when it fails, hangs or prints no reward.
+    to the attempt log, which is then cut to its last ``max_log_bytes`` again. Raises RewardError when
+    it fails, hangs or prints no reward, :class:`RewardCancelled` when ``cancel`` stopped it.
     """
     with contextlib.ExitStack() as files:
         stdout = files.enter_context(tempfile.TemporaryFile())  # a file, not a pipe: nothing to drain while waiting
-        stderr = files.enter_context(open_log(log_path)) if log_path else subprocess.DEVNULL
+        log = files.enter_context(open_log(log_path)) if log_path else None
         try:  # the scorer's leftovers end with it, like a harness's
             tree, proc = start_tree(command, shell=True, executable="/bin/sh", env=launcher_env(env), cwd=cwd,
-                                    stdout=stdout, stderr=stderr)
+                                    stdout=stdout, stderr=log or subprocess.DEVNULL)
         except (OSError, subprocess.SubprocessError) as exc:
             raise RewardError(f"reward command could not start: {exc}") from None
-        timed_out, _, _ = finish_tree(tree, proc, timeout=timeout, kill_grace=1.0)
-        stdout.seek(0)
+        timed_out, cancelled, _ = finish_tree(tree, proc, timeout=timeout, kill_grace=1.0, cancel=cancel)
+        if log is not None:
+            trim_to_tail(log_path, max_log_bytes, log)
+        stdout.seek(max(0, os.fstat(stdout.fileno()).st_size - SCORER_TAIL))
         out = stdout.read()
+    if cancelled:
+        raise RewardCancelled("cancelled while the reward command ran")
     if timed_out:
         raise RewardError(f"reward command timed out after {timeout:g}s")
     if proc.returncode != 0:

@@ -74,8 +74,8 @@ def wait_ready(ready: Callable[[], bool], timeout: float, *, what: str, proc: su
     deadline = time.monotonic() + timeout
     delay, last = 0.1, None
     while True:
-        if proc is not None and proc.poll() is not None:
-            raise StartupError(f"{what} exited with code {proc.returncode} during startup; "
+        if proc is not None and (code := exit_code(proc)) is not None:
+            raise StartupError(f"{what} exited with code {code} during startup; "
                                f"log {log_path}:\n{log_tail(log_path)}")
         try:
             if ready():
@@ -87,6 +87,21 @@ def wait_ready(ready: Callable[[], bool], timeout: float, *, what: str, proc: su
             raise StartupError(f"{what} not ready after {timeout:.0f}s{check}; log {log_path}:\n{log_tail(log_path)}")
         time.sleep(delay)
         delay = min(delay * 1.5, 0.5)
+
+
+def exit_code(proc: subprocess.Popen) -> int | None:
+    """``proc``'s exit code once it has exited (minus the signal that ended it), else None, like
+    ``poll()`` but without reaping it: an unreaped child keeps its pid, so its process-group id
+    cannot be reused and :func:`stop_group` can still end the workers it left in the group."""
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere (Popen.wait in another thread)
+        return proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -110,7 +125,8 @@ def stop_group(leader: subprocess.Popen | int, grace: float) -> int | None:
     The SIGKILL goes to the group even when the leader exited in time: workers can outlive it. With
     ``grace`` 0 only SIGKILL is sent (what a crash looks like). ``leader`` is our child (reaped here,
     its exit code returned) or the pid of a group a previous process left behind (returns None).
-    A child reaped before this call is not signalled: its pid may already belong to someone else.
+    A child reaped before this call is not signalled: its pid may already belong to someone else
+    (health checks use :func:`exit_code`, which does not reap, so the group can still be ended).
     """
     if isinstance(leader, subprocess.Popen) and leader.returncode is not None:
         return leader.returncode

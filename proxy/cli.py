@@ -13,6 +13,7 @@ import urllib.parse
 
 import click
 
+from ..process import free_port
 from ..schemas.rewards import reward_from_object
 from .client import BUNDLE_NAME, ProxyControl, ProxyError, control_token_path, harness_env, read_control_token
 from .config import CONTROL_TOKEN_VAR, MiB, ProxyConfig, default_confdir, flag_names
@@ -87,6 +88,9 @@ def serve(config_path, **flags) -> None:
     """Run the proxy: forward and reverse listeners, capture to Parquet, control API under /_lh/."""
     config = _load(config_path, **flags)
     _reexec_if_no_mitmproxy()
+    for name in ("forward_port", "reverse_port"):  # 0, "any free port": chosen now, so that the state, the
+        if getattr(config, name) == 0:            # log line and the control token's file name give the real one
+            setattr(config, name, free_port(config.listen_host))
     _ensure_control_token(config)
     from .server import serve as run_server  # imports mitmproxy
 

@@ -83,6 +83,7 @@ def test_rendered_job_is_a_valid_v1job_with_the_launchers_rules():
     assert job.spec.ttl_seconds_after_finished == 600
     pod = job.spec.template.spec
     assert pod.restart_policy == "Never"
+    assert pod.automount_service_account_token is False  # no cluster credential beside model-written commands
     harness, sidecar = pod.containers
     assert harness.image == "registry.example/agent:latest"
     assert harness.args == ["--question", "2+2?", "--rollout", "run-s3-task_one-0"]

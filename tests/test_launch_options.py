@@ -47,3 +47,53 @@ def test_bad_key_value_is_a_usage_error(tmp_path, write_tasks, stub_upstream):
     res = launch(tasks, "--traces", tmp_path / "traces", "--upstream", stub_upstream, "--env", "NOEQUALS", "--", "true")
     assert res.returncode == 2 and "--env expects KEY=VALUE, got 'NOEQUALS'" in res.stderr
     assert not (tmp_path / "traces").exists()  # nothing started
+
+
+def test_control_token_and_confdir_are_honoured_started_or_attached(tmp_path, write_tasks, stub_upstream):
+    """--proxy-control-token reaches the proxy the launcher starts (the operator can post rewards with
+    it); --proxy-confdir finds a running proxy's CA bundle and control token with --proxy-url; a proxy
+    served on port 0 reports the port it got."""
+    import json
+    import re
+    import time
+    import urllib.request
+
+    tasks = write_tasks([{"id": "q1"}])
+    check = (f"{sys.executable} -c \"import json, os, urllib.request; "
+             "url = os.environ['OPENAI_BASE_URL'].rsplit('/v1', 1)[0] + '/_lh/state'; "
+             "req = urllib.request.Request(url, headers={'Authorization': 'Bearer operator-token-123456'}); "
+             "print(urllib.request.urlopen(req, timeout=10).status)\" > \"$LIGHTNING_OUTPUT_DIR/status\"")
+    res = launch(tasks, "--traces", tmp_path / "a", "--upstream", stub_upstream, "--no-progress",
+                 "--proxy-control-token", "operator-token-123456", "--no-self-reward", "--cmd", check)
+    assert res.returncode == 0, res.stderr
+    (status,) = (tmp_path / "a" / "launch").glob("*/*/0/out/status")
+    assert status.read_text().strip() == "200"
+
+    confdir, log = tmp_path / "conf", open(tmp_path / "proxy.log", "w")
+    proxy = subprocess.Popen([sys.executable, "-m", "lightning_harness.proxy", "serve", "--traces", tmp_path / "p",
+                              "--upstream", stub_upstream, "--confdir", confdir, "--forward-port", "0",
+                              "--reverse-port", "0"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline, reverse = time.monotonic() + 60, None
+        while reverse is None and time.monotonic() < deadline:
+            m = re.search(r"reverse http://127.0.0.1:(\d+)", (tmp_path / "proxy.log").read_text())
+            reverse = m and int(m.group(1))
+            time.sleep(0.2)
+        assert reverse, (tmp_path / "proxy.log").read_text()
+        token = (confdir / f"control-token-{reverse}").read_text().strip()
+        for _ in range(100):
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{reverse}/_lh/state",
+                                             headers={"Authorization": f"Bearer {token}"})
+                state = json.loads(urllib.request.urlopen(req, timeout=5).read())
+                break
+            except OSError:
+                time.sleep(0.2)
+        assert state["reverse_port"] == reverse and state["forward_port"] not in (0, None)
+        res = launch(tasks, "--traces", tmp_path / "b", "--proxy-url", f"http://127.0.0.1:{reverse}",
+                     "--proxy-confdir", confdir, "--no-progress", "--", "true")
+        assert res.returncode == 0, res.stderr
+    finally:
+        proxy.terminate()
+        proxy.wait(30)
+        log.close()
