@@ -436,7 +436,10 @@ class BatchRunner:
         if self.progress is not None:
             self.progress.update()
         if self.settings.on_result is not None and not retry and result.state != CANCELLED:
-            self.settings.on_result(result)
+            try:
+                self.settings.on_result(result)
+            except Exception as exc:  # the caller's callback must not end this worker (wait() would hang)
+                print(f"[lightning] on_result failed for {result.rollout_id}: {exc!r}", flush=True)
 
     def _finalize(self, group: _Group, r: RolloutResult, *, ran: bool) -> None:
         """With the lock held: ``r`` is the rollout's final attempt; a group complete with it is reported."""

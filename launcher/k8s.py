@@ -393,7 +393,8 @@ class K8sRunner:
                 for pod in pods:
                     pod_name = _get(pod, "metadata", "name")
                     text = core.read_namespaced_pod_log(pod_name, self.namespace, container=container,
-                                                        tail_lines=self.log_tail_lines)
+                                                        tail_lines=self.log_tail_lines,
+                                                        limit_bytes=8 * self.max_log_bytes)  # a bound in memory
                     fh.write(f"[lightning] pod {pod_name}\n".encode())
                     fh.write(text.encode() if isinstance(text, str) else (text or b""))
         except Exception as exc:

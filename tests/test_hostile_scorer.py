@@ -184,3 +184,13 @@ def test_exit_code_reports_a_signal_as_poll_does():
     while exit_code(proc) is None and time.monotonic() < deadline:
         done.wait(0.05)
     assert exit_code(proc) == -9 == proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_result_callback_does_not_stop_the_batch(tmp_path):
+    def on_result(result):
+        raise RuntimeError("the caller's bug")
+
+    results = run_batch([{"id": "a"}, {"id": "b"}], ["true"], traces_dir=tmp_path, run_id="cb", concurrency=1,
+                        on_result=on_result)
+    assert [r.task_id for r in results] == ["a", "b"]  # the worker went on (wait() hung with one worker)

@@ -93,7 +93,8 @@ class FakeCluster:
         pods = [] if rec is None else self._pods(name, rec)
         return client.V1PodList(items=pods)
 
-    def read_namespaced_pod_log(self, name, namespace, container=None, tail_lines=None):
+    def read_namespaced_pod_log(self, name, namespace, container=None, tail_lines=None, limit_bytes=None):
+        assert tail_lines and limit_bytes, "a pod's log is read bounded"
         return f"log of {name} container {container}\n"
 
     # -- BatchV1Api --------------------------------------------------------------------------
