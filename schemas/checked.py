@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import pyarrow.parquet as pq
 
 log = logging.getLogger("lightning.schemas")
 
+_PART_NAME = re.compile(r"[A-Za-z0-9_.-]+\.parquet")  # a file in the part's own folder (no "/", not "..")
 COMPACTED_FROM = b"lightning.compacted_from"  # footer key: JSON list of the part names a compacted part replaces
 
 # path -> (size, mtime_ns, error or None, names of the parts it replaces)
@@ -59,6 +61,8 @@ def _footer(path: str | os.PathLike) -> tuple[str | None, tuple[str, ...]]:
         error = None
         if COMPACTED_FROM in meta:
             replaces = tuple(str(n) for n in json.loads(meta[COMPACTED_FROM]))
+            if not all(_PART_NAME.fullmatch(n) for n in replaces):  # compaction deletes these: plain names only
+                raise ValueError(f"{COMPACTED_FROM.decode()} names something other than parts of its folder")
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError...; any failure means unreadable
         error = f"{type(exc).__name__}: {exc}"
         log.warning("skipping corrupt Parquet part %s (%s)", key, error)

@@ -119,7 +119,9 @@ def salvage_value(value: Any, typ: pa.DataType, *, nullable: bool = True) -> Any
         if not isinstance(value, (list, tuple)):
             return None
         inner = typ.value_type
-        return [v if v is None or _fits(v, inner) else salvage_value(v, inner) for v in value]
+        out = [v if v is None or _fits(v, inner) else salvage_value(v, inner) for v in value]
+        # positions matter (token ids, their logprobs): a list with an element lost is no list
+        return None if any(o is None and v is not None for o, v in zip(out, value)) else out
     if pa.types.is_boolean(typ):
         return value if isinstance(value, bool) else None
     if pa.types.is_timestamp(typ):

@@ -113,3 +113,67 @@ def test_lightning_sql_goes_past_a_part_whose_data_pages_are_damaged(tmp_path):
              "--format", "json")
     assert json.loads(p.stdout) == [{"n": 200, "chars": 400_000}]
     _one_warning(p.stderr, bad)
+
+
+@pytest.fixture
+def damaged_rewards(tmp_path) -> tuple[Path, Path]:
+    """Traces of rollouts a (reward 1) and b (reward 0) plus a part of later rewards of theirs whose data
+    pages are damaged (its footer reads: only a query reading its rows fails); (root, bad part)."""
+    import os
+
+    from lightning_harness.schemas import PartWriter
+
+    root = write_traces(tmp_path / "traces", spans=[span("a", 0, [1, 2], [10, 11]), span("b", 0, [1, 2], [14])],
+                        rollouts=[rollout("a", reward=1.0), rollout("b", reward=0.0)])
+    with PartWriter(root, "rewards", background=False, fsync=False) as w:  # incompressible: 160 KB of data pages
+        w.extend([{**reward("ab"[j % 2], 0.5), "reward_id": os.urandom(200).hex()} for j in range(400)])
+    (bad,) = (root / "rewards").rglob("*.parquet")
+    data = bytearray(bad.read_bytes())
+    for k in range(len(data) // 3, len(data) // 3 + 20_000):
+        data[k] ^= 0x5A
+    bad.write_bytes(bytes(data))
+    return root, bad
+
+
+def test_build_goes_past_a_rewards_part_whose_data_pages_are_damaged(damaged_rewards):
+    """The rollout selection reads the rewards: a damaged part there is skipped, not reported as a
+    'bad rollout selection'."""
+    root, bad = damaged_rewards
+    p = _run("lightning-train", "build", root, "--json")
+    _one_warning(p.stderr, bad)
+    assert json.loads(p.stdout)["rollouts_selected"] == 2
+    assert sorted(r[0] for r in connect(root).sql("SELECT rollout_id FROM samples").fetchall()) == ["a", "b"]
+
+
+def test_report_goes_past_a_rewards_part_whose_data_pages_are_damaged(damaged_rewards, tmp_path):
+    from lightning_harness.trainer.report import collect
+
+    root, bad = damaged_rewards
+    data = collect(root)
+    assert sorted(r["rollout_id"] for r in data["rollouts"]) == ["a", "b"] and data["run"]["rollouts_total"] == 2
+    p = _run("lightning-train", "report", root, "-o", tmp_path / "report.html")
+    _one_warning(p.stderr, bad)
+    assert (tmp_path / "report.html").is_file()
+
+
+def test_the_loops_sample_step_goes_past_a_rewards_part_whose_data_pages_are_damaged(damaged_rewards, tmp_path):
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from lightning_harness.trainer import config as C
+    from lightning_harness.trainer.loop import TrainingRun
+
+    root, bad = damaged_rewards  # tmp_path / "traces": the run folder's traces
+    cfg_path = tmp_path / "cfg.yaml"
+    (tmp_path / "model").mkdir()
+    cfg_path.write_text('model: model\nharness: {command: ["x"]}\ntasks: {train: t.jsonl}\nupdate: {lr: 1.0e-5}\n'
+                        f"run_dir: {tmp_path}\n")
+    run = TrainingRun(C.load_config(cfg_path), console=Console(file=io.StringIO()))
+    assert run.traces == root
+    idle = SimpleNamespace(flush=lambda *a, **k: {}, update=lambda *a, **k: None)  # a healthy proxy, a runner
+    run.proxy, run.runner, run.progress = SimpleNamespace(control=idle), idle, idle
+    groups = [SimpleNamespace(group_id="g0", rollouts=[SimpleNamespace(rollout_id=r) for r in "ab"])]
+    table = run.step_samples(1, groups, 0, {})
+    assert sorted(table["rollout_id"].to_pylist()) == ["a", "b"] and bad.exists()

@@ -9,6 +9,7 @@ import logging
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -156,3 +157,19 @@ def test_many_bad_rows_among_good_ones_keep_their_order(tmp_path):
     assert {r["seq"] for r in rows if r["salvaged"]} == bad and w.rows_salvaged == len(bad)
     assert all(r["request_json"] == ("bad \ufffd" if r["seq"] % 7 == 3 else "ok") for r in rows)
     assert all(r["attempt"] == (None if r["seq"] % 11 == 5 else 0) for r in rows)
+
+
+def test_a_list_with_an_element_it_cannot_store_is_salvaged_whole_to_null(tmp_path):
+    """Positions matter (token ids, their logprobs): a lost element nulls the list, not the element."""
+    from lightning_harness.schemas.salvage import salvage_value
+
+    w = PartWriter(tmp_path, "spans", background=False)
+    w.append(span(0, prompt_token_ids=[1, 2], response_token_ids=[5, 2**40, 7], response_logprobs=[-0.1, -0.2, -0.3]))
+    w.append(span(1, prompt_token_ids=[1, 2], response_token_ids=[5, 6], response_logprobs=[-0.1, "x"]))
+    w.flush()
+    rows = {r["span_id"]: r for r in read_table(tmp_path, "spans").to_pylist()}
+    assert rows["s0"]["response_token_ids"] is None and rows["s0"]["prompt_token_ids"] == [1, 2]
+    assert rows["s0"]["response_logprobs"] == pytest.approx([-0.1, -0.2, -0.3])
+    assert rows["s1"]["response_logprobs"] is None and rows["s1"]["response_token_ids"] == [5, 6]
+    assert rows["s0"]["salvaged"] is True and rows["s1"]["salvaged"] is True
+    assert salvage_value([5, None, 7], pa.list_(pa.int32())) == [5, None, 7]  # a null sent as null stays

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures_traces import rollout, span, write_traces
 
 from lightning_harness.schemas import read_table
 from lightning_harness.trainer.report import collect, write_report
@@ -222,3 +223,21 @@ def test_a_tool_using_rollout_shows_its_tool_calls(tmp_path):
     assert 'class="toolcall"' in dom and "tool call calculator({\"expr\": \"6*7\"})" in dom
     assert "42 &lt;img src=x onerror=alert(2)&gt;" in dom and "<img" not in dom
     assert "ANSWER: 42" in dom
+
+
+@pytest.mark.parametrize("body", [
+    {"request_json": json.dumps({"model": "m", "messages": 5})},
+    {"request_json": json.dumps({"model": "m", "messages": [{"role": "assistant", "content": "x", "tool_calls": 7}]})},
+    {"response_json": json.dumps({"choices": 5})},
+], ids=["messages-a-number", "tool_calls-a-number", "choices-a-number"])
+def test_a_call_whose_body_has_fields_of_the_wrong_type_is_shown_not_fatal(tmp_path, body):
+    """A recorded body can hold anything (a hostile client, a broken upstream): that call shows what
+    it can, and the page of the whole run is still written."""
+    root = write_traces(tmp_path / "traces", spans=[span("good", 0, [1], [2]), span("bad", 0, [1], [2], **body)],
+                        rollouts=[rollout("good", reward=1.0), rollout("bad", reward=0.0)])
+    out = write_report(root, tmp_path / "p.html")
+    assert out.is_file() and "</html>" in out.read_text().lower()
+    calls = {r["rollout_id"]: r["calls"] for r in collect(root)["rollouts"]}
+    assert sorted(calls) == ["bad", "good"] and len(calls["bad"]) == 1
+    assert all(isinstance(m["tool_calls"], list) for m in calls["bad"][0]["messages"])
+    assert calls["bad"][0]["answer"]["content"] == ""

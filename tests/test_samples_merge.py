@@ -213,3 +213,24 @@ def test_bad_arguments_fail_clearly(make_traces):
         build_samples(d, group_by="no_such_column")
     with pytest.raises(FileNotFoundError):
         build_samples(d / "missing")
+
+
+def test_a_token_list_with_a_null_element_counts_as_missing(make_traces):
+    """A list with a hole (a value lost on the way) is no list: its call counts as without token ids
+    (dropped, as no tokenizer is given) or without logprobs, never trained on a made-up token."""
+    import pyarrow as pa
+
+    from lightning_harness.schemas import TABLES, PartWriter
+
+    d = make_traces(spans=[span("b", 0, [1, 2], [9])], rollouts=[rollout(r, reward=float(r == "b")) for r in "abcp"])
+    holed = [span("a", 0, [1, 2], [5, None, 7]), span("p", 0, [1, None], [8]),  # written as is: no salvage
+             span("c", 0, [1, 2], [5, 6], logprobs=[-0.5, None])]
+    PartWriter(d, "spans", background=False).write_table(pa.Table.from_pylist(holed, schema=TABLES["spans"]))
+    table, stats = build_samples(d)
+    rows = {r["rollout_id"]: r for r in table.to_pylist()}
+    assert not any(None in r[k] or -(2**31) in r[k] for r in rows.values()
+                   for k in ("prompt_token_ids", "response_token_ids"))
+    assert sorted(rows) == ["b", "c"]
+    assert stats["calls_without_token_ids"] == stats["calls_dropped_no_token_ids"] == 2
+    assert rows["c"]["response_token_ids"] == [5, 6] and all(map(math.isnan, rows["c"]["response_logprobs"]))
+    assert stats["calls_without_logprobs"] == 1

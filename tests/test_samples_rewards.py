@@ -185,3 +185,20 @@ def test_aggregate_loss_is_invariant_to_micro_batching(make_traces, mode):
         per_tok = (logits.detach().numpy() ** 2) * mask
         expect = np.mean([per_tok[rid == k].sum() / mask[rid == k].sum() for k in np.unique(rid)])
         assert float(full.detach()) == pytest.approx(expect, rel=1e-6)  # weights are stored as float32
+
+
+def test_group_labels_differing_only_by_a_trailing_nul_stay_separate_groups(make_traces):
+    d = make_traces(spans=[_one_call(x) for x in "abcd"],
+                    rollouts=[rollout("a", group_id="g", reward=1.0), rollout("b", group_id="g", reward=0.0),
+                              rollout("c", group_id="g\x00", reward=1.0), rollout("d", group_id="g\x00", reward=1.0)])
+    table, stats = build_samples(d)
+    adv = dict(zip(table["rollout_id"].to_pylist(), table["advantage"].to_pylist()))
+    assert stats["adv_n_groups"] == 2 and stats["adv_equal_reward_groups"] == 1
+    assert adv["c"] == adv["d"] == 0.0 and adv["a"] == pytest.approx(-adv["b"]) and adv["a"] > 0
+    groups = dict(zip(table["rollout_id"].to_pylist(), table["group_id"].to_pylist()))
+    assert groups == {"a": "g", "b": "g", "c": "g\x00", "d": "g\x00"}
+
+
+def test_group_advantages_keep_labels_differing_only_by_a_trailing_nul_apart():
+    adv, rep = A.group_advantages(np.array([1.0, 0.0, 1.0, 1.0]), ["g", "g", "g\x00", "g\x00"])
+    assert rep.n_groups == 2 and adv[2:].tolist() == [0.0, 0.0]

@@ -132,3 +132,36 @@ def test_shell_names_are_identifiers_never_sql(traces):
     text = out.getvalue()
     assert "prompt_len" in text  # the columns of calls
     assert "error:" in text and "calls,5" in text  # the second name failed; the view is still there
+
+
+def test_build_replace_removes_the_old_samples_even_when_the_new_build_has_none(traces):
+    _run("lightning-train", "build", traces)
+    assert pq.read_table(next((traces / "samples").rglob("*.parquet"))).num_rows == 3
+    p = _run("lightning-train", "build", traces, "--replace", "--step", "7")  # selects no rollout
+    assert list((traces / "samples").rglob("*.parquet")) == []  # `lightning-train step` must not train on them
+    assert json.loads(_run("lightning-sql", traces, "SELECT count(*) AS n FROM samples", "--format", "json").stdout) \
+        == [{"n": 0}]
+    assert "no samples built" in p.stdout and "removed" in p.stdout
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json", "table"])
+def test_output_file_is_written_in_every_format(traces, tmp_path, fmt):
+    target = tmp_path / f"out.{fmt}"
+    p = _run("lightning-sql", traces, "SELECT rollout_id, count(*) AS n FROM calls GROUP BY 1 ORDER BY 1",
+             "--format", fmt, "-o", target)
+    assert target.is_file(), p.stdout
+    text = target.read_text()
+    if fmt == "csv":
+        assert list(csv.DictReader(io.StringIO(text))) == [{"rollout_id": "a", "n": "3"}, {"rollout_id": "b", "n": "2"}]
+    elif fmt == "json":
+        assert json.loads(text) == [{"rollout_id": "a", "n": 3}, {"rollout_id": "b", "n": 2}]
+    else:
+        assert "rollout_id" in text and "2 row(s)" in text
+    assert "a" not in p.stdout.split() and f"wrote 2 rows to {target}" in p.stderr  # the result went to the file
+
+
+def test_show_sql_without_a_canned_query_is_a_usage_error(traces):
+    p = _run("lightning-sql", traces, "SELECT 2 AS two", "--show-sql", "--format", "csv", check=False)
+    assert p.returncode == 2 and "-q NAME" in p.stderr and "two" not in p.stdout
+    p = _run("lightning-sql", "-q", "reward_by_task", "--show-sql")
+    assert p.stdout.strip() == CANNED["reward_by_task"][1].strip()

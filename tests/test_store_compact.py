@@ -295,3 +295,37 @@ def test_the_loop_compacts_and_builds_samples_outside_the_hold(make_proxy, tmp_p
     assert len(finished_parts(run.traces, "spans")[0]) == 1 and len(finished_parts(run.traces, "rollouts")[0]) == 1
     assert rep["store/files"] <= 5 and rep["time/samples_s"] >= rep["time/build_s"]
     assert read_table(run.traces, "samples").num_rows == 8
+
+
+@pytest.mark.parametrize("how", ["compact_store", "cli"])
+def test_a_footer_naming_files_outside_its_folder_never_gets_them_deleted(tmp_path, how):
+    """A part (a store received from elsewhere) claiming to replace '../..' paths is corrupt: compaction
+    deletes neither the file outside the store nor another table's part, and readers keep both."""
+    import os
+
+    import pyarrow as pa
+
+    from lightning_harness.schemas import TABLES
+    from lightning_harness.schemas.checked import COMPACTED_FROM
+    from lightning_harness.schemas.parts import write_part
+    from lightning_harness.trainer.cli import main
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious, outside the store\n")
+    root = write_traces(tmp_path / "traces", spans=[span("a", 0, [1], [2])], rollouts=[rollout("a", reward=1.0)])
+    (rpart,) = (root / "rollouts").rglob("*.parquet")
+    day = next((root / "spans").iterdir())
+    hostile = day / "part-0000000000001-1-000000.parquet"
+    names = [os.path.relpath(victim, day), os.path.relpath(rpart, day)]
+    write_part(pa.Table.from_pylist([span("b", 0, [1], [2])], schema=TABLES["spans"]), hostile,
+               {COMPACTED_FROM: json.dumps(names).encode()}, fsync=False)
+    os.utime(hostile, (time.time() - 3600, time.time() - 3600))  # long past any grace period
+    if how == "cli":
+        out = CliRunner().invoke(main, ["compact", str(root), "--grace-s", "0"])
+        assert out.exit_code == 0, out.output
+    else:
+        compact_store(root, grace_s=0)
+    assert victim.read_text() == "precious, outside the store\n" and rpart.exists()
+    assert hostile in finished_parts(root, "spans")[1]  # skipped as corrupt, left on disk
+    assert read_table(root, "rollouts")["rollout_id"].to_pylist() == ["a"]
+    assert connect(root).sql("SELECT rollout_id FROM spans").fetchall() == [("a",)]

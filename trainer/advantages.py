@@ -67,7 +67,10 @@ def group_advantages(
     report = AdvantageReport(n_rollouts=len(r))
     if len(r) == 0:
         return np.zeros(0, dtype=np.float64), report
-    uniq, inv = np.unique(np.asarray(group_ids), return_inverse=True)
+    labels = np.asarray(group_ids)
+    if labels.dtype.kind == "U":  # numpy's fixed-width strings drop trailing NULs ("g" == "g\0"): keep str objects
+        labels = np.asarray(list(group_ids), dtype=object)
+    uniq, inv = np.unique(labels, return_inverse=True)
     inv = inv.reshape(-1)
     n = np.bincount(inv).astype(np.float64)
     mean = np.bincount(inv, weights=r) / n

@@ -130,8 +130,8 @@ def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std,
         path = None
         if table.num_rows:
             path = PartWriter(out_root, "samples", background=False).write_table(table)
-            for p in old_parts:  # only after the new table is safely on disk
-                p.unlink(missing_ok=True)
+        for p in old_parts:  # --replace: after the new table is safely on disk; an empty build leaves none
+            p.unlink(missing_ok=True)
     elapsed = time.perf_counter() - t0
     if as_json:
         click.echo(json.dumps({**stats, "path": str(path) if path else None, "seconds": round(elapsed, 3)},
@@ -141,7 +141,8 @@ def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std,
     if path:
         console.print(f"wrote {table.num_rows:,} samples to [bold]{path}[/] in {elapsed:.1f}s")
     else:
-        console.print("[yellow]no samples built[/]: nothing to train on (see the table above)")
+        gone = f"; the {len(old_parts)} old part(s) were removed (--replace)" if old_parts else ""
+        console.print(f"[yellow]no samples built[/]: nothing to train on (see the table above){gone}")
 
 
 __all__ = ["build_command", "stats_table"]

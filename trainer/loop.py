@@ -171,6 +171,7 @@ class TrainingRun:
         from lightning_harness.schemas import PartWriter, compact_store
 
         from .samples import build_samples
+        from .views import past_damaged_parts
 
         cfg = self.cfg
         t0 = time.monotonic()
@@ -185,11 +186,10 @@ class TrainingRun:
         rep["store/files"] = sum(r.files_after for r in compacted.values())
         t1 = time.monotonic()
         s = cfg.samples  # the groups consumed are selected by their rollouts (bound parameters)
-        table, stats = build_samples(self.traces, mode=s.mode, advantage=s.advantage,
-                                     weight_mode=s.weight_mode, where="split = 'train'",
-                                     include_secret_spans=s.include_secret_spans,
-                                     rollouts=[r.rollout_id for g in groups for r in g.rollouts],
-                                     **(s.extra or {}))
+        table, stats = past_damaged_parts(lambda: build_samples(  # a damaged part is skipped, not fatal
+            self.traces, mode=s.mode, advantage=s.advantage, weight_mode=s.weight_mode, where="split = 'train'",
+            include_secret_spans=s.include_secret_spans, rollouts=[r.rollout_id for g in groups for r in g.rollouts],
+            **(s.extra or {})), lambda: None)
         rep.update({f"samples/{k}": v for k,
                     v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         table, st = staleness_filter(table, version, self.schedule.max_staleness, self.schedule.staleness_mode)

@@ -29,7 +29,7 @@ import yaml
 
 from ..proxy.assemble import as_chat
 from .plot import EVAL_KEY, TRAIN_KEY
-from .views import connect
+from .views import connect, past_damaged_parts
 
 # metrics shown first in the step table (the rest follow, sorted)
 KEY_METRICS = ("train/reward_mean", "train/success", "eval/reward_mean", "eval/success", "update/loss",
@@ -172,7 +172,7 @@ def _text(content: Any) -> str:
 
 def _tool_calls(calls: Any) -> list[dict]:
     out = []
-    for c in calls or []:
+    for c in calls if isinstance(calls, list) else []:  # a recorded body can hold anything
         if not isinstance(c, dict):
             continue
         fn = c.get("function") if isinstance(c.get("function"), dict) else c
@@ -205,7 +205,8 @@ def request_messages(endpoint: str | None, request: dict) -> list[dict]:
     """The conversation a call sent, whatever the API (chat, Messages, Responses, completions)."""
     request = _chat_form(endpoint, request, {})[0]
     if "messages" in request:
-        return [_message(m) for m in request.get("messages") or []]
+        messages = request.get("messages")
+        return [_message(m) for m in messages] if isinstance(messages, list) else [_message(messages)]
     if "prompt" in request:
         return [{"role": "prompt", "content": _text(request.get("prompt")), "tool_calls": []}]
     return []
@@ -215,8 +216,8 @@ def response_message(response: dict) -> dict:
     """The model's answer (choice 0, or the Responses API's output items) as one assistant message."""
     if "output" in response and "choices" not in response:
         response = _chat_form("responses", {"input": []}, response)[1]
-    choices = response.get("choices") or []
-    if choices and isinstance(choices[0], dict):
+    choices = response.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         c = choices[0]
         if isinstance(c.get("message"), dict):
             m = c["message"]
@@ -350,15 +351,18 @@ def collect(run_dir: str | os.PathLike, *, tokenizer: str | None = None, split: 
     summary = _read_mapping(run / "summary.json")
     run_id = state.get("run_id") or config.get("name") or None
     tokens = TokenText(tokenizer_folder(run, state, config, tokenizer))
-    con = connect(traces)
-    try:
-        steps = step_table(con, run_id)
-        if not steps["rows"] and run_id:  # metrics under another id (a renamed run): show them all
-            steps = step_table(con, None)
-        rollouts = rollouts_with_calls(con, tokens, split=split, step=step, limit=max_rollouts)
-        total = con.execute("SELECT count(*) FROM rollouts").fetchone()[0]
-    finally:
-        con.close()
+    def query() -> tuple:
+        con = connect(traces)
+        try:
+            steps = step_table(con, run_id)
+            if not steps["rows"] and run_id:  # metrics under another id (a renamed run): show them all
+                steps = step_table(con, None)
+            rollouts = rollouts_with_calls(con, tokens, split=split, step=step, limit=max_rollouts)
+            return steps, rollouts, con.execute("SELECT count(*) FROM rollouts").fetchone()[0]
+        finally:
+            con.close()
+
+    steps, rollouts, total = past_damaged_parts(query, lambda: None)  # a damaged part is skipped (reconnects)
     return {
         "run": {"run_id": run_id or run.name, "folder": str(run.resolve()), "steps_done": state.get("step"),
                 "steps_planned": config.get("steps"), "model_version": state.get("model_version"),

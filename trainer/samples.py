@@ -239,7 +239,8 @@ def _select_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions) -> pa.
     """
     try:
         return con.sql(sql, params=params).to_arrow_table()
-    except duckdb.Error as exc:
+    except (duckdb.ParserException, duckdb.BinderException, duckdb.CatalogException) as exc:  # the expressions'
+        # fault; a damaged part's error stays a duckdb.Error, for views.past_damaged_parts to skip it
         raise ValueError(f"bad rollout selection (group_by={opts.group_by!r}, where={opts.where!r}): {exc}") from exc
 
 
@@ -266,7 +267,7 @@ def _kept_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions, stats: d
                      zip(raw_group, ro["rollout_id"].to_pylist(), ro["attempt"].to_pylist())], dtype=object)
     ro = ro.set_column(ro.schema.get_field_index("group_key"), "group_key", pa.array(gkey.tolist(), pa.string()))
     kept_idx = np.flatnonzero(keep)
-    adv, adv_report = adv_mod.group_advantages(eff_reward[kept_idx], gkey[kept_idx].astype(str), method=opts.advantage,
+    adv, adv_report = adv_mod.group_advantages(eff_reward[kept_idx], gkey[kept_idx], method=opts.advantage,
                                                epsilon=opts.epsilon, norm_by_std=opts.norm_by_std)
     stats["rollouts_selected"] = ro.num_rows
     stats["rollouts_dropped"] = fcounts.pop("dropped")
@@ -291,7 +292,7 @@ def _read_calls(con: duckdb.DuckDBPyConnection, kept: pa.Table, include_secret_s
     try:
         calls = con.sql(f"""
             SELECT k.ridx, s.span_id, s.seq, s.model_version, s.finish_reason, s.error_kind,
-                   s.prompt_token_ids, s.response_token_ids, s.response_logprobs,
+                   {", ".join(f"{_whole(c)} AS {c}" for c in _TOKEN_TYPES)},
                    {_secret_column(con)} AS secret_detected
             FROM spans s JOIN _lh_kept k ON s.rollout_id = k.rollout_id AND coalesce(s.attempt, 0) = k.attempt
             ORDER BY k.ridx, s.seq, s.started_at
@@ -311,6 +312,12 @@ def _read_calls(con: duckdb.DuckDBPyConnection, kept: pa.Table, include_secret_s
 
 
 _TOKEN_TYPES = {"prompt_token_ids": pa.int32(), "response_token_ids": pa.int32(), "response_logprobs": pa.float32()}
+
+
+def _whole(column: str) -> str:
+    """SQL: the list, or NULL when an element of it is NULL (positions matter: such a list counts as
+    missing, like one the proxy never got, instead of shifting or zeroing a token)."""
+    return f"CASE WHEN list_count(s.{column}) = len(s.{column}) THEN s.{column} END"
 
 
 def _without_ids(calls: pa.Table) -> np.ndarray:

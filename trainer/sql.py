@@ -114,7 +114,12 @@ def _jsonable(v: Any) -> Any:
 
 
 def render(table: pa.Table, fmt: str, *, out=None, max_rows: int = 100, output: str | None = None) -> None:
-    """Print (or write) an Arrow result in the chosen format."""
+    """Print (or write to ``output``) an Arrow result in the chosen format."""
+    if output and fmt != "parquet":
+        with open(output, "w", newline="", encoding="utf-8") as fh:
+            render(table, fmt, out=fh, max_rows=max_rows)
+        click.echo(f"wrote {table.num_rows:,} rows to {output}", err=True)
+        return
     out = out or sys.stdout
     if fmt == "parquet":
         if not output:
@@ -263,7 +268,8 @@ def _shell_exec(con, sql: str, fmt: str, max_rows: int, out, traces_dir: str | N
               help="Run a canned query by name (see --list).")
 @click.option("--list", "list_", is_flag=True, help="List the canned queries and exit.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True, help="Output format.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="File for --format parquet.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Write the result to this file (needed by --format parquet).")
 @click.option("--max-rows", default=100, show_default=True, help="Rows shown by --format table.")
 @click.option("--show-sql", is_flag=True, help="Print the SQL of a canned query instead of running it.")
 def main(traces_dir, query, name, list_, fmt, output, max_rows, show_sql) -> None:
@@ -282,7 +288,9 @@ def main(traces_dir, query, name, list_, fmt, output, max_rows, show_sql) -> Non
     if list_:
         list_queries()
         return
-    if name and show_sql:
+    if show_sql:
+        if not name:
+            raise click.UsageError("--show-sql prints a canned query's SQL: give -q NAME")
         click.echo(CANNED[name][1])
         return
     if not traces_dir:
