@@ -114,7 +114,7 @@ class ProxyState:
         self.started_at = time.time()
         self._resume: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
-        self._seq: dict[tuple[str | None, int], itertools.count] = {}
+        self._seq: collections.OrderedDict[tuple[str | None, int], itertools.count] = collections.OrderedDict()
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._rr = itertools.count()
         self._later: collections.deque[Callable[[], None]] = collections.deque()
@@ -188,9 +188,11 @@ class ProxyState:
         key = (rollout_id, attempt)
         counter = self._seq.get(key)
         if counter is None:
-            if len(self._seq) > 200_000:  # bound memory on very long runs; old rollouts are done
-                self._seq.clear()
             counter = self._seq[key] = itertools.count()
+            if len(self._seq) > 200_000:  # bound memory on very long runs: the least recently used goes
+                self._seq.popitem(last=False)  # (clearing all restarted live rollouts' seq at 0)
+        else:
+            self._seq.move_to_end(key)
         return next(counter)
 
     def replica_for(self, rollout_id: str | None) -> Upstream:

@@ -1,7 +1,10 @@
 """The mitmproxy addons of the capture proxy, one class per concern.
 
 Order matters: mitmproxy calls each hook on every addon in list order and awaits async hooks.
-The gate comes first (nothing after it sees a held request); attribution acts in the earlier
+The gate comes after the last addon that can make a request wait (the byte budget of limits) and
+before routing and capture: nothing after it sees a held request, and a request that waited for
+the budget is held too when a pause began meanwhile (it would reach the paused engine stamped
+with the old model version). Attribution acts in the earlier
 ``http_connect`` / ``requestheaders`` hooks; secrets follows it (it fills the Call attribution
 made with the request's credentials, before routing may replace them); capture precedes rewrite so the span keeps the
 request as the harness sent it and the response with its token ids; encoding sits between them
@@ -28,8 +31,8 @@ from .secrets import Secrets
 
 def build_addons(state: ProxyState) -> list:
     return [
-        Gate(state), Attribution(state), Secrets(), Control(state), Limits(state), Routing(state), Capture(state),
-        Encoding(state), MessagesRequest(), Rewrite(state), MessagesResponse(),
+        attribution := Attribution(state), Secrets(), Control(state), Limits(state), Gate(state, attribution),
+        Routing(state), Capture(state), Encoding(state), MessagesRequest(), Rewrite(state), MessagesResponse(),
     ]
 
 

@@ -143,7 +143,7 @@ class Attribution:
 
     def request(self, flow: http.HTTPFlow) -> None:
         """Checked again once the body is in: a request begun before ``/_lh/end`` whose body comes
-        after it (a stalled reward POST) is refused too. Runs after the gate's hold."""
+        after it (a stalled reward POST) is refused too; the gate calls it again after a hold."""
         call = flow.metadata.get(META)
         if call is None or call.done or flow.response is not None or call.rollout_id is None:
             return

@@ -4,7 +4,11 @@ A harness configured for a hosted model (``api.openai.com``, model ``gpt-4o``) i
 model under training: requests to a route host (``route_hosts``, ``*`` for all), to a replica of
 the pool itself, or arriving in reverse mode go to the pool. The pool may hold several replicas;
 each rollout sticks to one (prefix-cache reuse). Model names are mapped (``model_map``, then
-``served_model``) by the rewrite addon, which edits the body once.
+``served_model``) by the rewrite addon, which edits the body once. Besides model calls only reads
+(GET, HEAD: ``/v1/models``) and token counts (``/tokenize``, ``count_tokens``) reach the pool;
+anything else is the engine's administration (vLLM's dev mode reloads weights, pauses, sleeps) and
+gets 403, as does a model path the proxy did not recognise (``/v1/chat/completion%73``, which the
+engine would decode and serve unrecorded).
 """
 
 from __future__ import annotations
@@ -16,6 +20,16 @@ from mitmproxy import http
 from ..config import Upstream, parse_upstream
 from ..state import META, MODEL, OTHER, ProxyState
 from .answers import json_answer
+
+READ_METHODS = ("GET", "HEAD")  # besides model calls, what a harness may send the training engine,
+READ_POSTS = ("/tokenize", "/detokenize", "/count_tokens", "/embeddings")  # and these questions
+
+
+def harmless(method: str, path: str) -> bool:
+    """A request that is not a model call but may reach the training engine: a read, or a question
+    that changes nothing. A path with escapes is none: the engine would decode it into another."""
+    path = path.split("?", 1)[0]
+    return "%" not in path and (method in READ_METHODS or (method == "POST" and path.rstrip("/").endswith(READ_POSTS)))
 
 
 class Routing:
@@ -53,12 +67,24 @@ class Routing:
         else:
             call.upstream_display = f"{req.scheme}://{req.host}:{req.port}"
             return
+        if call.kind == OTHER and not harmless(req.method, req.path):
+            self._refuse_admin(flow)
+            return
         self._send(req, target)
         call.upstream = target
         call.upstream_display = target.display
         call.inject = target.inject_token_ids if target.inject_token_ids is not None else cfg.inject_token_ids
         if call.kind == MODEL:
             call.served_model = None  # decided by rewrite once the body is parsed
+
+    @staticmethod
+    def _refuse_admin(flow: http.HTTPFlow) -> None:
+        """The engine's other endpoints change it (vLLM's dev mode: weight reload, pause, sleep):
+        the trainer's alone, reached directly. A harness gets model calls and reads (``/v1/models``)."""
+        req = flow.request
+        json_answer(flow, 403, {"error": {
+            "type": "forbidden", "message": f"lightning-proxy: {req.method} {req.path.split('?')[0]} is not a model "
+            "call; only model calls, reads (GET, HEAD) and token counts are forwarded to the training engine"}})
 
     @staticmethod
     def _send(req: http.Request, target: Upstream) -> None:

@@ -1,0 +1,112 @@
+"""The hold and the engine against a hostile harness (session 24's review; each failed before its fix):
+a call that waited for the byte budget is held by a pause that began meanwhile (it reached the paused
+engine stamped with the old model version) and refused if its attempt ended meanwhile; the training
+engine's administration (vLLM's dev mode: weight reload, pause, sleep) is not reachable through the
+proxy; a long run's sequence numbers never restart for a live rollout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from fixtures_proxy import StubServer, read_spans
+
+pytestmark = pytest.mark.timeout(300)
+
+BIG = {"model": "m", "messages": [{"role": "user", "content": "x" * 70_000}], "max_tokens": 3}  # over 64 KiB
+
+
+def _post(url: str, **kw) -> httpx.Response:
+    with httpx.Client(trust_env=False, timeout=120) as c:
+        return c.post(url, **kw)
+
+
+def _until(check, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _budget_waiter(p, first: str, second: str) -> tuple[dict, list[threading.Thread]]:
+    """``first`` holds the whole byte budget for ~2 s at the engine; ``second`` waits for it."""
+    results: dict = {}
+
+    def call(rollout, delay):
+        url = p.env_for(rollout)["OPENAI_BASE_URL"] + "/chat/completions"
+        results[rollout] = _post(url, json=BIG, headers={"X-Stub-Delay": str(delay)}).status_code
+
+    threads = [threading.Thread(target=call, args=(first, 2.0)), threading.Thread(target=call, args=(second, 0))]
+    threads[0].start()
+    _until(lambda: p.control.state()["in_flight"] == 1)
+    threads[1].start()
+    time.sleep(0.5)  # the second call is in the proxy now, waiting for the budget
+    return results, threads
+
+
+def test_a_call_waiting_for_the_byte_budget_meets_the_pause(make_proxy):
+    p = make_proxy(max_inflight_bytes=100_000)
+    results, threads = _budget_waiter(p, "first", "second")
+    ctl = p.control
+    ctl.pause()
+    drained = ctl.drain(timeout=20)
+    assert drained["drained"] and drained["in_flight"] == 0
+    _until(lambda: ctl.state()["held"] == 1)  # the waiter came out of the budget into the hold
+    time.sleep(0.3)
+    assert ctl.state()["in_flight"] == 0  # and stays there: nothing reaches the paused engine
+    ctl.set_model_version(1)
+    ctl.resume()
+    for t in threads:
+        t.join(60)
+    assert results == {"first": 200, "second": 200}
+    _until(lambda: len(read_spans(p)) == 2)
+    versions = {s["rollout_id"]: s["model_version"] for s in read_spans(p)}
+    assert versions == {"first": 0, "second": 1}  # served after the swap, stamped so
+
+
+def test_a_call_waiting_for_the_byte_budget_is_refused_once_its_attempt_ended(make_proxy):
+    p = make_proxy(max_inflight_bytes=100_000)
+    results, threads = _budget_waiter(p, "other", "ended")
+    assert p.control.end("ended", 0)["ok"]
+    for t in threads:
+        t.join(60)
+    assert results == {"other": 200, "ended": 401}
+
+
+def test_the_engines_administration_is_not_reachable_through_the_proxy(tmp_path, make_proxy):
+    engine = StubServer(tmp_path)
+    try:
+        p = make_proxy(upstreams=[engine.url])
+        base = p.env_for("h")["OPENAI_BASE_URL"]  # .../v1 of the reverse listener, with the credential
+        root = base.rsplit("/v1", 1)[0]
+        p.control.pause()  # such calls went through during the hold too
+        for path in ("/collective_rpc", "/sleep?level=1", "/pause?mode=abort", "/v1/chat/completion%73"):
+            r = _post(root + path, json={"method": "reload_weights", "kwargs": {"weights_path": "/tmp/mine"}})
+            assert r.status_code == 403 and "not a model call" in r.json()["error"]["message"], (path, r.text)
+        forward = p.env_for("h")["HTTP_PROXY"]
+        with httpx.Client(proxy=forward, trust_env=False, timeout=30) as c:
+            r = c.post(engine.url + "/pause?mode=abort", json={})
+        assert r.status_code == 403
+        p.control.resume()
+        with httpx.Client(trust_env=False, timeout=30) as c:
+            assert c.get(base + "/models").status_code == 200  # reads still go
+            assert c.post(root + "/tokenize", json={"prompt": "hi"}).status_code != 403  # questions too
+        assert _post(base + "/chat/completions", json={**BIG, "messages": [{"role": "user", "content": "hi"}]}
+                     ).status_code == 200
+    finally:
+        engine.stop()
+
+
+def test_sequence_numbers_of_a_live_rollout_survive_a_long_run(tmp_path):
+    from lightning_harness.proxy.config import ProxyConfig
+    from lightning_harness.proxy.state import ProxyState
+
+    state = ProxyState(ProxyConfig(traces=str(tmp_path)))
+    assert [state.next_seq("live", 0) for _ in range(3)] == [0, 1, 2]
+    for i in range(200_001):  # that many attempts since: 256 rollouts x 800 steps
+        state.next_seq(f"r{i}", 0)
+        if i % 50_000 == 0:
+            state.next_seq("live", 0)  # still calling now and then
+    assert state.next_seq("live", 0) == 3 + 5
