@@ -110,3 +110,36 @@ def test_sequence_numbers_of_a_live_rollout_survive_a_long_run(tmp_path):
         if i % 50_000 == 0:
             state.next_seq("live", 0)  # still calling now and then
     assert state.next_seq("live", 0) == 3 + 5
+
+
+def test_a_swap_that_fails_resumes_the_proxy(tmp_path, make_proxy):
+    """The engine refuses to pause (or the update fails): the proxy is resumed, the engine resumed,
+    and the error reaches the caller, instead of every harness held until someone stops the proxy."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from lightning_harness.trainer import config as C
+    from lightning_harness.trainer.loop import TrainingRun
+
+    p = make_proxy()
+    (tmp_path / "model").mkdir()
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text('model: model\nharness: {command: ["x"]}\ntasks: {train: t.jsonl}\nupdate: {lr: 1.0e-5}\n'
+                   f"run_dir: {tmp_path / 'run'}\n")
+    run = TrainingRun(C.load_config(cfg), console=Console(file=io.StringIO()))
+    calls = []
+
+    def pause(mode):
+        calls.append("pause")
+        raise RuntimeError("engine busy")
+
+    run.engine = SimpleNamespace(pause=pause, resume=lambda: calls.append("resume"), is_sleeping=lambda: False)
+    run.proxy, run.progress, run.device = p, SimpleNamespace(update=lambda **k: None), "cpu"
+    with pytest.raises(RuntimeError, match="engine busy"):
+        run.swap(1, None, 0)
+    assert calls == ["pause", "resume"]
+    assert p.control.state()["paused"] is False
+    assert _post(p.env_for("after")["OPENAI_BASE_URL"] + "/chat/completions",
+                 json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}).status_code == 200

@@ -203,34 +203,52 @@ class TrainingRun:
         return table
 
     def swap(self, step: int, table, version: int) -> dict[str, Any]:
-        """The hold: proxy pause + drain, vLLM pause (+ sleep), update, save, reload, resume.
-
-        On a GPU the update needs the engine asleep (memory); on CPU it shares the cores with the
-        engine, and the policy must not change under calls in flight, so it stays inside too.
-        """
-        from .checkpoint import prune, step_dir
-        from .update import scheduled_lr
+        """The hold: proxy pause + drain, the engine's part (:meth:`_engine_swap`), proxy resume.
+        The proxy is resumed however the engine's part ends: a failed swap must not hold every
+        harness until someone stops the proxy (an attached one is never stopped by this run)."""
+        from .checkpoint import prune
 
         cfg, ctl, rep = self.cfg, self.proxy.control, {}
         t_pause = time.monotonic()
         self.progress.update(phase="pause+drain")
         ctl.pause()
-        drain = ctl.drain(timeout=cfg.proxy.drain_timeout_s)
-        rep["time/drain_s"] = float(drain.get("waited_s", time.monotonic() - t_pause))
-        rep["proxy/drained"] = bool(drain.get("drained", False))
-        rep["proxy/in_flight_after_drain"] = int(drain.get("in_flight", 0))
+        try:
+            drain = ctl.drain(timeout=cfg.proxy.drain_timeout_s)
+            rep["time/drain_s"] = float(drain.get("waited_s", time.monotonic() - t_pause))
+            rep["proxy/drained"] = bool(drain.get("drained", False))
+            rep["proxy/in_flight_after_drain"] = int(drain.get("in_flight", 0))
+            new_version, ckpt = self._engine_swap(step, table, version, rep)
+            ctl.set_model_version(new_version)
+            rep["proxy/held"] = int(ctl.state().get("held", 0) or 0)
+        finally:
+            ctl.resume()
+        rep["time/pause_s"] = time.monotonic() - t_pause
+        rep["model_version"] = new_version
+        self.state.update(model_version=new_version, checkpoint=str(ckpt))
+        prune(self.ckpt_dir, cfg.checkpoint.keep_last, protect=(self.state["checkpoint"], self.state["base_model"]))
+        return rep
+
+    def _engine_swap(self, step: int, table, version: int, rep: dict) -> tuple[int, Path]:
+        """vLLM pause (+ sleep), update, save, reload, resume; returns the new version and checkpoint.
+
+        On a GPU the update needs the engine asleep (memory); on CPU it shares the cores with the
+        engine, and the policy must not change under calls in flight, so it stays inside too.
+        """
+        from .checkpoint import step_dir
+        from .update import scheduled_lr
+
+        cfg = self.cfg
         when = cfg.engine.sleep_on_update
         sleep = when == "always" or (when == "auto" and self.device == "cuda")
-        self.engine.pause("wait")
-        if sleep:
-            self.engine.sleep(cfg.engine.sleep_level)
-        self._hook("paused", step)
         try:
+            self.engine.pause("wait")
+            if sleep:
+                self.engine.sleep(cfg.engine.sleep_level)
+            self._hook("paused", step)
             self.progress.update(phase="update")
             lr = scheduled_lr(self.cfg.update, step, self.cfg.steps)
             self.updater.set_lr(lr)
-            m = self.updater.update(table)
-            rep.update(m)
+            rep.update(self.updater.update(table))
             rep["update/lr"] = lr
             new_version = version + 1  # one version per step, even if nothing was trainable
             t0 = time.monotonic()
@@ -246,15 +264,7 @@ class TrainingRun:
             if sleep and self.engine.is_sleeping():
                 self.engine.wake_up()
             self.engine.resume()
-        ctl.set_model_version(new_version)
-        held = ctl.state().get("held", 0)
-        ctl.resume()
-        rep["proxy/held"] = int(held or 0)
-        rep["time/pause_s"] = time.monotonic() - t_pause
-        rep["model_version"] = new_version
-        self.state.update(model_version=new_version, checkpoint=str(ckpt))
-        prune(self.ckpt_dir, cfg.checkpoint.keep_last, protect=(self.state["checkpoint"], self.state["base_model"]))
-        return rep
+        return new_version, ckpt
 
     # -- eval --------------------------------------------------------------------------------------
     def evaluate(self, version: int) -> dict[str, float]:
@@ -508,8 +518,10 @@ class TrainingRun:
             self.proxy.stop()
         self._compact_at_exit()
         if self.engine is not None:
-            if self.cfg.engine.url:  # attached: leave it serving, not paused
+            if self.cfg.engine.url:  # attached: leave it serving, not asleep nor paused
                 with contextlib.suppress(Exception):
+                    if self.engine.is_sleeping():
+                        self.engine.wake_up()
                     if self.engine.is_paused():
                         self.engine.resume()
             self.engine.stop()  # a no-op for attached engines
