@@ -178,3 +178,70 @@ def test_summary_table_before_after_and_evaluation_only():
     assert "│ eval/reward_mean" in gap and "+0.150" in gap
     many = table({str(v): {"eval/success": v / 100} for v in range(0, 100, 10)})  # the first, then the latest
     assert "before (v0)" in many and "v10 " not in many and "v50" in many and "after (v90)" in many
+
+
+def _stub_run(tmp_path, keep_last: int = 1):
+    """A TrainingRun with its collaborators stubbed: the run's bookkeeping alone."""
+    import time
+    from types import SimpleNamespace
+
+    from lightning_harness.trainer.checkpoint import step_dir
+    from lightning_harness.trainer.loop import TrainingRun, write_json_atomic
+
+    ck = tmp_path / "checkpoints"
+    run = object.__new__(TrainingRun)
+    run.run_dir, run.ckpt_dir, run.traces = tmp_path, ck, tmp_path / "traces"
+    run.cfg = SimpleNamespace(checkpoint=SimpleNamespace(keep_last=keep_last), proxy=SimpleNamespace(drain_timeout_s=1),
+                              steps=5, eval=SimpleNamespace(every=1, after=True, success_threshold=0.5))
+    step_dir(ck, 1).mkdir(parents=True)
+    run.state = {"step": 1, "model_version": 1, "checkpoint": str(step_dir(ck, 1)), "base_model": str(tmp_path)}
+    write_json_atomic(tmp_path / "state.json", run.state)
+    quiet = SimpleNamespace(pause=lambda: None, resume=lambda: None, drain=lambda timeout: {"drained": True},
+                            set_model_version=lambda v: None, state=lambda: {}, update=lambda **k: None)
+    run.proxy, run.progress = SimpleNamespace(control=quiet), quiet
+
+    def engine_swap(step, table, version, rep):
+        step_dir(ck, step).mkdir(parents=True)
+        return version + 1, step_dir(ck, step)
+
+    run._engine_swap = engine_swap
+    run._clock, run.reports = (time.monotonic(), 0.0), []
+    return run
+
+
+def test_a_swap_never_prunes_the_checkpoint_the_state_file_names(tmp_path):
+    """keep_last 1: until the step is recorded, state.json names the previous checkpoint; a crash
+    in between must leave it to resume from (prune deleted it)."""
+    import json
+    from pathlib import Path
+
+    run = _stub_run(tmp_path, keep_last=1)
+    run.swap(2, None, 1)
+    on_disk = json.loads((tmp_path / "state.json").read_text())
+    assert Path(on_disk["checkpoint"]).is_dir()
+
+
+def test_a_step_is_recorded_before_its_eval(tmp_path):
+    """The eval crashes after the swap: state.json already says this step and its version, so a
+    resume goes on from the new weights instead of giving their version number to other weights."""
+    import json
+    from types import SimpleNamespace
+
+    run = _stub_run(tmp_path)
+    group = SimpleNamespace(group_id="g", rollouts=[SimpleNamespace(reward=1.0, ok=True, duration_s=1.0)])
+    run.collect = lambda step: [group]
+    run._check_failures = lambda groups, first: None
+    run.scheduler = SimpleNamespace(in_flight={}, discarded=0, stream=SimpleNamespace(pos=7))
+
+    def update_phase(step, groups):
+        return run.swap(step, None, run.version)
+
+    def evaluate(version):
+        raise RuntimeError("killed during the eval")
+
+    run.update_phase, run.evaluate = update_phase, evaluate
+    with pytest.raises(RuntimeError, match="killed"):
+        run.step(2)
+    on_disk = json.loads((tmp_path / "state.json").read_text())
+    assert (on_disk["step"], on_disk["model_version"], on_disk["stream_pos"]) == (2, 2, 7)
+    assert on_disk["checkpoint"].endswith("step-000002")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_harness.schemas import SAMPLES
+from lightning_harness.trainer import checkpoint as ckpt
 from lightning_harness.trainer import update as U
 from lightning_harness.trainer.checkpoint import VERSION_FILE
 from lightning_harness.trainer.cli import step_command
@@ -267,3 +268,43 @@ def test_step_command_writes_a_checkpoint(tiny_model, tmp_path):
                                               str(tmp_path / "o2"), "--set", "lr_rate=1"])
     assert res.exit_code == 2 and "unknown key 'lr_rate' (did you mean 'lr'?)" in res.output
     assert "Traceback" not in res.output and not (tmp_path / "o2").exists()
+
+
+def test_checkpoints_after_a_resume_keep_the_tokenizer_and_the_configs_optimizer_settings(tiny_model, tmp_path):
+    """Resumed from checkpoints/step-3, whose folder prune removes two steps later: every new
+    checkpoint still holds the tokenizer (they lost it from the third step on), and the config's
+    optimizer settings win over the saved ones (only lr did)."""
+    from transformers import AutoTokenizer
+
+    from lightning_harness.trainer.config import UpdateConfig
+
+    ck = tmp_path / "checkpoints"
+    first = U.PolicyUpdater(tiny_model, UpdateConfig(device="cpu", lr=1e-3))
+    for step in (1, 2, 3):
+        out = first.save(ckpt.step_dir(ck, step), model_version=step, step=step)
+        ckpt.prune(ck, 2, protect=(str(out), str(tiny_model)))
+    cfg = UpdateConfig(device="cpu", lr=2e-3, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6)
+    resumed = U.PolicyUpdater(ckpt.step_dir(ck, 3), cfg)  # --resume
+    assert {k: resumed.optimizer.param_groups[0][k] for k in ("lr", "weight_decay", "betas", "eps")} == {
+        "lr": 2e-3, "weight_decay": 0.1, "betas": (0.8, 0.95), "eps": 1e-6}
+    for step in (4, 5, 6):
+        resumed.update(make_samples(seed=step))
+        out = resumed.save(ckpt.step_dir(ck, step), model_version=step, step=step)
+        ckpt.prune(ck, 2, protect=(str(out), str(tiny_model)))
+    assert sorted(p.name for p in ck.iterdir()) == ["step-000005", "step-000006"]
+    newest = ckpt.step_dir(ck, 6)
+    assert (newest / "tokenizer.json").read_bytes() == (tiny_model / "tokenizer.json").read_bytes()
+    assert len(AutoTokenizer.from_pretrained(newest)) == len(AutoTokenizer.from_pretrained(tiny_model))
+
+
+def test_a_step_skipped_for_a_non_finite_gradient_is_not_counted(tiny_model):
+    from lightning_harness.trainer.config import UpdateConfig
+
+    table = make_samples(seed=1).to_pylist()
+    table[0]["response_logprobs"] = [-9999.0] * len(table[0]["response_logprobs"])  # vLLM's -inf stand-in
+    updater = U.PolicyUpdater(tiny_model, UpdateConfig(device="cpu", lr=1e-3, tis_cap=0.0))
+    before = [p.detach().clone() for p in updater.model.parameters()]
+    m = updater.update(pa.Table.from_pylist(table, schema=SAMPLES))
+    moved = any(not torch.equal(a, b) for a, b in zip(before, updater.model.parameters()))
+    assert m["update/optimizer_steps"] + m["update/skipped_nonfinite"] >= 1
+    assert moved == (m["update/optimizer_steps"] > 0)  # reported steps are steps taken

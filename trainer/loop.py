@@ -109,10 +109,13 @@ class TrainingRun:
         rep.update(self.update_phase(step, groups))
         rep["time/step_s"] = time.monotonic() - t_step
         rep["time/elapsed_s"] = time.monotonic() - self._clock[0] + self._clock[1]
-        if (cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.after):
-            rep.update(self.evaluate(self.version))
+        # recorded now that its weights serve: a crash in the eval resumes after this step, so its
+        # version number is never given to other weights
         self.state.update(step=step, stream_pos=self.scheduler.stream.pos,
                           in_flight=list(self.scheduler.in_flight.values()))  # resubmitted by --resume
+        self._save_state(elapsed=rep["time/elapsed_s"])
+        if (cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.after):
+            rep.update(self.evaluate(self.version))
         self.metrics.log(step, rep)
         self._save_state(elapsed=rep["time/elapsed_s"])
         self.reports.append({"step": step, **rep})
@@ -224,8 +227,10 @@ class TrainingRun:
             ctl.resume()
         rep["time/pause_s"] = time.monotonic() - t_pause
         rep["model_version"] = new_version
+        on_disk = self.state["checkpoint"]  # what state.json names until the step is recorded: resumable
         self.state.update(model_version=new_version, checkpoint=str(ckpt))
-        prune(self.ckpt_dir, cfg.checkpoint.keep_last, protect=(self.state["checkpoint"], self.state["base_model"]))
+        prune(self.ckpt_dir, cfg.checkpoint.keep_last, protect=(self.state["checkpoint"], on_disk,
+                                                                  self.state["base_model"]))
         return rep
 
     def _engine_swap(self, step: int, table, version: int, rep: dict) -> tuple[int, Path]:

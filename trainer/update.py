@@ -312,7 +312,9 @@ class PolicyUpdater:
             weight_decay=self.cfg.weight_decay,
         )
         if load_optimizer and ckpt.load_optimizer_state(self.optimizer, self.model_dir, self.device):
-            self.set_lr(self.cfg.lr)  # the saved state carries the old lr; the config's wins
+            for group in self.optimizer.param_groups:  # the saved state carries the old settings; the config's win
+                group.update(lr=self.cfg.lr, betas=tuple(self.cfg.betas), eps=self.cfg.eps,
+                             weight_decay=self.cfg.weight_decay)
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) else 0
 
@@ -347,7 +349,7 @@ class PolicyUpdater:
         prox = None if single else self.frozen_logprobs(self.model, rows, useful)
         ref = self.frozen_logprobs(self.ref, rows, useful) if self.ref is not None else None
         sums: Counter[str] = Counter()
-        n_steps, grad_norms = 0, []
+        n_steps, skipped, grad_norms = 0, 0, []
         for _epoch in range(cfg.epochs):
             for group in _split_by_rollout(rows, cfg.mini_batches, self.gen):
                 n_units = _units([rows[i] for i in group], cfg.loss_mode)  # the whole mini-batch, before skipping
@@ -360,13 +362,15 @@ class PolicyUpdater:
                                                   ref=None if ref is None else [ref[i] for i in group])
                 sums.update(stats)
                 grad_norms.append(self._clip_and_step())
-                n_steps += 1
+                n_steps += math.isfinite(grad_norms[-1])  # a non-finite gradient: no step was taken
+                skipped += not math.isfinite(grad_norms[-1])
         tokens = max(sums.pop("tokens", 0.0), 1.0)
         m.update({f"update/{k}": v / tokens for k, v in sums.items() if k != "loss"})
         m.update({
             "update/loss": sums.get("loss", 0.0) / max(n_steps, 1),
             "update/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "update/optimizer_steps": n_steps,
+            "update/skipped_nonfinite": skipped,
             "update/tokens": tokens / cfg.epochs,
             "update/rollouts": len({rows[i].rollout_id for i in useful}),
             "update/time_s": time.monotonic() - t0,
@@ -442,5 +446,7 @@ class PolicyUpdater:
         ``model_version``."""
         info = {"model_version": model_version, "step": step, "base_model": str(self.base_dir),
                 "update": asdict(self.cfg)}
-        return ckpt.save_checkpoint(self.model, out_dir, source_dir=self.model_dir, version_info=info,
-                                    optimizer=self.optimizer if save_optimizer else None)
+        out = ckpt.save_checkpoint(self.model, out_dir, source_dir=self.model_dir, version_info=info,
+                                   optimizer=self.optimizer if save_optimizer else None)
+        self.model_dir = out  # the next save copies the tokenizer from here: a resumed run's start is pruned
+        return out
