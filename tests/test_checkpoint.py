@@ -56,4 +56,3 @@ def test_padded_rows_left_and_right():
     assert t.tolist() == [[1, 2, 9], [9, 9, 9], [3, 9, 9]]
     assert U.padded([[1, 2], [3]], 3, torch.long, left=True).tolist() == [[0, 1, 2], [0, 0, 3]]
     assert U.lengths_mask([0, 2], 3).tolist() == [[False, False, False], [True, True, False]]
-
