@@ -23,7 +23,7 @@ from lightning_harness.schemas.states import RolloutState
 
 from .command import render_command, substitute
 from .identity import RolloutSpec
-from .local import AttemptJob, AttemptOutcome
+from .local import MAX_LOG_BYTES, AttemptJob, AttemptOutcome
 from .proxy_link import ProxyLink
 from .results import RolloutResult
 from .rewards import Reward, RewardCancelled, RewardsTable, read_reward_file, run_reward_cmd, winner
@@ -225,4 +225,4 @@ def score(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outco
             raise RewardError(str(exc)) from None
         return run_reward_cmd(line, env,
                               timeout=s.batch.reward_timeout, cwd=s.batch.cwd, log_path=log_path,
-                              max_log_bytes=getattr(s.runner, "max_log_bytes", 1 << 20), cancel=cancel)
+                              max_log_bytes=getattr(s.runner, "max_log_bytes", MAX_LOG_BYTES), cancel=cancel)

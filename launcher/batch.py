@@ -32,7 +32,7 @@ from lightning_harness.schemas import PartWriter
 from lightning_harness.schemas.states import CANCELLED, FAILED, NO_REWARD, RETRY_FAILURES
 
 from .attempt import WORK_DIR, AttemptSettings, attempt_dir, make_result, run_attempt
-from .identity import GroupFn, RolloutSpec, plan_rollouts
+from .identity import GroupFn, RolloutSpec, check_run_id, plan_rollouts
 from .local import LocalRunner, utcnow
 from .progress import BatchProgress, BatchStats
 from .proxy_link import ProxyLink
@@ -515,6 +515,5 @@ def run_batch(tasks: Iterable[Task | Mapping[str, Any]], harness: Sequence[str] 
 
 def clean_work_dirs(traces_dir: str | Path, run_id: str) -> None:
     """Remove a run's per-attempt folders (logs included); rows in the tables stay."""
-    if "/" in run_id or run_id in ("", ".", ".."):
-        raise ValueError(f"{run_id!r} is not a run id")
+    check_run_id(run_id)
     shutil.rmtree(Path(traces_dir) / WORK_DIR / run_id, ignore_errors=True)

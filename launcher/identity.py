@@ -72,6 +72,12 @@ class RolloutSpec:
         return rollout_user(self.rollout_id, attempt)  # checks the attempt (the id was checked at init)
 
 
+def check_run_id(run_id: str) -> None:
+    """A run id names a folder under ``TRACES/launch`` and starts every rollout id (``~`` separates)."""
+    if "~" in run_id or "/" in run_id or run_id in ("", ".", ".."):
+        raise ValueError(f"run id {run_id!r} may not be empty, '.' or '..', nor contain '~' or '/'")
+
+
 def plan_rollouts(
     tasks: Sequence[Task],
     *,
@@ -84,8 +90,7 @@ def plan_rollouts(
     """tasks x samples -> specs, group by group (all samples of a task adjacent, so groups finish early)."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    if "~" in run_id or "/" in run_id or run_id in ("", ".", ".."):  # it names a folder under TRACES/launch
-        raise ValueError(f"run id {run_id!r} may not be empty, '.' or '..', nor contain '~' or '/'")
+    check_run_id(run_id)
     specs: list[RolloutSpec] = []
     seen: set[str] = set()
     for task in tasks:

@@ -30,7 +30,7 @@ import yaml
 
 from lightning_harness.proxy.client import SECRET_VARS
 
-from .local import AttemptJob, AttemptOutcome, trim_to_tail, utcnow
+from .local import MAX_LOG_BYTES, AttemptJob, AttemptOutcome, trim_to_tail, utcnow
 from .proxy_link import ProxyLink
 
 IN_DIR = "/lightning/in"
@@ -267,7 +267,7 @@ class K8sRunner:
         keep: bool = False,
         ttl_seconds: int = 600,
         log_tail_lines: int = 2000,
-        max_log_bytes: int = 1 << 20,
+        max_log_bytes: int = MAX_LOG_BYTES,
     ) -> None:
         self.template = template.read_text() if isinstance(template, Path) else str(template)
         self.namespace = namespace

@@ -106,6 +106,9 @@ def open_log(path: Path) -> BinaryIO:
     return os.fdopen(open_regular(path, flags | os.O_EXCL), "a+b")
 
 
+MAX_LOG_BYTES = 1 << 20  # an attempt log keeps its last MiB (harness, pod and scorer output alike)
+
+
 def trim_to_tail(path: Path, max_bytes: int, log: BinaryIO | None = None) -> None:
     """Keep only the last ``max_bytes`` of a log (marking the cut) so logs stay small.
 
@@ -144,7 +147,7 @@ class LocalRunner:
 
     name = "local"
 
-    def __init__(self, *, kill_grace: float = 3.0, max_log_bytes: int = 1 << 20, run_as=None) -> None:
+    def __init__(self, *, kill_grace: float = 3.0, max_log_bytes: int = MAX_LOG_BYTES, run_as=None) -> None:
         """``run_as``: a user (``RunAs`` spec) or several, one per attempt running at once (launcher/runas.py)."""
         self.kill_grace = kill_grace
         self.max_log_bytes = max_log_bytes

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from lightning_harness.schemas.rewards import RewardError, parse_reward, precedence
 
-from .local import launcher_env, open_log, open_regular, trim_to_tail
+from .local import MAX_LOG_BYTES, launcher_env, open_log, open_regular, trim_to_tail
 from .proctree import finish_tree, start_tree
 
 MAX_REWARD_FILE = 1 << 16  # a reward is a number and a little info; more is not a reward
@@ -71,7 +71,7 @@ def run_reward_cmd(
     timeout: float = 300.0,
     cwd: str | None = None,
     log_path: Path | None = None,
-    max_log_bytes: int = 1 << 20,
+    max_log_bytes: int = MAX_LOG_BYTES,
     cancel: threading.Event | None = None,
 ) -> Reward:
     """Run the scorer (a shell command line) and parse the last non-empty line of its stdout (read

@@ -205,8 +205,8 @@ def request_messages(endpoint: str | None, request: dict) -> list[dict]:
     """The conversation a call sent, whatever the API (chat, Messages, Responses, completions)."""
     request = _chat_form(endpoint, request, {})[0]
     if "messages" in request:
-        messages = request.get("messages")
-        return [_message(m) for m in messages] if isinstance(messages, list) else [_message(messages)]
+        messages = request.get("messages") or []
+        return [_message(m) for m in (messages if isinstance(messages, list) else [messages])]
     if "prompt" in request:
         return [{"role": "prompt", "content": _text(request.get("prompt")), "tool_calls": []}]
     return []
