@@ -24,6 +24,7 @@ from lightning_harness.proxy.config import CONTROL_TOKEN_VAR, TOKEN_VAR, ProxyCo
 from lightning_harness.schemas.states import FINISHED, RETRY_FAILURES
 
 from .identity import batch_run_id
+from .local import passed_env
 from .proxy_link import ProxyLink
 from .tasks import TaskFileError, load_tasks
 
@@ -116,6 +117,10 @@ def main() -> None:
 @click.option("--cwd", type=click.Path(exists=True, file_okay=False),
               help="Working directory of the harnesses. [default: here]")
 @click.option("--env", "extra_env", multiple=True, help="KEY=VALUE added to every harness environment. Repeatable.")
+@click.option("--pass-env", "pass_env", multiple=True, metavar="NAME",
+              help="Pass this variable of the launcher's environment (glob: 'HF_*') to every harness and scorer. "
+                   "Unasked they get only PATH, HOME, USER, SHELL, locale, TMPDIR, PYTHONPATH, VIRTUAL_ENV: "
+                   "harnesses run model-written commands. Repeatable.")
 @click.option("--service", metavar="CMD",
               help="Shell command of a harness service started once before the rollouts and stopped after: it and "
                    "every harness get its Unix socket path as LIGHTNING_HARNESS_SERVICE (launcher/service.py).")
@@ -139,7 +144,7 @@ def run(task_file, harness_argv, shell_cmd, **opts) -> None:
     o = SimpleNamespace(**opts)
     harness = _harness(shell_cmd, harness_argv, o)
     try:
-        env = parse_pairs(o.extra_env, "--env")
+        env = o.harness_env = {**passed_env(o.pass_env), **parse_pairs(o.extra_env, "--env")}
         tasks = load_tasks(task_file, id_field=o.id_field, limit=o.limit, private_fields=o.private_fields)
     except (TaskFileError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -313,7 +318,7 @@ def _start_service(stack, checks, o) -> dict[str, str]:
     if o.run_as or o.k8s_template:
         raise click.UsageError("--service runs beside local harnesses of one user: not with --run-as or --k8s")
     log = o.traces / "launch" / "harness-service.log"
-    service = HarnessService(o.service, cwd=o.cwd or ".", log_path=log)
+    service = HarnessService(o.service, cwd=o.cwd or ".", log_path=log, env=o.harness_env)
     stack.callback(service.stop)
     service.start()
     checks.append(lambda: None if (code := exit_code(service.process)) is None

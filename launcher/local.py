@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import datetime as dt
 import errno
+import fnmatch
 import os
 import shutil
 import stat
 import subprocess
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -32,10 +33,33 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def launcher_env(extra: Mapping[str, str]) -> dict[str, str]:
-    """What a harness or reward command starts from: the launcher's environment without its own
-    LIGHTNING_* (control tokens stay with us), plus ``extra``."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_")}, **extra}
+# What a harness or scorer inherits from the launcher's environment unasked: where programs and
+# their libraries are, who and where it is, its locale. Nothing else: the launcher's environment
+# often holds cloud, hub or CI credentials, and a harness runs model-written commands.
+INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TZ", "TERM",
+                 "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
+
+
+def launcher_env(extra: Mapping[str, str], inherit: Iterable[str] = INHERITED_ENV) -> dict[str, str]:
+    """What a harness or reward command starts from: the launcher's variables named in ``inherit``
+    (glob patterns; never its own LIGHTNING_*: control tokens stay with us), plus ``extra``."""
+    keep = tuple(inherit)
+    return {**{k: v for k, v in os.environ.items()
+               if not k.startswith("LIGHTNING_") and any(fnmatch.fnmatchcase(k, p) for p in keep)}, **extra}
+
+
+def passed_env(patterns: Iterable[str]) -> dict[str, str]:
+    """``--pass-env``: the launcher's variables matching ``patterns`` (its LIGHTNING_* never), to add
+    to every harness's and scorer's environment like ``--env``. A pattern that names no variable of
+    the launcher's environment is an error: a misspelt name would otherwise pass nothing silently."""
+    patterns = tuple(patterns)
+    if own := [p for p in patterns if p.startswith("LIGHTNING_")]:
+        raise ValueError(f"--pass-env: the launcher's LIGHTNING_* variables are never passed ({', '.join(own)})")
+    got = launcher_env({}, patterns)
+    missing = [p for p in patterns if not any(fnmatch.fnmatchcase(k, p) for k in got)]
+    if missing:
+        raise ValueError(f"--pass-env: no variable of the launcher's environment matches {', '.join(missing)}")
+    return got
 
 
 @dataclass

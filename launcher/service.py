@@ -6,11 +6,12 @@ service keeps the agent imported; each rollout's command stays a separate, attri
 own proxy credential, folder, log, timeout and kill), only lighter: it hands its task and its
 ``OPENAI_BASE_URL`` to the service and waits for the answer.
 
-The service gets the launcher's environment (no rollout identity, no proxy credential) plus
-``LIGHTNING_HARNESS_SERVICE``, the socket path it must listen on; every harness gets the same
-variable. It starts once, before the first rollout, in its own session, and its group is ended
-when the run stops. What the service runs for a rollout is still bound by that rollout's
-credential: the proxy refuses it once the attempt has ended.
+The service gets what a harness gets of the launcher's environment (``launcher_env``: no
+credentials of the launcher's, no rollout identity, no proxy credential), the run's ``--env`` and
+``--pass-env`` variables, and ``LIGHTNING_HARNESS_SERVICE``, the socket path it must listen on;
+every harness gets the same variable. It starts once, before the first rollout, in its own
+session, and its group is ended when the run stops. What the service runs for a rollout is still
+bound by that rollout's credential: the proxy refuses it once the attempt has ended.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from typing import Any
 
 from lightning_harness.process import direct_env, start_in_session, stop_group, wait_ready
@@ -32,12 +34,14 @@ SERVICE_VAR = "LIGHTNING_HARNESS_SERVICE"
 class HarnessService:
     """``command`` (argv list or shell line) run in ``cwd``, ready once ``socket_path`` accepts."""
 
-    def __init__(self, command: Any, *, cwd: str | os.PathLike, log_path: str | os.PathLike) -> None:
+    def __init__(self, command: Any, *, cwd: str | os.PathLike, log_path: str | os.PathLike,
+                 env: Mapping[str, str] | None = None) -> None:
         self.argv = ["/bin/sh", "-c", command] if isinstance(command, str) else [str(a) for a in command]
         self.cwd = str(cwd)
         # in a fresh folder only its owner can enter (a socket path must also stay under ~108 bytes)
         self.socket_path = os.path.join(tempfile.mkdtemp(prefix="lightning-service-"), "harness.sock")
         self.log_path = str(log_path)
+        self.extra_env = dict(env or {})  # what the harnesses get besides Contract 2 (--env, --pass-env)
         self.process: subprocess.Popen | None = None
 
     @property
@@ -46,7 +50,8 @@ class HarnessService:
         return {SERVICE_VAR: self.socket_path}
 
     def start(self, timeout: float = 120.0) -> HarnessService:
-        self.process = start_in_session(self.argv, self.log_path, direct_env(launcher_env(self.env)), cwd=self.cwd)
+        env = direct_env(launcher_env({**self.extra_env, **self.env}))
+        self.process = start_in_session(self.argv, self.log_path, env, cwd=self.cwd)
         try:
             wait_ready(self._accepts, timeout, what="harness service", proc=self.process, log_path=self.log_path)
         except Exception:

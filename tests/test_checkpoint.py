@@ -56,3 +56,24 @@ def test_padded_rows_left_and_right():
     assert t.tolist() == [[1, 2, 9], [9, 9, 9], [3, 9, 9]]
     assert U.padded([[1, 2], [3]], 3, torch.long, left=True).tolist() == [[0, 1, 2], [0, 0, 3]]
     assert U.lengths_mask([0, 2], 3).tolist() == [[False, False, False], [True, True, False]]
+
+
+def test_a_checkpoint_is_on_disk_before_its_name_is(tmp_path, monkeypatch):
+    """Every file of a checkpoint (weights, optimizer state, version stamp) and its folder are flushed
+    before the rename that names it, and the parent folder after it: the trainer's state file may
+    name it as the one to resume from right after."""
+    import os
+
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(C.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(C.os, "replace", lambda a, b: (renamed.append(len(synced)), real_replace(a, b)))
+    model = torch.nn.Linear(2, 2)
+    model.save_pretrained = lambda d, **_: torch.save(model.state_dict(), f"{d}/weights.pt")
+    opt = torch.optim.AdamW(model.parameters())
+    out = C.save_checkpoint(model, tmp_path / "step-000001", source_dir=tmp_path, version_info={"model_version": 1},
+                            optimizer=opt)
+    before = [p.replace(".step-000001.tmp", "step-000001") for p in synced[:renamed[0]]]
+    for path in ("weights.pt", "trainer_state/optimizer.pt", "trainer_state", C.VERSION_FILE, ""):
+        assert str(out / path).rstrip("/") in before, path
+    assert synced[renamed[0]:] == [str(tmp_path)]

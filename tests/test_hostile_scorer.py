@@ -84,12 +84,13 @@ def test_the_scorer_reads_private_fields_from_a_file_outside_the_traces(tmp_path
 
 def test_what_a_harness_wrote_is_recorded_masked(tmp_path, monkeypatch):
     key = "sk-proj-" + "Zq3vT9xW2kLm8Np4Rs7Yb1Hc6Fd0Gj5E"
-    monkeypatch.setenv("OPENAI_API_KEY", key)
+    monkeypatch.setenv("OPENAI_API_KEY", key)  # the launcher's key, which its harnesses get only when passed
+    given = {"OPENAI_API_KEY": key}
     (bad,) = run_batch([{"id": "t"}], 'echo "$OPENAI_API_KEY" > "$LIGHTNING_REWARD_FILE"', traces_dir=tmp_path / "a",
-                       run_id="a")
+                       run_id="a", extra_env=given)
     assert bad.state == NO_REWARD and key not in bad.error and "[REDACTED]" in bad.error
     (good,) = run_batch([{"id": "t"}], 'printf \'{"reward": 1, "info": {"k": "%s"}}\' "$OPENAI_API_KEY" '
-                        '> "$LIGHTNING_REWARD_FILE"', traces_dir=tmp_path / "b", run_id="b")
+                        '> "$LIGHTNING_REWARD_FILE"', traces_dir=tmp_path / "b", run_id="b", extra_env=given)
     assert good.reward == 1.0
     for table, column in (("rollouts", "error"), ("rewards", "info_json")):
         assert key not in str(read_table(tmp_path / ("a" if table == "rollouts" else "b"), table)[column].to_pylist())

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -40,6 +41,25 @@ def test_shared_proxy_flags_reach_the_started_proxy(tmp_path, write_tasks, stub_
         join read_parquet('{traces}/spans/**/*.parquet') s using (rollout_id, attempt)
         group by 1, 2 order by 1"""
     assert duckdb.sql(q).fetchall() == [("q1", 1.0, 2), ("q2", 1.0, 1)]  # --env KEY=a=b split at the first '='
+
+
+def test_harnesses_get_no_launcher_credentials_unless_passed_by_name(tmp_path, write_tasks, stub_upstream):
+    """A harness runs model-written commands: of the launcher's environment it gets PATH, HOME and
+    the like, a variable named by --pass-env, never the launcher's other variables (a cloud key)."""
+    tasks = write_tasks([{"id": "q1", "turns": 1, "reward": 1.0}])
+    traces = tmp_path / "traces"
+    show = ('import json,os; json.dump({k: os.environ.get(k) for k in ("AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "PATH")}, '
+            'open(os.path.join(os.environ["LIGHTNING_OUTPUT_DIR"], "env.json"), "w"))')
+    cmd = [sys.executable, "-m", "lightning_harness.launcher.cli", "run", str(tasks), "--traces", str(traces),
+           "--upstream", stub_upstream, "--no-progress", "--pass-env", "HF_*", "--", sys.executable, "-c", show]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_PROXY")}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                         env={**env, "AWS_SECRET_ACCESS_KEY": "cloud-secret", "HF_TOKEN": "hub-token"})
+    assert res.returncode == 0, res.stderr
+    seen = json.loads(next(traces.glob("launch/*/*/0/out/env.json")).read_text())
+    assert seen == {"AWS_SECRET_ACCESS_KEY": None, "HF_TOKEN": "hub-token", "PATH": os.environ["PATH"]}
+    res = launch(tasks, "--traces", traces, "--upstream", stub_upstream, "--pass-env", "NOT_SET_ANYWHERE", "--", "true")
+    assert res.returncode == 2 and "no variable of the launcher's environment matches NOT_SET_ANYWHERE" in res.stderr
 
 
 def test_bad_key_value_is_a_usage_error(tmp_path, write_tasks, stub_upstream):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import os
 import uuid
 
 import pytest
 
+from lightning_harness.launcher.local import passed_env
 from lightning_harness.launcher.rewards import RewardError, RewardsTable, parse_reward, read_reward_file, run_reward_cmd
 from lightning_harness.schemas import PartWriter
 
@@ -50,15 +52,26 @@ def test_reward_cmd_reads_last_line_and_reports_failures(tmp_path):
         run_reward_cmd("sleep 30", env, timeout=0.5)
 
 
-def test_reward_cmd_starts_from_the_launcher_environment_without_its_lightning_variables(tmp_path, monkeypatch):
-    """The scorer gets the launcher's environment (PATH, HOME) and the variables it is given, never the
-    launcher's own LIGHTNING_* (the proxy's control token), like a harness (launcher/local.py launcher_env)."""
+def test_reward_cmd_gets_of_the_launcher_environment_only_what_a_harness_does(tmp_path, monkeypatch):
+    """The scorer (which runs model-written code: the patch's tests) gets PATH, HOME and the variables
+    it is given, never the launcher's own LIGHTNING_* (the proxy's control token) or its other
+    variables (credentials) unless passed by name (launcher/local.py launcher_env, passed_env)."""
     monkeypatch.setenv("LIGHTNING_PROXY_CONTROL_TOKEN", "secret-control")
     monkeypatch.setenv("LH_FROM_LAUNCHER", "kept")
-    show = "import json,os; print(json.dumps({'reward': 1, 'info': {k: os.environ.get(k) for k in " \
-           "('LIGHTNING_PROXY_CONTROL_TOKEN', 'LH_FROM_LAUNCHER', 'LIGHTNING_TASK')}}))"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "cloud-secret")
+    names = ('LIGHTNING_PROXY_CONTROL_TOKEN', 'LH_FROM_LAUNCHER', 'AWS_SECRET_ACCESS_KEY', 'LIGHTNING_TASK', 'HOME')
+    show = f"import json,os; print(json.dumps({{'reward': 1, 'info': {{k: os.environ.get(k) for k in {names}}}}}))"
     got = run_reward_cmd(f'python3 -c "{show}"', {"LIGHTNING_TASK": "{}"})
-    assert got.info == {"LIGHTNING_PROXY_CONTROL_TOKEN": None, "LH_FROM_LAUNCHER": "kept", "LIGHTNING_TASK": "{}"}
+    assert got.info == {"LIGHTNING_PROXY_CONTROL_TOKEN": None, "LH_FROM_LAUNCHER": None,
+                        "AWS_SECRET_ACCESS_KEY": None, "LIGHTNING_TASK": "{}", "HOME": os.environ["HOME"]}
+    passed = passed_env(["LH_*", "*_FROM_LAUNCHER"])
+    assert passed == {"LH_FROM_LAUNCHER": "kept"}
+    got = run_reward_cmd(f'python3 -c "{show}"', {"LIGHTNING_TASK": "{}", **passed})
+    assert got.info["LH_FROM_LAUNCHER"] == "kept" and got.info["AWS_SECRET_ACCESS_KEY"] is None
+    with pytest.raises(ValueError, match="NO_SUCH_VAR"):
+        passed_env(["LH_*", "NO_SUCH_VAR"])
+    with pytest.raises(ValueError, match="never passed"):
+        passed_env(["LIGHTNING_PROXY_CONTROL_TOKEN"])
 
 
 def _reward_row(rid, attempt, value, source="proxy", at=None):

@@ -231,7 +231,7 @@ def test_a_step_is_recorded_before_its_eval(tmp_path):
     group = SimpleNamespace(group_id="g", rollouts=[SimpleNamespace(reward=1.0, ok=True, duration_s=1.0)])
     run.collect = lambda step: [group]
     run._check_failures = lambda groups, first: None
-    run.scheduler = SimpleNamespace(in_flight={}, discarded=0, stream=SimpleNamespace(pos=7))
+    run.scheduler = SimpleNamespace(in_flight={}, discarded=3, stream=SimpleNamespace(pos=7))
 
     def update_phase(step, groups):
         return run.swap(step, None, run.version)
@@ -245,3 +245,4 @@ def test_a_step_is_recorded_before_its_eval(tmp_path):
     on_disk = json.loads((tmp_path / "state.json").read_text())
     assert (on_disk["step"], on_disk["model_version"], on_disk["stream_pos"]) == (2, 2, 7)
     assert on_disk["checkpoint"].endswith("step-000002")
+    assert on_disk["discarded_groups"] == 3  # cumulative: --resume starts counting from it

@@ -45,6 +45,21 @@ def test_rollout_without_reward_is_dropped_by_default_and_penalized_explicitly(m
     assert [adv[k] for k in "abcf"] == pytest.approx(expect.tolist(), rel=1e-5)
 
 
+def test_a_retried_attempt_is_no_group_member_whatever_the_failure_policy(make_traces):
+    """A rollout whose attempt 0 failed and was retried is one member of its group (attempt 1): under
+    keep or penalize the failed try must not join the group beside its retry."""
+    d = make_traces(
+        spans=[_one_call("a"), _one_call("b"), span("b", 0, [1, 2], [10, 11], attempt=1)],
+        rollouts=[rollout("a", reward=1.0), rollout("b", state="failed", reward=0.5),
+                  rollout("b", attempt=1, reward=0.0)],
+    )
+    for kw in ({}, {"failed_policy": "keep"}, {"failed_policy": "penalize", "failed_reward": -1.0}):
+        table, stats = build_samples(d, **kw)
+        got = sorted(zip(table["rollout_id"].to_pylist(), table["attempt"].to_pylist(), table["reward"].to_pylist()))
+        assert got == [("a", 0, 1.0), ("b", 1, 0.0)], kw
+        assert stats["rollouts_superseded"] == 1 and stats["adv_n_rollouts"] == 2
+
+
 def test_group_with_equal_rewards_is_reported_and_carries_no_signal(make_traces):
     d = make_traces(
         spans=[_one_call(x) for x in ("a", "b", "c", "d", "e")],

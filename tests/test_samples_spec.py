@@ -20,13 +20,16 @@ from lightning_harness.trainer.samples import build_samples
 
 def spec_samples(traces: Path) -> dict[str, tuple]:
     """sample id -> (prompt, response, mask, logprobs, n_calls) by the plain rule, from the stored
-    spans (calls that ended in an error are not trained on)."""
-    calls = defaultdict(list)
+    spans (calls that ended in an error are not trained on, nor attempts that were retried)."""
+    calls, last = defaultdict(list), defaultdict(int)
     for s in read_table(traces, "spans").to_pylist():
+        last[s["rollout_id"]] = max(last[s["rollout_id"]], s["attempt"] or 0)
         if s["error_kind"] is None and s["rollout_id"] is not None:
             calls[(s["rollout_id"], s["attempt"] or 0)].append(s)
     out = {}
     for (rid, attempt), rows in calls.items():
+        if attempt < last[rid]:
+            continue
         rows.sort(key=lambda c: (c["seq"], c["started_at"]))
         merged = merge_calls((c["prompt_token_ids"], c["response_token_ids"], c["response_logprobs"]) for c in rows)
         out.update({f"{rid}~{attempt}~{i}": (m.prompt, m.response, m.mask, m.logprobs, m.n_calls)
@@ -91,7 +94,9 @@ def test_fast_path_follows_the_rule_on_generated_rollouts(make_traces, monkeypat
     for r in range(60):
         for attempt in range(1 + (r % 7 == 0)):
             spans += _rollout_spans(rng, f"r{r:03d}", attempt)
-            rollouts.append(rollout(f"r{r:03d}", attempt=attempt, reward=float(r % 3), group_id=f"g{r % 5}"))
+            state = "failed" if attempt == 0 and r % 7 == 0 else "succeeded"  # retried after a failure
+            rollouts.append(rollout(f"r{r:03d}", attempt=attempt, state=state, reward=float(r % 3),
+                                    group_id=f"g{r % 5}"))
     rng.shuffle(spans)  # storage order must not matter
     stats = assert_samples_follow_the_rule(make_traces(spans=spans, rollouts=rollouts))
     # every break kind and every path ran

@@ -308,3 +308,44 @@ def test_a_step_skipped_for_a_non_finite_gradient_is_not_counted(tiny_model):
     moved = any(not torch.equal(a, b) for a, b in zip(before, updater.model.parameters()))
     assert m["update/optimizer_steps"] + m["update/skipped_nonfinite"] >= 1
     assert moved == (m["update/optimizer_steps"] > 0)  # reported steps are steps taken
+
+
+def test_a_response_cut_at_max_seq_len_leaves_its_rollout_counting_once(tiny_model):
+    """A sample cut at max_seq_len loses tokens, not weight: the update re-derives the kept tokens'
+    weights, so the gradient equals that of the same samples cut before their weights were built."""
+    rows = make_samples(seed=3, n_rollouts=3).to_pylist()
+    cut = []
+    for r in rows:
+        room = 16 - len(r["prompt_token_ids"])
+        cut.append({**r, **{k: r[k][:room] for k in ("response_token_ids", "response_mask", "response_logprobs")}})
+    for rid in {r["rollout_id"] for r in cut}:
+        tokens = sum(sum(r["response_mask"]) for r in cut if r["rollout_id"] == rid)
+        for r in cut:
+            r["loss_weight"] = 1.0 / tokens if r["rollout_id"] == rid else r["loss_weight"]
+    up = U.PolicyUpdater(tiny_model, U.UpdateConfig(micro_batch_size=4))
+    grads, infos = [], []
+    for table, seq_len in ((pa.Table.from_pylist(rows, schema=SAMPLES), 16),
+                           (pa.Table.from_pylist(cut, schema=SAMPLES), None)):
+        samples, info = U.table_to_samples(table, seq_len, "rollout")
+        infos.append(info["truncated"])
+        for key in {s.rollout_id for s in samples}:
+            assert sum(s.loss_weight * sum(s.mask) for s in samples if s.rollout_id == key) == pytest.approx(1.0)
+        up.optimizer.zero_grad(set_to_none=True)
+        up.accumulate_gradients(samples)
+        grads.append(torch.cat([p.grad.flatten() for p in up.model.parameters()]))
+    assert infos[0] > 0 and infos[1] == 0
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_a_resumed_run_deals_its_mini_batches_as_an_unbroken_run(tiny_model, tmp_path):
+    """With several mini-batches the rollouts are shuffled each step; resumed from the step-1
+    checkpoint, step 2 must be dealt (and so end in the weights) as in a run that never stopped."""
+    cfg = U.UpdateConfig(device="cpu", lr=1e-2, mini_batches=3, seed=7)
+    straight = U.PolicyUpdater(tiny_model, cfg)
+    straight.update(make_samples(seed=11))
+    saved = straight.save(ckpt.step_dir(tmp_path, 1), model_version=1, step=1)
+    straight.update(make_samples(seed=12))
+    resumed = U.PolicyUpdater(saved, cfg)
+    resumed.update(make_samples(seed=12))
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -14,7 +14,8 @@ The estimators follow verl 0.9 exactly (checked by tests/test_verl_parity.py):
 
 Failed, timed-out and reward-less rollouts never get a silent 0: ``apply_failure_policy`` decides
 explicitly (drop them, keep failed ones that did report a reward, or give them a stated penalty
-reward) and says how many it touched. A group whose members all got the same reward yields
+reward) and says how many it touched. An attempt that was retried never reaches it: its retry is
+the rollout's member of the group (``samples._kept_rollouts``). A group whose members all got the same reward yields
 advantage 0 for all of them: it carries no signal and is reported by ``group_advantages``.
 """
 

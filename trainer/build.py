@@ -33,6 +33,8 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
         t.add_row(name, str(value), meaning)
 
     row("rollouts selected", stats["rollouts_selected"])
+    if stats.get("rollouts_superseded"):
+        row("attempts retried", stats["rollouts_superseded"], "left out: a later attempt took their place")
     by_state = ", ".join(f"{k} {v}" for k, v in stats["rollouts_by_state"].items() if v)
     row("rollouts dropped", stats["rollouts_dropped"], f"policy {stats['failed_policy']}: {by_state or 'none'}")
     row("spans read", stats["spans_read"])
@@ -80,7 +82,7 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
 @click.option("--no-std", is_flag=True, help="GRPO without dividing by the group std (Dr. GRPO).")
 @click.option("--failed-policy", type=click.Choice(FAILED_POLICIES), default="drop", show_default=True,
               help="Failed / timed-out / reward-less rollouts: drop them, keep failed ones with a reward, or give them "
-                   "--failed-reward.")
+                   "--failed-reward. A retried attempt is never a member: its retry is.")
 @click.option("--failed-reward", type=float, default=None,
               help="Reward given by --failed-policy penalize (required there).")
 @click.option("--weight-mode", type=click.Choice(WEIGHT_MODES), default="rollout",

@@ -84,10 +84,25 @@ def save_checkpoint(model: torch.nn.Module, out_dir: str | os.PathLike, *, sourc
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
     info = {**version_info, "saved_at": _dt.datetime.now(_dt.UTC).isoformat()}
     (tmp / VERSION_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    _sync_tree(tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
+    _sync_tree(out.parent, files=False)
     return out
+
+
+def _sync_tree(folder: Path, files: bool = True) -> None:
+    """Flush a folder (and, with ``files``, everything in it) to disk. Why: the trainer's state file
+    (fsynced) names this checkpoint as the one to resume from; after a power loss the name must not
+    point at a folder whose files the kernel never wrote."""
+    inside = [p for p in folder.rglob("*") if not p.is_symlink()] if files else []
+    for path in [*inside, folder]:  # files and subfolders first, the folder holding their names last
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def prune(ckpt_dir: str | os.PathLike, keep_last: int, protect: tuple[str | os.PathLike, ...] = ()) -> None:

@@ -112,6 +112,8 @@ class HarnessConfig(Section):
     timeout_s: float = 300.0  # per rollout attempt
     retries: int = 0
     env: dict = field(default_factory=dict)  # extra environment for every harness
+    pass_env: list = field(default_factory=list)  # the trainer's variables to pass on (glob: 'HF_*'); unasked a
+    #   harness gets only PATH, HOME, USER, SHELL, locale, TMPDIR, PYTHONPATH, VIRTUAL_ENV (launcher --pass-env)
     concurrency: int = 16  # harness processes alive at once
     model_name: str | None = None  # model name the harness asks for (mapped to the served model)
     service: Any = None  # optional long-lived helper the harness commands talk to (an agent kept imported):

@@ -77,6 +77,7 @@ class TrainingRun:
         self.metrics = MetricsLog(self.traces, cfg.run_id, self._open_trackers(),
                                   warn=lambda msg: self.progress.print(msg, markup=False))
         self.scheduler = Scheduler(self.schedule, self.train_tasks, cfg.seed, int(self.state.get("stream_pos", 0)))
+        self.scheduler.discarded = int(self.state.get("discarded_groups", 0))  # a cumulative count, across --resume
         self._clock = (time.monotonic(), float(self.state.get("elapsed_s", 0.0)))  # elapsed across --resume
         try:
             self.start_services()
@@ -111,7 +112,7 @@ class TrainingRun:
         rep["time/elapsed_s"] = time.monotonic() - self._clock[0] + self._clock[1]
         # recorded now that its weights serve: a crash in the eval resumes after this step, so its
         # version number is never given to other weights
-        self.state.update(step=step, stream_pos=self.scheduler.stream.pos,
+        self.state.update(step=step, stream_pos=self.scheduler.stream.pos, discarded_groups=self.scheduler.discarded,
                           in_flight=list(self.scheduler.in_flight.values()))  # resubmitted by --resume
         self._save_state(elapsed=rep["time/elapsed_s"])
         if (cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.after):
@@ -407,7 +408,7 @@ class TrainingRun:
         h = self.cfg.harness
         self.progress.update(phase="starting the harness service")
         self.service = HarnessService(fill(h.service, {"python": sys.executable}), cwd=self._harness_cwd(),
-                                      log_path=self.logs / "harness-service.log").start()
+                                      log_path=self.logs / "harness-service.log", env=self._harness_env()).start()
         self._record_children()
         self.progress.print(f"harness service ready at {self.service.socket_path}")
 
@@ -425,9 +426,7 @@ class TrainingRun:
         from lightning_harness.launcher.batch import BatchSettings
 
         c, h = self.cfg, self.cfg.harness
-        env = {str(k): str(v) for k, v in (h.env or {}).items()}
-        if h.model_name:
-            env.setdefault("OPENAI_MODEL", h.model_name)
+        env = self._harness_env()
         if self.service is not None:
             env.update(self.service.env)
         settings = BatchSettings(
@@ -436,6 +435,17 @@ class TrainingRun:
             cwd=self._harness_cwd(), extra_env=env, **fields)
         values = {"temperature": temperature, "max_tokens": c.rollout.max_tokens or "", "python": sys.executable}
         return fill(command, values), settings
+
+    def _harness_env(self) -> dict[str, str]:
+        """What every harness (and the harness service) gets besides Contract 2: ``harness.pass_env``
+        from the trainer's environment, ``harness.env``, and the model name it asks for."""
+        from lightning_harness.launcher.local import passed_env
+
+        h = self.cfg.harness
+        env = {**passed_env(h.pass_env or ()), **{str(k): str(v) for k, v in (h.env or {}).items()}}
+        if h.model_name:
+            env.setdefault("OPENAI_MODEL", h.model_name)
+        return env
 
     def _harness_cwd(self) -> str:
         c = self.cfg

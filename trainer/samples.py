@@ -232,9 +232,13 @@ def _select_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions) -> pa.
         params["rollouts"] = list(opts.rollouts)
     if opts.where:
         preds.append(f"({opts.where})")
+    # an attempt followed by another of the same rollout (a retry) is superseded: the retry took its
+    # place in the group, so it is no member of it whatever the failure policy says of its state
     sql = f"""
-        SELECT rollout_id, attempt, task_id, step, state, reward, CAST(({opts.group_by}) AS VARCHAR) AS group_key
-        FROM rollouts WHERE {" AND ".join(preds) or "TRUE"}
+        SELECT rollout_id, attempt, task_id, step, state, reward, CAST(({opts.group_by}) AS VARCHAR) AS group_key,
+               superseded
+        FROM (SELECT *, attempt < max(attempt) OVER (PARTITION BY rollout_id) AS superseded FROM rollouts)
+        WHERE {" AND ".join(preds) or "TRUE"}
         ORDER BY rollout_id, attempt
     """
     try:
@@ -254,8 +258,11 @@ class _Kept:
 
 
 def _kept_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions, stats: dict) -> _Kept:
-    """Failure policy and group advantages, one row per rollout."""
+    """Failure policy and group advantages, one row per rollout (its last attempt)."""
     ro = _select_rollouts(con, opts)
+    superseded = ro["superseded"].to_numpy(zero_copy_only=False)
+    stats["rollouts_superseded"] = int(superseded.sum())
+    ro = ro.filter(pa.array(~superseded)).drop_columns(["superseded"])
     rewards = ro["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
     states = np.asarray(ro["state"].to_pylist(), dtype=object)
     keep, eff_reward, fcounts = adv_mod.apply_failure_policy(rewards, states, policy=opts.failed_policy,

@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from ..launcher.engine import detect_device
 from . import checkpoint as ckpt
 from .config import UpdateConfig
-from .weights import aggregate_loss, rollout_index, rollout_key
+from .weights import aggregate_loss, loss_weights, rollout_index, rollout_key
 from .weights import n_units as count_units
 
 # -- 1. Configuration ------------------------------------------------------------------------------
@@ -77,9 +78,12 @@ class Sample:
     loss_weight: float
 
 
-def table_to_samples(table: pa.Table, max_seq_len: int | None) -> tuple[list[Sample], dict[str, int]]:
+def table_to_samples(table: pa.Table, max_seq_len: int | None,
+                     loss_mode: str | None = None) -> tuple[list[Sample], dict[str, int]]:
     """Validate and unpack a samples table; bad rows raise a clear error (nothing silently dropped).
-    Responses longer than ``max_seq_len`` minus their prompt are cut (``None``: no limit)."""
+    Responses longer than ``max_seq_len`` minus their prompt are cut (``None``: no limit); the cut
+    tokens' share of the loss weight goes with them unless ``loss_mode`` is given, which re-derives
+    the weights of the kept tokens so that each rollout (``seq-mean``: sample) still counts once."""
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"samples table lacks columns {missing} (expected schemas.SAMPLES)")
@@ -107,6 +111,10 @@ def table_to_samples(table: pa.Table, max_seq_len: int | None) -> tuple[list[Sam
             resp, mask, lps, truncated = resp[:room], mask[:room], lps[:room], truncated + 1
         out.append(Sample(rid, list(prompt), list(resp), [int(m) for m in mask],
                           [float("nan") if x is None else float(x) for x in lps], float(adv), float(w)))
+    if truncated and loss_mode is not None:
+        kept = np.array([sum(s.mask) for s in out])
+        for s, w in zip(out, loss_weights(rollout_index([s.rollout_id for s in out]), kept, loss_mode)):
+            s.loss_weight = float(w)
     return out, {"truncated": truncated}
 
 
@@ -295,7 +303,9 @@ class PolicyUpdater:
         self.model_dir = Path(model_dir)
         self.device = torch.device(detect_device() if self.cfg.device == "auto" else self.cfg.device)
         torch.manual_seed(self.cfg.seed)
-        self.gen = torch.Generator().manual_seed(self.cfg.seed)
+        # the updates this policy has had (a checkpoint's step): each update's mini-batch shuffle is
+        # seeded by it, so a run resumed from a checkpoint deals its next step as an unbroken run would
+        self.updates_done = int(ckpt.read_version(self.model_dir).get("step") or 0)
         self.model = model if model is not None else ckpt.load_model(self.model_dir, self.device, self.cfg.dtype)
         if self.cfg.gradient_checkpointing:  # the body's activations are recomputed in the backward
             self.model.gradient_checkpointing_enable()
@@ -327,8 +337,10 @@ class PolicyUpdater:
         """One policy update on a samples table; returns scalar metrics (no checkpoint written, no
         model version: the caller counts versions)."""
         cfg, t0 = self.cfg, time.monotonic()
+        shuffle = torch.Generator().manual_seed(hash((cfg.seed, self.updates_done)) & (2**63 - 1))
+        self.updates_done += 1
         if isinstance(samples, pa.Table):
-            rows, info = table_to_samples(samples, cfg.max_seq_len)
+            rows, info = table_to_samples(samples, cfg.max_seq_len, cfg.loss_mode)
         else:
             rows, info = list(samples), {"truncated": 0}
         n_in = len(rows)
@@ -351,7 +363,7 @@ class PolicyUpdater:
         sums: Counter[str] = Counter()
         n_steps, skipped, grad_norms = 0, 0, []
         for _epoch in range(cfg.epochs):
-            for group in _split_by_rollout(rows, cfg.mini_batches, self.gen):
+            for group in _split_by_rollout(rows, cfg.mini_batches, shuffle):
                 n_units = _units([rows[i] for i in group], cfg.loss_mode)  # the whole mini-batch, before skipping
                 group = [i for i in group if trains[i]]
                 self.optimizer.zero_grad(set_to_none=True)
