@@ -64,14 +64,18 @@ class MetricsLog:
 
 
 def read_metrics(traces_root: str | os.PathLike, run_id: str | None = None) -> dict[str, dict[int, float]]:
-    """``{name: {step: value}}``, the latest value per (step, name) of ``run_id`` (or every run)."""
+    """``{name: {step: value}}``, the latest value per (step, name) of ``run_id`` (or every run).
+
+    A row without a step (the column is nullable; any writer may add rows) belongs on no curve and
+    is skipped: it must not stop the reward plot at the end of a run, or the report."""
     t = read_table(traces_root, "metrics")
     if run_id is not None and t.num_rows:
         t = t.filter(pc.equal(t["run_id"], run_id))
     t = t.sort_by([("at", "ascending")])
     out: dict[str, dict[int, float]] = defaultdict(dict)
     for step, name, value in zip(t["step"].to_pylist(), t["name"].to_pylist(), t["value"].to_pylist()):
-        out[name][int(step)] = value
+        if step is not None:
+            out[name][int(step)] = value
     return dict(out)
 
 

@@ -21,6 +21,7 @@ import datetime as _dt
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ SELECT s.rollout_id, coalesce(s.attempt, 0) AS attempt, s.seq, s.span_id, s.endp
        s.latency_ms, s.finish_reason, s.error_kind, s.error, s.request_json, s.response_json,
        s.response_token_ids, s.response_logprobs, s.secret_detected
 FROM spans s JOIN picked p ON s.rollout_id = p.rollout_id AND coalesce(s.attempt, 0) = p.attempt
-ORDER BY s.rollout_id, s.attempt, s.seq NULLS LAST, s.started_at
+ORDER BY s.rollout_id, coalesce(s.attempt, 0), s.seq NULLS LAST, s.started_at
 """
 
 PICKED_SAMPLES = """
@@ -69,7 +70,7 @@ ORDER BY sa.rollout_id, sa.attempt, sa.index_in_rollout
 
 LATEST_METRICS = """
 SELECT step, name, value FROM metrics
-WHERE CAST($run_id AS VARCHAR) IS NULL OR run_id = $run_id
+WHERE step IS NOT NULL AND (CAST($run_id AS VARCHAR) IS NULL OR run_id = $run_id)
 QUALIFY row_number() OVER (PARTITION BY run_id, step, name ORDER BY "at" DESC) = 1
 ORDER BY step, name
 """
@@ -284,24 +285,42 @@ def step_table(con, run_id: str | None) -> dict[str, Any]:
     return {"columns": columns, "rows": rows, "series": series}
 
 
+def _by_rollout(cur, batch: int = 16) -> Iterator[tuple[tuple, list[dict]]]:
+    """``(key, calls)`` per rollout attempt from a cursor ordered by it. Why: every call's request
+    holds the whole context so far; held for all picked rollouts at once they are gigabytes, while
+    the conversation kept from them (what each call added) is a small part."""
+    names = [d[0] for d in cur.description]
+    key, group = None, []
+    while rows := cur.fetchmany(batch):
+        for row in rows:
+            c = dict(zip(names, row))
+            if group and (c["rollout_id"], c["attempt"]) != key:
+                yield key, group
+                group = []
+            key = (c["rollout_id"], c["attempt"])
+            group.append(c)
+    if group:
+        yield key, group
+
+
 def rollouts_with_calls(con, tokens: TokenText, *, split: str | None, step: int | None,
                         limit: int) -> list[dict]:
     """The picked rollouts, each with its calls as a conversation and its training samples."""
     con.execute(PICK_ROLLOUTS, {"split": split, "step": step, "limit": int(limit)})
     rollouts = _rows(con, "SELECT * FROM picked")
-    calls: dict[tuple, list] = {}
-    for c in _rows(con, PICKED_CALLS):
-        calls.setdefault((c["rollout_id"], c["attempt"]), []).append(c)
     samples: dict[tuple, list] = {}
     for s in _rows(con, PICKED_SAMPLES):
         samples.setdefault((s["rollout_id"], s["attempt"]), []).append(s)
+    trained = {key: {sid: s["index_in_rollout"] for s in ss for sid in s["span_ids"] or []}
+               for key, ss in samples.items()}
+    convs = {key: conversation(calls, tokens, trained.get(key, {}))
+             for key, calls in _by_rollout(con.execute(PICKED_CALLS))}
     out = []
     for r in rollouts:
         key = (r["rollout_id"], r["attempt"])
-        trained = {sid: s["index_in_rollout"] for s in samples.get(key, []) for sid in s["span_ids"] or []}
         out.append({
             **{k: (_num(v) if isinstance(v, float) else v) for k, v in r.items()},
-            "calls": conversation(calls.get(key, []), tokens, trained),
+            "calls": convs.get(key, []),
             "samples": [{"index": s["index_in_rollout"], "advantage": _num(s["advantage"]),
                          "break_reason": s["break_reason"], "n_calls": len(s["span_ids"] or []),
                          "tokens": tokens.strip(s["response_token_ids"], s["response_logprobs"],
@@ -324,7 +343,8 @@ def curve(series: dict[str, list], width: int = 640, height: int = 260) -> dict[
     if x1 == x0:
         x0, x1 = x0 - 1, x1 + 1
     sx = lambda x: left + (x - x0) / (x1 - x0) * (width - left - right)  # noqa: E731
-    sy = lambda y: top + (1 - (y - y0) / (y1 - y0 or 1.0)) * (height - top - bottom)  # noqa: E731
+    half_span = y1 / 2 - y0 / 2  # in halves: y1 - y0 of two huge finite rewards is inf (NaN coordinates)
+    sy = lambda y: top + (1 - (y / 2 - y0 / 2) / (half_span or 1.0)) * (height - top - bottom)  # noqa: E731
     lines = []
     for key, label, cls in ((TRAIN_KEY, "train reward", "train"), (EVAL_KEY, "held-out reward", "eval")):
         pts = [(round(sx(s), 1), round(sy(v), 1), s, v) for s, v in series.get(key, [])]
@@ -335,7 +355,7 @@ def curve(series: dict[str, list], width: int = 640, height: int = 260) -> dict[
     every = max(1, math.ceil(len(steps) / 10))
     return {"empty": False, "width": width, "height": height, "left": left, "right": width - right,
             "top": top, "bottom": height - bottom, "lines": lines,
-            "yticks": [(round(sy(v), 1), f"{v:.3g}") for v in (y0 + (y1 - y0) * i / 4 for i in range(5))],
+            "yticks": [(round(sy(v), 1), f"{v:.3g}") for v in (y0 * (1 - i / 4) + y1 * (i / 4) for i in range(5))],
             "xticks": [(round(sx(s), 1), s) for s in steps[::every]]}
 
 
@@ -402,7 +422,7 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     path = Path(out) if out else Path(run_dir) / "report.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(html, encoding="utf-8")
+    tmp.write_text(html, encoding="utf-8", errors="replace")  # a folder name not in UTF-8 is shown with '?'
     os.replace(tmp, path)
     return path
 
