@@ -282,6 +282,9 @@ class RunConfig(Section):
             problems.append("harness.service cannot be combined with harness.run_as (one service, one user)")
         if self.rollout.mode == "async" and self.rollout.groups_in_flight < self.rollout.groups_per_step:
             problems.append("rollout.groups_in_flight must be >= rollout.groups_per_step in async mode")
+        if self.rollout.mode == "async" and self.rollout.max_staleness < 0:  # every group would be too stale:
+            # 'drop' would discard and relaunch them without one update until the tasks ran out
+            problems.append(f"rollout.max_staleness must be >= 0, got {self.rollout.max_staleness}")
         # the samples' loss_weight and the update's divisor must come from the same mode
         self.update.loss_mode = self.samples.weight_mode
         from .trackers import TrackerError, tracker_names

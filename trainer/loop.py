@@ -36,6 +36,8 @@ class TrainingRun:
     """Owns the run folder, the engine, the proxy, the rollout runner, the scheduler and the policy
     updater; the model version (``state['model_version']``) is the loop's."""
 
+    metrics = None  # the metrics table, opened by run(); a step driven without it (a unit) logs nowhere
+
     def __init__(self, cfg: RunConfig, *, resume: bool = False, console=None) -> None:
         from rich.console import Console
 
@@ -83,9 +85,7 @@ class TrainingRun:
             self.start_services()
             self.load_updater()
             self.start_runner()
-            if cfg.eval.before and str(self.version) not in self.state.get("evals", {}) and self.eval_tasks:
-                self.metrics.log(int(self.state["step"]), self.evaluate(self.version))
-                self._save_state()
+            self._evaluate_if_due(int(self.state["step"]))  # before training, or the one a crash cut short
             for label, tasks in self.scheduler.resume(self.state.get("in_flight", [])):
                 self.runner.submit(tasks, step=label)
             for step in range(int(self.state["step"]) + 1, cfg.steps + 1):
@@ -114,11 +114,11 @@ class TrainingRun:
         # version number is never given to other weights
         self.state.update(step=step, stream_pos=self.scheduler.stream.pos, discarded_groups=self.scheduler.discarded,
                           in_flight=list(self.scheduler.in_flight.values()))  # resubmitted by --resume
+        # logged before the state file says the step is done (--resume never redoes a recorded step;
+        # a step redone after a crash here logs again, and the latest value wins)
+        self._log_metrics(step, rep)
         self._save_state(elapsed=rep["time/elapsed_s"])
-        if (cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.after):
-            rep.update(self.evaluate(self.version))
-        self.metrics.log(step, rep)
-        self._save_state(elapsed=rep["time/elapsed_s"])
+        rep.update(self._evaluate_if_due(step))
         self.reports.append({"step": step, **rep})
         self.progress.print(step_line(step, cfg.steps, rep))
         self.progress.update(version=self.version, reward=rep.get("train/reward_mean"),
@@ -129,15 +129,27 @@ class TrainingRun:
         """Rollout phase: wait until ``groups_per_step`` groups finished, keeping the scheduler's slots full."""
         sched, version = self.scheduler, self.version
         sched.expire(version)  # waited too long since the last update
-        while not sched.ready:
+        while True:
+            self._check_runner()
+            # free slots are filled even when enough groups already wait: they run through the update
             tasks = sched.launches(step)
             if tasks:
                 self.runner.submit(tasks, step=step)
+            if sched.ready:
+                return sched.take()
             sched.finished(self.runner.wait_groups(1, timeout=1.0), version)
             st = self.runner.stats
             self.progress.update(phase="rollouts", done=f"{len(sched.backlog)}/{self.schedule.groups_per_step} groups",
                                  in_flight=st.running, reward=st.mean_reward)
-        return sched.take()
+
+    def _check_runner(self) -> None:
+        """A launcher that stopped by itself (its proxy or engine died) cancels its rollouts and answers
+        ``wait_groups`` at once, forever: stop the run with its reason instead of spinning on it."""
+        error = getattr(self.runner, "error", None)
+        if error:
+            from lightning_harness.launcher.batch import BatchAborted
+
+            raise BatchAborted(f"rollouts stopped: {error}", self.runner.results())
 
     def _check_failures(self, groups: list, first: bool) -> None:
         """Every rollout failed: on the first step that is a setup error (stop, say why); later, warn."""
@@ -273,6 +285,30 @@ class TrainingRun:
         return new_version, ckpt
 
     # -- eval --------------------------------------------------------------------------------------
+    def _eval_due(self, step: int) -> bool:
+        """Whether the weights after ``step`` get evaluated: before training (step 0, ``eval.before``),
+        every ``eval.every`` steps, after the last step (``eval.after``)."""
+        e = self.cfg.eval
+        if step == 0:
+            return bool(e.before)
+        return bool((e.every and step % e.every == 0) or (step == self.cfg.steps and e.after))
+
+    def _evaluate_if_due(self, step: int) -> dict[str, Any]:
+        """The evaluation due after ``step``, unless ``state.json`` already holds it: a crash during it
+        (the step itself already recorded, so never redone) leaves it to the ``--resume``; logged at
+        ``step`` and recorded in the state file."""
+        if not self._eval_due(step) or str(self.version) in self.state.get("evals", {}):
+            return {}
+        out = self.evaluate(self.version)  # {} without eval tasks
+        if out:
+            self._log_metrics(step, out)
+            self._save_state()
+        return out
+
+    def _log_metrics(self, step: int, values: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.log(step, values)
+
     def evaluate(self, version: int) -> dict[str, float]:
         """Held-out tasks at eval temperature, through the proxy (recorded with split 'eval')."""
         from lightning_harness.launcher.batch import run_batch
