@@ -38,6 +38,11 @@ from .verl_backend import samples_to_tensors
 MANAGER_FQN = "lightning_harness.trainer.verl_agent_loop.LightningAgentLoopManager"
 TASK_KEY = "lightning_task"  # extra_info field of verl's dataset rows: our task as JSON
 
+# +lightning.* keys: the launcher's, and the build_samples options passed through (any other is refused)
+LAUNCH_KEYS = ("group_size", "harness", "traces", "run_id", "served_model", "concurrency", "timeout", "pad_id")
+SAMPLE_KEYS = ("mode", "advantage", "weight_mode", "norm_by_std", "epsilon", "failed_policy", "failed_reward",
+               "group_by", "where", "tokenizer", "include_secret_spans", "drift_check")
+
 # the response-aligned keys an agent-loop manager returns (verl's AgentLoopWorker._postprocess names)
 OUTPUT_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
                "rollout_log_probs", "rm_scores")
@@ -150,11 +155,13 @@ class LauncherRollout:
             self.proxy = ProxyProcess(s["traces"], upstreams=upstreams, served_model=s.get("served_model"),
                                       model_version=step).start()
         self.proxy.control.set_model_version(step)  # verl synced the weights of step-1's update
-        run_batch(tasks, s["harness"], traces_dir=s["traces"], run_id=s.get("run_id", "verl"), proxy=self.proxy,
-                  samples=int(s["group_size"]), concurrency=int(s.get("concurrency", 8)),
-                  timeout=s.get("timeout"), step=step, model_version=step)
-        table, _ = build_samples(s["traces"], mode=s.get("mode", "trajectory"), advantage=s.get("advantage", "grpo"),
-                                 weight_mode=s.get("weight_mode", "rollout"), steps=step,
+        results = run_batch(tasks, s["harness"], traces_dir=s["traces"], run_id=s["run_id"], proxy=self.proxy,
+                            samples=int(s["group_size"]), concurrency=int(s.get("concurrency", 8)),
+                            timeout=s.get("timeout"), step=step, model_version=step)
+        # this batch's rollouts only (as the local loop selects them): a step number alone also
+        # matches other runs' rollouts in the same traces directory
+        options = {k: s[k] for k in SAMPLE_KEYS if k in s}
+        table, _ = build_samples(s["traces"], rollouts=[r.rollout_id for r in results], **options,
                                  max_prompt_len=self.max_prompt_len, max_response_len=self.max_response_len)
         return table
 
@@ -172,6 +179,27 @@ def _server_urls(llm_client) -> list[str]:
     return [a if a.startswith("http") else f"http://{a}" for a in addrs]
 
 
+def lightning_settings(config, *, launcher: bool) -> dict:
+    """``+lightning.*`` of the verl config, checked: required keys present, unknown ones refused
+    (a misspelt or unsupported option, e.g. ``failed_plicy``, must not silently train on other
+    data), and a ``run_id`` of this run's own by default.
+
+    Why the run id: rollout ids are ``<run_id>-s<step>-<task>-<i>`` and the launcher skips rollouts
+    an earlier run with the same id finished, so a shared default made a new run reuse (train on)
+    the rollouts of an older run's policy. Set ``+lightning.run_id`` to resume a run's rollouts."""
+    import uuid
+
+    settings = dict(config.get("lightning") or {})
+    unknown = sorted(set(settings) - set(LAUNCH_KEYS) - set(SAMPLE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown +lightning keys {unknown}; known: {sorted(LAUNCH_KEYS + SAMPLE_KEYS)}")
+    for key in ("group_size", "harness", "traces") if launcher else ("group_size",):
+        if key not in settings:
+            raise ValueError(f"missing +lightning.{key}=... in the verl config")
+    settings.setdefault("run_id", f"verl-{uuid.uuid4().hex[:12]}")
+    return settings
+
+
 class LightningAgentLoopManager:
     """verl ``agent_loop_manager_class``: ``generate_sequences(prompts)`` runs our harness batch
     and returns our samples as the trainer's rollout batch. Constructed by verl in its TaskRunner
@@ -186,10 +214,7 @@ class LightningAgentLoopManager:
 
         register()
         self.config, self.llm_client = config, llm_client
-        self.settings = dict(config.get("lightning") or {})
-        for key in ("group_size",) if rollout_fn else ("group_size", "harness", "traces"):
-            if key not in self.settings:
-                raise ValueError(f"missing +lightning.{key}=... in the verl config")
+        self.settings = lightning_settings(config, launcher=rollout_fn is None)
         self.group_size = int(self.settings["group_size"])
         n = int(config.actor_rollout_ref.rollout.n)
         if n % self.group_size:

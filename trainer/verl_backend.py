@@ -21,9 +21,12 @@ How our objective maps onto verl's (exact, not approximate):
 * ``lightning_precomputed`` (registered advantage estimator) passes our precomputed, folded
   advantages through verl's ``compute_advantage`` unchanged (they travel as
   ``token_level_rewards``).
-* Behaviour policy: ``old_log_probs`` and ``rollout_log_probs`` are the logprobs the proxy captured;
-  verl's rollout correction in bypass mode with ``rollout_is=token`` and
-  ``rollout_is_threshold=tis_cap`` gives the truncated importance weights.
+* Behaviour policy: ``old_log_probs`` and ``rollout_log_probs`` are the logprobs the proxy captured
+  (a model token without one leaves the loss: ``train_only_logged``). Known gap: with
+  ``rollout_correction.loss_type=ppo_clip`` verl applies no importance weights (``tis_cap`` is
+  unused) and clips ``pi / mu`` instead of weighting by ``min(pi / mu, tis_cap)`` as update.py
+  does, so gradients differ wherever ``pi != mu``; ``loss_type=reinforce`` gives update.py's
+  single-step gradient. The KL term is verl's token-mean, not weighted by rollout.
 
 Keep one optimizer step per batch (``ppo_mini_batch_size = train_batch_size``, ``ppo_epochs=1``):
 ``T`` and ``N`` are totals of the batch verl optimises in one step. ``verl_overrides`` sets this.
@@ -36,7 +39,11 @@ itself (it needs GPUs). Feeding our rollouts into it: ``verl_agent_loop.py``.
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 POLICY_LOSS = "lightning_rollout"
 ADV_ESTIMATOR = "lightning_precomputed"
@@ -56,6 +63,7 @@ def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout") 
     from .weights import n_units, rollout_index
 
     rows, _ = table_to_samples(table, max_seq_len=None)  # the update's checks: same rows, same errors
+    unlogged = train_only_logged(rows, weight_mode)
     B = len(rows)
     if B == 0:
         raise ValueError("no samples to convert")
@@ -102,8 +110,33 @@ def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout") 
         "sample_id": np.array(table.column("sample_id").to_pylist(), dtype=object),
     }
     meta = {"lightning_units": int(N), "lightning_model_tokens": T, "lightning_weight_mode": weight_mode,
-            "global_token_num": attention.sum(-1).tolist()}
+            "lightning_tokens_without_logprobs": unlogged, "global_token_num": attention.sum(-1).tolist()}
     return tensors, non_tensors, meta
+
+
+def train_only_logged(rows: list, weight_mode: str) -> int:
+    """Take model tokens without a captured logprob (NaN: retokenised calls, partial logprobs) out
+    of the loss, re-derive the loss weights over the tokens left, and return how many were taken.
+
+    Why: verl's bypass mode uses the captured logprob as the behaviour policy ``mu``; written as 0
+    it made ``pi / mu = pi``, a wrong importance ratio (update.py gives such a token weight 1, which
+    verl cannot express). Re-deriving keeps every rollout counting once, as a cut response does."""
+    import numpy as np
+
+    from .weights import loss_weights, rollout_index
+
+    taken = 0
+    for s in rows:
+        lost = [bool(m) and math.isnan(x) for m, x in zip(s.mask, s.logprobs)]
+        if any(lost):
+            taken += sum(lost)
+            s.mask = [0 if gone else m for m, gone in zip(s.mask, lost)]
+    if taken:
+        kept = np.array([sum(s.mask) for s in rows])
+        for s, w in zip(rows, loss_weights(rollout_index([s.rollout_id for s in rows]), kept, weight_mode)):
+            s.loss_weight = float(w)
+        log.warning("verl batch: %d model tokens without a captured logprob left the loss", taken)
+    return taken
 
 
 def samples_to_dataproto(table, **kw):
