@@ -114,6 +114,12 @@ out["grad_maxdiff"] = float((g_theirs - g_ours).abs().max())
 out["grad_max"] = float(g_ours.abs().max())
 # config composition against verl's own ppo_trainer.yaml
 rc = RunConfig(); rc.update.kl_coef = 0.01; rc.rollout.group_size = 8
+try:  # verl's KL term is a token mean: another weight mode is refused
+    VB.verl_overrides(rc, model_path="/models/qwen", train_batch_size=256)
+    out["kl_refused"] = False
+except ValueError as exc:
+    out["kl_refused"] = "token-mean" in str(exc)
+rc.samples.weight_mode = "token-mean"
 ov = VB.verl_overrides(rc, model_path="/models/qwen", train_batch_size=256, n_gpus_per_node=8, nnodes=2)
 c = VB.compose_verl_config(ov)
 a = c.actor_rollout_ref.actor
@@ -144,3 +150,4 @@ def test_parity_registration_and_config_composition_inside_verl(tmp_path):
     assert out["composed"] == {"loss_mode": "lightning_rollout", "agg": "token-mean", "mini": 256, "kl": True,
                                "adv": "lightning_precomputed", "bypass": True, "is": "token", "n": 8,
                                "gpus": 8, "nnodes": 2}
+    assert out["kl_refused"]

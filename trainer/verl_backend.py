@@ -182,8 +182,13 @@ def verl_overrides(cfg, *, model_path: str, train_batch_size: int, n_gpus_per_no
                    rollout_tp: int = 1, max_prompt_length: int = 2048, max_response_length: int = 2048,
                    micro_batch_size_per_gpu: int = 4) -> list[str]:
     """Hydra overrides for ``python -m verl.trainer.main_ppo`` equivalent to our ``RunConfig``
-    (``cfg``: a ``trainer.config.RunConfig``; only its ``update`` and ``rollout`` sections are used)."""
+    (``cfg``: a ``trainer.config.RunConfig``; its ``update``, ``rollout`` and ``samples`` sections).
+    A KL term needs ``samples.weight_mode: token-mean``: verl averages it over the batch's tokens,
+    update.py weights it like the policy loss, so in another mode the two would train differently."""
     u = cfg.update
+    if u.kl_coef > 0 and cfg.samples.weight_mode != "token-mean":
+        raise ValueError(f"update.kl_coef > 0 with verl needs samples.weight_mode=token-mean (verl's KL term is a "
+                         f"token mean; {cfg.samples.weight_mode!r} would weigh it otherwise than update.py does)")
     out = [
         f"actor_rollout_ref.model.path={model_path}",
         f"data.train_batch_size={train_batch_size}",
