@@ -14,6 +14,7 @@ calls through the chat template from the recorded Messages request):
   ``image`` blocks -> ``image_url`` parts;
 - assistant ``tool_use`` -> ``tool_calls`` (arguments = ``json.dumps(input)``);
 - user ``tool_result`` -> ``tool`` messages (before the user's remaining text);
+- a last ``assistant`` message (a prefill) -> ``continue_final_message`` (the answer continues it);
 - ``tools`` -> functions (``input_schema`` -> ``parameters``); ``tool_choice`` auto/any/tool/none ->
   auto/required/named/none; ``stop_sequences`` -> ``stop``; ``thinking`` blocks are dropped;
 - other fields that are not Messages fields (vLLM extensions sent as extra body) pass through.
@@ -26,6 +27,7 @@ Pure functions over JSON values; no mitmproxy here.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -176,6 +178,11 @@ def to_chat(req: Any) -> dict:
     for i, msg in enumerate(req["messages"]):
         messages.extend(_message(msg, i))
     chat: dict[str, Any] = {k: v for k, v in req.items() if k not in _MESSAGES_FIELDS}
+    if messages and messages[-1]["role"] == "assistant":
+        # a last assistant turn is a prefill the answer continues (the Messages rule), not a
+        # finished turn followed by a new one (the chat default)
+        chat.setdefault("continue_final_message", True)
+        chat.setdefault("add_generation_prompt", False)
     chat.update(model=req["model"], messages=messages, max_tokens=max_tokens)
     for key in _PASSED:
         if req.get(key) is not None:
@@ -204,7 +211,7 @@ def _input(arguments: Any) -> dict:
     say cut by max_tokens, give ``{}``; the span keeps what the model wrote)."""
     try:
         value = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested thousands deep
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -218,13 +225,37 @@ def stop_reason(choice: dict, stop: Any) -> tuple[str | None, str | None]:
         return "stop_sequence", matched
     if finish is None:
         return None, None
-    return STOP_REASONS.get(finish, "end_turn"), None
+    return STOP_REASONS.get(finish, "end_turn") if isinstance(finish, str) else "end_turn", None
+
+
+def _count(value: Any) -> int:
+    """A usage count as the client expects it (a non-negative integer); anything else an upstream
+    sends (a string, NaN, a list) is 0, never an exception in the middle of the answer."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return 0
+    return max(int(value), 0)
 
 
 def _usage(usage: Any) -> dict:
     usage = usage if isinstance(usage, dict) else {}
-    return {"input_tokens": int(usage.get("prompt_tokens") or 0),
-            "output_tokens": int(usage.get("completion_tokens") or 0)}
+    return {"input_tokens": _count(usage.get("prompt_tokens")), "output_tokens": _count(usage.get("completion_tokens"))}
+
+
+def _list(value: Any) -> list:
+    """``value`` if it is a list, else empty (an upstream's ``choices`` or ``tool_calls`` of another type)."""
+    return value if isinstance(value, list) else []
+
+
+def _tool_block(tc: dict) -> dict:
+    """The ``tool_use`` block (without input) of a chat tool call; an id or name that is not a
+    string is replaced, never handed to the client as another type."""
+    fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+    call_id = tc.get("id") if isinstance(tc.get("id"), str) and tc["id"] else f"toolu_{uuid.uuid4().hex[:24]}"
+    return {"type": "tool_use", "id": call_id, "name": fn["name"] if isinstance(fn.get("name"), str) else ""}
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def message_id(chat_id: Any) -> str:
@@ -233,7 +264,7 @@ def message_id(chat_id: Any) -> str:
 
 def to_message(chat: dict, model: str | None, stop: Any = None) -> dict:
     """A chat completion (token fields already stripped) as the Messages answer."""
-    choices = chat.get("choices") if isinstance(chat.get("choices"), list) else []
+    choices = _list(chat.get("choices"))
     choice = choices[0] if choices and isinstance(choices[0], dict) else {}
     msg = choice.get("message") if isinstance(choice.get("message"), dict) else {}
     content: list[dict] = []
@@ -242,13 +273,13 @@ def to_message(chat: dict, model: str | None, stop: Any = None) -> dict:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     if isinstance(msg.get("content"), str) and msg["content"]:
         content.append({"type": "text", "text": msg["content"]})
-    for tc in msg.get("tool_calls") or ():
-        fn = tc.get("function") if isinstance(tc, dict) and isinstance(tc.get("function"), dict) else {}
-        content.append({"type": "tool_use", "id": tc.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",
-                        "name": fn.get("name") or "", "input": _input(fn.get("arguments"))})
+    for tc in _list(msg.get("tool_calls")):
+        if isinstance(tc, dict):
+            fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+            content.append({**_tool_block(tc), "input": _input(fn.get("arguments"))})
     reason, sequence = stop_reason(choice, stop)
     return {"id": message_id(chat.get("id")), "type": "message", "role": "assistant",
-            "model": model or chat.get("model") or "", "content": content, "stop_reason": reason,
+            "model": model or _str(chat.get("model")), "content": content, "stop_reason": reason,
             "stop_sequence": sequence, "usage": _usage(chat.get("usage"))}
 
 
@@ -270,9 +301,15 @@ def error_from(status: int, body: Any, text: str | None) -> dict:
 
 
 # -- event stream ---------------------------------------------------------------------------
+def dumps(data: dict) -> bytes:
+    """Compact UTF-8 JSON. A lone surrogate (upstream JSON may escape one: ``"\\ud800"``) cannot be
+    UTF-8; it is written back as that same escape (backslashreplace makes exactly it, and it only
+    occurs inside strings), never an exception mid-answer."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
+
+
 def sse_event(name: str, data: dict) -> bytes:
-    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {name}\ndata: {payload}\n\n".encode()
+    return b"event: " + name.encode() + b"\ndata: " + dumps(data) + b"\n\n"
 
 
 class EventTranslator:
@@ -282,12 +319,16 @@ class EventTranslator:
     ``tool_use`` block (its argument pieces are ``input_json_delta``); a block is stopped when the
     next kind starts or the answer ends.
     ``finish()`` (on ``[DONE]``) closes with ``message_delta`` (stop reason, output tokens) and
-    ``message_stop``; a stream that ends without it gets an ``error`` event instead.
+    ``message_stop``; a stream that ends without it gets an ``error`` event instead. After an
+    ``error`` event nothing more is sent (the client stops there). ``on_error(text)`` hears of an
+    upstream error event and of a chunk that could not be translated, so the span says the answer
+    failed (its token ids go on past what the client accepted).
     """
 
-    def __init__(self, model: str | None, stop: Any = None) -> None:
+    def __init__(self, model: str | None, stop: Any = None, on_error=None) -> None:
         self.model = model
         self.stop = stop
+        self.on_error = on_error
         self.started = self.finished = False
         self.block: tuple[str, int] | None = None  # ('text', -1) or ('tool', call index) now open
         self.index = -1  # content block index
@@ -295,14 +336,17 @@ class EventTranslator:
         self.usage: dict = {}
 
     def chunk(self, obj: dict) -> Iterator[bytes]:
+        if self.finished:
+            return
         if isinstance(obj.get("error"), dict) or obj.get("object") == "error":
-            yield from self.fail(error_from(500, obj, None)["error"]["message"])
+            message = error_from(500, obj, None)["error"]["message"]
+            yield from self.fail(message, report=f"upstream sent an error event mid-stream: {message}")
             return
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
         if not self.started:
             yield from self._start(obj)
-        for ch in obj.get("choices") or ():
+        for ch in _list(obj.get("choices")):
             if not isinstance(ch, dict) or ch.get("index", 0) != 0:
                 continue
             delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
@@ -313,7 +357,7 @@ class EventTranslator:
             if isinstance(delta.get("content"), str) and delta["content"]:
                 yield from self._open(("text", -1), {"type": "text", "text": ""})
                 yield self._delta({"type": "text_delta", "text": delta["content"]})
-            for tc in delta.get("tool_calls") or ():
+            for tc in _list(delta.get("tool_calls")):
                 yield from self._tool_piece(tc)
             for key in ("finish_reason", "stop_reason"):
                 if ch.get(key) is not None:
@@ -322,7 +366,7 @@ class EventTranslator:
     def _start(self, obj: dict) -> Iterator[bytes]:
         self.started = True
         message = {"id": message_id(obj.get("id")), "type": "message", "role": "assistant",
-                   "model": self.model or obj.get("model") or "", "content": [], "stop_reason": None,
+                   "model": self.model or _str(obj.get("model")), "content": [], "stop_reason": None,
                    "stop_sequence": None, "usage": {**_usage(self.usage), "output_tokens": 0}}
         yield sse_event("message_start", {"type": "message_start", "message": message})
 
@@ -332,9 +376,7 @@ class EventTranslator:
         k = tc.get("index", 0)
         fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
         if self.block != ("tool", k):
-            block = {"type": "tool_use", "id": tc.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",
-                     "name": fn.get("name") or "", "input": {}}
-            yield from self._open(("tool", k), block)
+            yield from self._open(("tool", k), {**_tool_block(tc), "input": {}})
         if isinstance(fn.get("arguments"), str) and fn["arguments"]:
             yield self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
 
@@ -369,28 +411,39 @@ class EventTranslator:
                                           "usage": usage})
         yield sse_event("message_stop", {"type": "message_stop"})
 
-    def fail(self, message: str) -> Iterator[bytes]:
+    def fail(self, message: str, report: str | None = None) -> Iterator[bytes]:
+        """The ``error`` event that ends the stream; ``report``: what the span should say (None: the
+        proxy records this failure itself, as a stream cut short)."""
         if self.finished:
             return
         self.finished = True
+        if report and self.on_error:
+            self.on_error(report)
         yield sse_event("error", error_body(500, message))
 
 
 class EventStream:
     """Wraps a relay's output (chat-completion SSE bytes, partial events possible) and returns the
     Messages events for it: installed around capture's relay as ``flow.response.stream``. Returns a
-    list (never ``b""``) while nothing is ready, like the relay."""
+    list (never ``b""``) while nothing is ready, like the relay. An event longer than ``max_event``
+    (the relay's bound, which it then stops parsing at) ends the answer with an ``error`` event, and
+    once the answer has ended nothing more is kept: memory stays bounded as the relay's does."""
 
-    def __init__(self, inner, translator: EventTranslator) -> None:
+    def __init__(self, inner, translator: EventTranslator, max_event: int | None = None) -> None:
         self.inner = inner
         self.translator = translator
+        self.max_event = max_event
         self.buf = bytearray()
 
     def __call__(self, chunk: bytes) -> bytes | list[bytes]:
         got = self.inner(chunk)
-        data = b"".join(got) if isinstance(got, list) else got
-        self.buf += data
+        if self.translator.finished:  # nothing more goes to the client
+            return []
+        self.buf += b"".join(got) if isinstance(got, list) else got
         out = list(self._events())
+        if self.max_event is not None and len(self.buf) > self.max_event:
+            self.buf.clear()  # (capture records the stream as too_large)
+            out += self.translator.fail(f"an upstream event is longer than {self.max_event} bytes (max_decoded_size)")
         if not chunk:  # end of stream
             if self.buf.strip():
                 out += self._block(bytes(self.buf))
@@ -409,13 +462,23 @@ class EventStream:
         data = b"\n".join(line[5:].lstrip(b" ") for line in block.splitlines() if line.startswith(b"data:"))
         if not data:
             return []
-        if data.strip() == b"[DONE]":
-            return list(self.translator.finish())
         try:
-            obj = json.loads(data.decode("utf-8", errors="replace"))
-        except (ValueError, RecursionError):
-            return []  # capture records the malformed event; the harness gets the rest
-        return list(self.translator.chunk(obj)) if isinstance(obj, dict) else []
+            if data.strip() == b"[DONE]":
+                return list(self.translator.finish())
+            obj = _loads(data)
+            return list(self.translator.chunk(obj)) if isinstance(obj, dict) else []
+        except Exception as exc:  # raised into mitmproxy, it would leave the client waiting, unanswered
+            why = f"a chunk could not be translated ({type(exc).__name__}: {exc})"
+            return list(self.translator.fail(why, report=why))
+
+
+def _loads(data: bytes) -> Any:
+    """An event's JSON value, or None where it is not JSON (capture records the malformed event;
+    the harness gets the rest)."""
+    try:
+        return json.loads(data.decode("utf-8", errors="replace"))
+    except (ValueError, RecursionError):
+        return None
 
 
 class MessageAssembler:
@@ -436,7 +499,7 @@ class MessageAssembler:
         elif kind == "content_block_delta" and isinstance(event.get("delta"), dict):
             block = self.blocks.setdefault(int(event.get("index") or 0), {})
             delta = event["delta"]
-            for key in ("text", "partial_json", "thinking"):
+            for key in ("text", "partial_json", "thinking", "signature"):  # (a signature comes as one delta)
                 if isinstance(delta.get(key), str):
                     block[key] = block.get(key, "") + delta[key]
         elif kind == "message_delta":

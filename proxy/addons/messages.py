@@ -24,6 +24,7 @@ from ..anthropic import (
     EventStream,
     EventTranslator,
     MessagesError,
+    dumps,
     error_body,
     error_from,
     to_chat,
@@ -36,12 +37,18 @@ from .limits import REFUSED
 _JSON = {"Content-Type": "application/json"}
 
 
-def _dump(obj: dict) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-
-
 def _stops(call: Call):
     return (call.api_request or {}).get("stop_sequences")
+
+
+def _reporter(call: Call):
+    """Where the translated stream reports an answer that failed mid-way (capture's error span)."""
+
+    def on_error(message: str) -> None:
+        if call.response_error is None:
+            call.response_error = message
+
+    return on_error
 
 
 class MessagesRequest:
@@ -65,21 +72,24 @@ class MessagesRequest:
         call.api_request, call.request_obj = call.request_obj, chat
         call.endpoint = CHAT  # what upstream speaks now: rewrite injects, capture assembles as chat
         path, _, query = flow.request.path.partition("?")
+        path = path.rstrip("/")  # ``/v1/messages/`` is a Messages call too (assemble.endpoint_of)
         flow.request.path = path[: -len("messages")] + "chat/completions" + (f"?{query}" if query else "")
-        flow.request.content = _dump(chat)
+        flow.request.content = dumps(chat)
 
     @staticmethod
     def _refuse(flow: http.HTTPFlow, call: Call, why: str) -> None:
         call.request_obj = None  # nothing for rewrite to edit
-        flow.response = http.Response.make(400, _dump(error_body(400, f"lightning-proxy: {why}")), _JSON)
+        flow.response = http.Response.make(400, dumps(error_body(400, f"lightning-proxy: {why}")), _JSON)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
         if call is None or call.api != MESSAGES or call.sse is None or flow.response.stream is None:
             return
-        translator = EventTranslator(call.model, _stops(call))
-        flow.response.stream = EventStream(flow.response.stream, translator)
+        translator = EventTranslator(call.model, _stops(call), on_error=_reporter(call))
+        flow.response.stream = EventStream(flow.response.stream, translator, max_event=call.sse[0].max_event)
         flow.response.headers["Content-Type"] = "text/event-stream; charset=utf-8"
+        # the events sent are not the bytes upstream counted: the body ends with the connection
+        flow.response.headers.pop("Content-Length", None)
 
 
 class MessagesResponse:
@@ -109,4 +119,4 @@ class MessagesResponse:
             return  # not JSON (capture recorded it as malformed): relayed as it came
         resp.headers.pop("Content-Encoding", None)  # first: setting .content encodes by this header
         resp.headers["Content-Type"] = "application/json"
-        resp.content = _dump(body)
+        resp.content = dumps(body)
