@@ -340,7 +340,7 @@ class EventTranslator:
             return
         if isinstance(obj.get("error"), dict) or obj.get("object") == "error":
             message = error_from(500, obj, None)["error"]["message"]
-            yield from self.fail(message, report=f"upstream sent an error event mid-stream: {message}")
+            yield from self.fail(message, report=stream_error(obj, message))
             return
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
@@ -481,6 +481,15 @@ def _loads(data: bytes) -> Any:
         return None
 
 
+def stream_error(obj: dict, message: Any) -> str:
+    """What a span says of an error event in an answer's stream (vLLM sends one when generation
+    fails mid-way, then ``[DONE]``; Messages and Responses streams have their own): the answer is
+    no clean one, whatever it holds so far. The assemblers of every endpoint keep it."""
+    if isinstance(obj.get("error"), dict):
+        message = obj["error"].get("message", message)
+    return f"upstream sent an error event mid-stream: {str(message)[:500]}"
+
+
 class MessageAssembler:
     """Folds a Messages event stream from an upstream that speaks it natively (a hosted
     ``api.anthropic.com`` call not routed to the pool) into the ``message`` object for the span."""
@@ -489,6 +498,7 @@ class MessageAssembler:
         self.message: dict[str, Any] = {"type": "message", "content": []}
         self.blocks: dict[int, dict] = {}
         self.finished = False  # saw message_stop
+        self.error: str | None = None  # an error event came: the answer is no clean one
 
     def add(self, event: dict) -> None:
         kind = event.get("type")
@@ -510,6 +520,8 @@ class MessageAssembler:
             self.finished = True
         elif kind == "error":
             self.message["error"] = event.get("error")
+            if self.error is None:
+                self.error = stream_error(event, event.get("error"))
 
     def result(self) -> dict:
         blocks = []

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .anthropic import MESSAGES, MessageAssembler, message_token_fields, to_chat
+from .anthropic import MESSAGES, MessageAssembler, message_token_fields, stream_error, to_chat
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
@@ -61,11 +61,15 @@ class ResponsesAssembler:
         self.items: dict[int, dict] = {}
         self.chunks = 0
         self.finished = False  # saw the event a whole stream ends with
+        self.error: str | None = None  # an error event or a failed response: the answer is no clean one
 
     def add(self, event: dict) -> None:
         self.chunks += 1
-        if event.get("type") in ("response.completed", "response.incomplete", "response.failed"):
+        kind = event.get("type")
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
             self.finished = True
+        if kind in ("error", "response.failed") and self.error is None:
+            self.error = stream_error(event.get("response") or event, event.get("message", kind))
         resp = event.get("response")  # (the relay's own parse: its filters rewrite another copy)
         if isinstance(resp, dict):
             self.response = resp
@@ -138,9 +142,12 @@ class StreamAssembler:
         self.prompt_token_ids: list | None = None
         self.head_missing = ["id", "created", "model", "system_fingerprint"]
         self.chunks = 0
+        self.error: str | None = None  # an error chunk came: the answer is no clean one
 
     def add(self, chunk: dict) -> None:
         self.chunks += 1
+        if (chunk.get("error") is not None or chunk.get("object") == "error") and self.error is None:
+            self.error = stream_error(chunk, chunk.get("message", chunk.get("error")))
         if self.head_missing:  # the first value of each wins; once all are seen nothing is looked up
             for key in [k for k in self.head_missing if k in chunk]:
                 self.head[key] = chunk[key]

@@ -244,3 +244,39 @@ def test_the_event_stream_keeps_at_most_one_bounded_event():
     for _ in range(8):
         stream(b"x" * (1 << 20))
     assert relay.oversize and len(stream.buf) <= 1 << 20
+
+
+def _native_span(p, rollout: str, path: str, events: list[bytes], body: dict) -> dict:
+    """Send ``body`` through the forward proxy to a hosted (not routed) upstream streaming ``events``."""
+    hosted = ScriptedUpstream()
+    hosted.sse(events)
+    with httpx.Client(proxy=p.env_for(rollout)["HTTP_PROXY"], timeout=20) as c:
+        c.post(hosted.url + path, json=body)
+    hosted.close()
+    return _span(p, rollout)
+
+
+def _named(kind: str, data: dict) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+
+def test_an_error_event_in_any_endpoints_stream_makes_an_error_span(aproxy, upstream):
+    """vLLM sends an error chunk when generation fails mid-way, then [DONE]; a chat stream with one
+    was recorded as a clean answer (its token ids trained on), as were a Responses stream that
+    failed and a native Messages stream with an error event."""
+    upstream.sse(_done([_chunk({"role": "assistant", "content": "hel"}),
+                        {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}]))
+    with httpx.Client(trust_env=False, timeout=20) as c:
+        c.post(aproxy.env_for("c-err")["OPENAI_BASE_URL"] + "/chat/completions",
+               json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    chat = _span(aproxy, "c-err")
+    failed = {"id": "resp_1", "object": "response", "status": "failed", "output": [],
+              "error": {"code": "server_error", "message": "engine died too"}}
+    responses = _native_span(aproxy, "r-err", "/v1/responses",
+                             [b"data: " + json.dumps({"type": "response.failed", "response": failed}).encode() + b"\n\n"],
+                             {"model": "m", "input": "hi", "stream": True})
+    messages = _native_span(aproxy, "m-err", "/v1/messages", [
+        _named("message_start", {"message": {"id": "msg_1", "type": "message", "role": "assistant", "content": []}}),
+        _named("error", {"error": {"type": "overloaded_error", "message": "overloaded"}})], {**REQ, "stream": True})
+    for span, said in ((chat, "engine died"), (responses, "engine died too"), (messages, "overloaded")):
+        assert span["error_kind"] == "malformed_response" and said in span["error"], span["error"]

@@ -216,8 +216,8 @@ class Capture:
         response_json = self._streamed_json(call)
         if relay.oversize:
             return response_json, "too_large", call.response_error
-        if call.response_error:
-            return response_json, "malformed_response", call.response_error
+        if call.response_error or asm.error:
+            return response_json, "malformed_response", call.response_error or asm.error
         if status < 400 and not relay.done and not asm.finished:
             return response_json, "truncated", (
                 f"event stream ended without [DONE] or a finish_reason after {relay.events} events "
