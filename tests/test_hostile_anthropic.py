@@ -1,4 +1,5 @@
-"""Hostile input on Anthropic Messages calls routed to the training pool.
+"""Hostile upstream answers: Anthropic Messages calls routed to the training pool, and the event
+streams of every endpoint.
 
 A real proxy process against a scripted upstream (raw HTTP bytes, so an answer can be anything a
 broken or hostile server sends), real httpx, real Parquet. Found by review; each test failed first.
@@ -280,3 +281,16 @@ def test_an_error_event_in_any_endpoints_stream_makes_an_error_span(aproxy, upst
         _named("error", {"error": {"type": "overloaded_error", "message": "overloaded"}})], {**REQ, "stream": True})
     for span, said in ((chat, "engine died"), (responses, "engine died too"), (messages, "overloaded")):
         assert span["error_kind"] == "malformed_response" and said in span["error"], span["error"]
+
+
+def test_a_stripped_chat_stream_upstream_sent_with_content_length_reaches_the_client_whole(aproxy, upstream):
+    """The injected token ids are stripped from each event, so the events sent are fewer bytes than
+    upstream's Content-Length: the client failed with 'peer closed connection without sending
+    complete message body (received 244 bytes, expected 304)'."""
+    upstream.sse(_done([_chunk({"role": "assistant", "content": "hello"}), _chunk({"content": " world"}, "stop")]),
+                 length=True)
+    with httpx.Client(trust_env=False, timeout=20) as c:
+        r = c.post(aproxy.env_for("c-len")["OPENAI_BASE_URL"] + "/chat/completions",
+                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    assert r.status_code == 200 and "[DONE]" in r.text and " world" in r.text and "token_ids" not in r.text
+    assert _span(aproxy, "c-len")["error_kind"] is None

@@ -168,6 +168,8 @@ class Capture:
                              max_event=self.state.config.max_decoded_size)
             call.sse = (relay, asm)
             flow.response.stream = relay
+            if call.event_filters:  # events rewritten (injected fields stripped): not the bytes upstream
+                flow.response.headers.pop("Content-Length", None)  # counted; the body ends with the connection
 
     @staticmethod
     def _sse_error(call: Call):
