@@ -44,11 +44,15 @@ def calculate(expression: str) -> str:
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.left), ev(node.right))
         raise ValueError("unsupported expression")
+    # (OverflowError: the expression is model text, and `<400 digits>/3` or float(<400 digits>) overflows;
+    # ValueError: an integer past Python's 4,300-digit str limit)
     try:
         value = ev(ast.parse(expression.strip().replace("x", "*"), mode="eval"))
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        if isinstance(value, int):
+            return str(value)
+        return str(int(value)) if value.is_integer() else f"{value:.4g}"
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, OverflowError, MemoryError):
         return "error"
-    return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
 
 
 def load_task(argv_task: str | None, question: str | None) -> dict:
@@ -65,15 +69,29 @@ def load_task(argv_task: str | None, question: str | None) -> dict:
     return json.loads(raw)
 
 
+class MalformedReply(RuntimeError):
+    """The endpoint answered 200 with a body that is not a completion (no choices, no message)."""
+
+
 def ask(client, api: str, model: str, messages: list[dict], temperature: float, max_tokens: int) -> str:
-    """One model call through the Chat Completions API or the Responses API (same conversation)."""
+    """One model call through the Chat Completions API or the Responses API (same conversation).
+    The client does not check the body's shape, so a reply without choices is a MalformedReply here
+    rather than an IndexError deep in the loop."""
     if api == "responses":
         reply = client.responses.create(model=model, input=messages, temperature=temperature,
                                         max_output_tokens=max_tokens)
-        return reply.output_text
-    reply = client.chat.completions.create(model=model, messages=messages,
-                                           temperature=temperature, max_tokens=max_tokens)
-    return reply.choices[0].message.content or ""
+        try:
+            text = reply.output_text
+        except (TypeError, AttributeError):  # (its property walks `output`, which may be missing)
+            raise MalformedReply(f"the response has no output: {str(reply)[:200]}") from None
+    else:
+        reply = client.chat.completions.create(model=model, messages=messages,
+                                               temperature=temperature, max_tokens=max_tokens)
+        choices = getattr(reply, "choices", None)
+        if not isinstance(choices, list) or not choices:
+            raise MalformedReply(f"the chat completion has no choices: {str(reply)[:200]}")
+        text = getattr(getattr(choices[0], "message", None), "content", None)
+    return text if isinstance(text, str) else ""
 
 
 def run(task: dict, model: str, temperature: float, max_tokens: int, api: str = "chat") -> str | None:
@@ -109,7 +127,12 @@ def main() -> None:
     parser.add_argument("--api", choices=["chat", "responses"], default="chat",
                         help="the OpenAI API the agent calls: Chat Completions or Responses")
     args = parser.parse_args()
-    answer = run(load_task(args.task, args.question), args.model, args.temperature, args.max_tokens, args.api)
+    from openai import OpenAIError
+
+    try:
+        answer = run(load_task(args.task, args.question), args.model, args.temperature, args.max_tokens, args.api)
+    except (OpenAIError, MalformedReply) as exc:  # one clear line, not a traceback; exit status 1
+        sys.exit(f"harness.py: the model call failed: {type(exc).__name__}: {str(exc)[:500]}")
     print(f"ANSWER: {answer}" if answer is not None else "NO ANSWER")
 
 

@@ -81,17 +81,19 @@ def build_agent(config: dict, workdir: Path, name: str, output_path: Path | None
 
     class CancellableEnvironment(BubblewrapEnvironment):
         def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict:
-            """The package's bubblewrap command line, run with its output capped (``sandbox.run_capped``:
-            the package's own execute keeps all of it in memory and in the trajectory)."""
+            """The package's bubblewrap command line, sealed (``sandbox.SEAL``, after the folder's bind), run
+            with its output, its cgroup and its folder's growth capped (``sandbox.run_capped``: the
+            package's own execute keeps all output in memory and in the trajectory, and bounds neither)."""
             if cancel is not None and cancel.is_set():  # the rollout's process is gone
                 raise InterruptAgentFlow({"role": "exit", "content": "Cancelled",
                                           "extra": {"exit_status": "Cancelled", "submission": ""}})
             cwd = cwd or self.config.cwd or str(self.working_dir)
-            argv = [self.config.executable, *self.config.wrapper_args, "--bind", cwd, cwd, "--chdir", cwd]
+            argv = [self.config.executable, *self.config.wrapper_args, "--bind", cwd, cwd, "--chdir", cwd,
+                    *sandbox.SEAL]
             for key, value in self.config.env.items():
                 argv += ["--setenv", key, value]
             limit = timeout or self.config.timeout
-            text, code = sandbox.run_capped([*argv, "bash", "-c", action.get("command", "")], limit)
+            text, code = sandbox.run_capped([*argv, "bash", "-c", action.get("command", "")], limit, workdir=cwd)
             output = {"output": text, "returncode": -1 if code is None else code,
                       "exception_info": f"the command ran past {limit} s and was killed" if code is None else ""}
             self._check_finished(output)

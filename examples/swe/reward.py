@@ -99,10 +99,13 @@ def _run_halves(serve_argv: list[str], drive_argv: list[str], tmp: Path, timeout
     logs). Their stderr goes to files (bounded by the sandbox's file-size limit), not to memory."""
     to_serve, to_drive = os.pipe(), os.pipe()
     procs = []
-    with open(tmp / "serve.log", "wb") as serve_log, open(tmp / "drive.log", "wb") as drive_log:
+    with (open(tmp / "serve.log", "wb") as serve_log, open(tmp / "drive.log", "wb") as drive_log,
+          sandbox.confined() as serve_join, sandbox.confined() as drive_join):  # (each half its own cgroups)
         try:
-            procs.append(subprocess.Popen(serve_argv, stdin=to_serve[0], stdout=to_drive[1], stderr=serve_log))
-            procs.append(subprocess.Popen(drive_argv, stdin=to_drive[0], stdout=to_serve[1], stderr=drive_log))
+            procs.append(subprocess.Popen(serve_join + serve_argv, stdin=to_serve[0], stdout=to_drive[1],
+                                          stderr=serve_log))
+            procs.append(subprocess.Popen(drive_join + drive_argv, stdin=to_drive[0], stdout=to_serve[1],
+                                          stderr=drive_log))
         finally:
             for fd in (*to_serve, *to_drive):
                 os.close(fd)
