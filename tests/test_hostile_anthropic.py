@@ -273,9 +273,8 @@ def test_an_error_event_in_any_endpoints_stream_makes_an_error_span(aproxy, upst
     chat = _span(aproxy, "c-err")
     failed = {"id": "resp_1", "object": "response", "status": "failed", "output": [],
               "error": {"code": "server_error", "message": "engine died too"}}
-    responses = _native_span(aproxy, "r-err", "/v1/responses",
-                             [b"data: " + json.dumps({"type": "response.failed", "response": failed}).encode() + b"\n\n"],
-                             {"model": "m", "input": "hi", "stream": True})
+    event = b"data: " + json.dumps({"type": "response.failed", "response": failed}).encode() + b"\n\n"
+    responses = _native_span(aproxy, "r-err", "/v1/responses", [event], {"model": "m", "input": "hi", "stream": True})
     messages = _native_span(aproxy, "m-err", "/v1/messages", [
         _named("message_start", {"message": {"id": "msg_1", "type": "message", "role": "assistant", "content": []}}),
         _named("error", {"error": {"type": "overloaded_error", "message": "overloaded"}})], {**REQ, "stream": True})
