@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -234,3 +235,23 @@ def test_a_token_list_with_a_null_element_counts_as_missing(make_traces):
     assert stats["calls_without_token_ids"] == stats["calls_dropped_no_token_ids"] == 2
     assert rows["c"]["response_token_ids"] == [5, 6] and all(map(math.isnan, rows["c"]["response_logprobs"]))
     assert stats["calls_without_logprobs"] == 1
+
+
+def test_a_prefill_call_is_retokenised_as_the_engine_continued_it(tiny_tokenizer_dir):
+    """A Messages call whose last message is the assistant's (a prefill) goes upstream with
+    continue_final_message: the prompt ends inside the assistant turn and the answer continues it.
+    Rendered with a generation prompt instead, the prompt closed the prefill's turn and opened another."""
+    from transformers import AutoTokenizer
+
+    from lightning_harness.trainer.samples import retokenize
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    request = {"model": "policy", "max_tokens": 4,
+               "messages": [{"role": "user", "content": "what is two plus three"},
+                            {"role": "assistant", "content": "answer"}]}
+    answer = {"id": "x", "object": "chat.completion",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": " five"}, "finish_reason": "stop"}]}
+    prompt, response, _ = retokenize(tok, json.dumps(request), json.dumps(answer), "messages")
+    assert prompt == tiny_ids("<|im_start|>", "user", "what", "is", "two", "plus", "three", "<|im_end|>",
+                              "<|im_start|>", "assistant", "answer")
+    assert response == tiny_ids("five", "<|im_end|>")

@@ -139,7 +139,8 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     ``choices[0].text``. Anthropic Messages (``endpoint='messages'``): the recorded Messages request
     is turned into the chat request the proxy sent upstream (the same translation), whose answer
     the span holds as a chat completion; a Responses call into the chat exchange it renders like
-    (``proxy.assemble.as_chat``).
+    (``proxy.assemble.as_chat``). A request with ``continue_final_message`` (a Messages prefill) is
+    rendered as the engine did: the last assistant message left open, the answer continuing it.
     """
     req = json.loads(request_json or "{}")
     resp = json.loads(response_json or "{}")
@@ -149,10 +150,17 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     if "messages" in req:
         messages = req["messages"]
         kw = {"tools": req["tools"]} if req.get("tools") else {}
-        prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+        last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+        # a prefill (an Anthropic call's last assistant message): the answer continues it, in its turn
+        prefill = bool(req.get("continue_final_message")) and last.get("role") == "assistant" and isinstance(
+            last.get("content"), str)
+        prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
+                                                    **({"continue_final_message": True} if prefill else {}), **kw)
         prompt = _encode(tokenizer, prompt_text)
         msg = {"role": "assistant", **{k: v for k, v in (choice.get("message") or {}).items() if v is not None}}
-        full_text = tokenizer.apply_chat_template(messages + [msg], tokenize=False, add_generation_prompt=False, **kw)
+        done = messages[:-1] + [{**msg, "content": last["content"] + str(msg.get("content") or "")}] if prefill \
+            else messages + [msg]
+        full_text = tokenizer.apply_chat_template(done, tokenize=False, add_generation_prompt=False, **kw)
         if full_text.startswith(prompt_text):
             response = _encode(tokenizer, full_text[len(prompt_text):])
             eos = tokenizer.eos_token_id
