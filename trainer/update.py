@@ -112,10 +112,17 @@ def table_to_samples(table: pa.Table, max_seq_len: int | None,
         out.append(Sample(rid, list(prompt), list(resp), [int(m) for m in mask],
                           [float("nan") if x is None else float(x) for x in lps], float(adv), float(w)))
     if truncated and loss_mode is not None:
-        kept = np.array([sum(s.mask) for s in out])
-        for s, w in zip(out, loss_weights(rollout_index([s.rollout_id for s in out]), kept, loss_mode)):
-            s.loss_weight = float(w)
+        reweigh(out, loss_mode)
     return out, {"truncated": truncated}
+
+
+def reweigh(samples: list[Sample], mode: str) -> None:
+    """Re-derive each sample's loss weight from the model tokens its mask keeps now (after tokens
+    left it: a cut response, tokens verl cannot weigh), so every rollout (``seq-mean``: sample)
+    still counts once."""
+    kept = np.array([sum(s.mask) for s in samples])
+    for s, w in zip(samples, loss_weights(rollout_index([s.rollout_id for s in samples]), kept, mode)):
+        s.loss_weight = float(w)
 
 
 def padded(rows: list, width: int, dtype: torch.dtype, fill: float = 0, *, left: bool = False,
@@ -305,14 +312,15 @@ class PolicyUpdater:
         torch.manual_seed(self.cfg.seed)
         # the updates this policy has had (a checkpoint's step): each update's mini-batch shuffle is
         # seeded by it, so a run resumed from a checkpoint deals its next step as an unbroken run would
-        self.updates_done = int(ckpt.read_version(self.model_dir).get("step") or 0)
+        version = ckpt.read_version(self.model_dir)
+        self.updates_done = int(version.get("step") or 0)
         self.model = model if model is not None else ckpt.load_model(self.model_dir, self.device, self.cfg.dtype)
         if self.cfg.gradient_checkpointing:  # the body's activations are recomputed in the backward
             self.model.gradient_checkpointing_enable()
         # bf16 autocast: the GPU default (fp32 master weights, bf16 matmuls); off on CPU unless asked.
         self.autocast = self.cfg.autocast == "bfloat16" or (self.cfg.autocast == "auto" and self.device.type == "cuda")
         self.model.train()
-        self.base_dir = Path(ckpt.read_version(self.model_dir).get("base_model", self.model_dir))
+        self.base_dir = Path(version.get("base_model", self.model_dir))
         self.ref = None
         if self.cfg.kl_coef > 0:  # frozen: eval mode, no gradients
             self.ref = ckpt.load_model(reference_dir or self.base_dir, self.device, self.cfg.dtype).eval()

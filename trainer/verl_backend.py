@@ -121,9 +121,7 @@ def train_only_logged(rows: list, weight_mode: str) -> int:
     Why: verl's bypass mode uses the captured logprob as the behaviour policy ``mu``; written as 0
     it made ``pi / mu = pi``, a wrong importance ratio (update.py gives such a token weight 1, which
     verl cannot express). Re-deriving keeps every rollout counting once, as a cut response does."""
-    import numpy as np
-
-    from .weights import loss_weights, rollout_index
+    from .update import reweigh
 
     taken = 0
     for s in rows:
@@ -132,9 +130,7 @@ def train_only_logged(rows: list, weight_mode: str) -> int:
             taken += sum(lost)
             s.mask = [0 if gone else m for m, gone in zip(s.mask, lost)]
     if taken:
-        kept = np.array([sum(s.mask) for s in rows])
-        for s, w in zip(rows, loss_weights(rollout_index([s.rollout_id for s in rows]), kept, weight_mode)):
-            s.loss_weight = float(w)
+        reweigh(rows, weight_mode)
         log.warning("verl batch: %d model tokens without a captured logprob left the loss", taken)
     return taken
 
