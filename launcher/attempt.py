@@ -91,14 +91,27 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel,
     outcome = s.runner.run(job, cancel)
     ended_mono = time.monotonic()
     if s.proxy is not None:  # the harness is gone: its credential dies before any reward is judged
-        problem = s.proxy.end_attempt(spec.rollout_id, attempt)
-        if problem:
-            log.warning("%s", problem)
+        outcome = revoke_credential(s.proxy, spec, attempt, outcome)
     state, reward, error = judge(s, spec, attempt, work, outcome, ended_mono, cancel)
     result = make_result(spec, attempt, state, outcome, outcome.started_at, outcome.ended_at,
                          runner=getattr(s.runner, "name", "local"), reward=reward, error=error,
                          log_path=log_path, model_version=model_version)
     return result, reward
+
+
+def revoke_credential(proxy, spec: RolloutSpec, attempt: int, outcome: AttemptOutcome) -> AttemptOutcome:
+    """End the attempt's credential at the proxy (one retry). An attempt whose credential outlives it
+    is not judged: whatever it left running could still record calls into the trajectory or post a
+    reward the scorer never saw, so it ends failed (a retry policy gives the rollout a new attempt)."""
+    problem = proxy.end_attempt(spec.rollout_id, attempt)
+    if problem:
+        time.sleep(0.5)
+        problem = proxy.end_attempt(spec.rollout_id, attempt)
+    if not problem:
+        return outcome
+    log.warning("%s", problem)
+    reason = f"{problem}; not judged, since its credential still records calls"
+    return dataclasses.replace(outcome, error=f"{outcome.error}; {reason}" if outcome.error else reason)
 
 
 def judge(s: AttemptSettings, spec: RolloutSpec, attempt: int, work: Path, outcome: AttemptOutcome,

@@ -303,3 +303,37 @@ def test_a_killed_launchers_trees_are_ended_by_the_next_one(tmp_path):
     finally:
         if sleeper.poll() is None:
             sleeper.kill()
+
+
+def test_an_attempt_whose_credential_could_not_be_revoked_is_not_judged(tmp_path, stub_upstream, proxy_confdir,
+                                                                         make_proxy):
+    """The launcher revokes an attempt's credential before judging it; when the proxy refuses that
+    (twice), whatever the harness left running could still record calls or post a reward: the
+    attempt ends failed, not scored. One refusal followed by success is retried and judged as usual."""
+    import dataclasses
+
+    from lightning_harness.launcher.batch import run_batch
+    from lightning_harness.launcher.proxy_link import ProxyLink
+
+    refusals = [0]
+
+    class Refusing(ProxyLink):
+        """A real link to the running proxy whose next ``refusals`` revocations go to a closed port."""
+
+        def end_attempt(self, rollout_id, attempt):
+            target = self
+            if refusals[0] > 0:
+                refusals[0] -= 1
+                target = dataclasses.replace(self, reverse_url="http://127.0.0.1:9")
+            return ProxyLink.end_attempt(target, rollout_id, attempt)
+
+    traces = tmp_path / "traces"
+    proxy = make_proxy(traces_dir=traces)
+    link = Refusing(**vars(ProxyLink.from_process(proxy)))
+    for n, expected in ((2, ("failed", None)), (1, ("succeeded", 0.5))):
+        refusals[0] = n
+        (row,) = run_batch([{"id": f"claims{n}", "claim": 0.5}], [sys.executable, str(ESCAPE)],
+                           traces_dir=traces, proxy=link, run_id=f"r{n}")
+        assert (row.state, row.reward) == expected, row.error  # before the fix: ("succeeded", 0.5) both times
+        assert refusals == [0]
+        assert ("not judged" in (row.error or "")) == (n == 2)

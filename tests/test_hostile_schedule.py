@@ -240,3 +240,62 @@ def test_a_negative_max_staleness_is_refused_before_rollouts_run(tmp_path):
     with pytest.raises(C.ConfigError, match="max_staleness must be >= 0"):
         Schedule.from_rollout(C.load_config(p).rollout)
     assert Schedule.from_rollout(C.load_config(p, ["rollout.mode=sync"]).rollout).max_staleness == 0
+
+
+# -- a crash after the engine served new weights, before the step was recorded --------------------
+class SwapFakes:
+    """The hold's other parties: a proxy control and an engine that record what they were told, an
+    updater that saves an (empty) checkpoint folder."""
+
+    def __init__(self) -> None:
+        self.stamped: list[int] = []  # versions the proxy was told to stamp on spans
+
+    def control(self):
+        return SimpleNamespace(pause=lambda: None, resume=lambda: None, state=lambda: {"held": 0},
+                               drain=lambda timeout: {"drained": True, "waited_s": 0.0, "in_flight": 0},
+                               set_model_version=self.stamped.append)
+
+    @staticmethod
+    def engine():
+        return SimpleNamespace(pause=lambda mode: None, resume=lambda: None, sleep=lambda level: None,
+                               wake_up=lambda: None, is_sleeping=lambda: False, reload_weights=lambda ckpt: 0.0)
+
+    @staticmethod
+    def updater():
+        def save(path, **kw):
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+
+        return SimpleNamespace(set_lr=lambda lr: None, update=lambda table: {}, save=save)
+
+
+def swap_run(tmp_path, fakes: SwapFakes, state: dict) -> TrainingRun:
+    from lightning_harness.trainer.config import UpdateConfig
+
+    run = stub_run(tmp_path, Schedule(2, 2, 0, "tis"), state=state)
+    run.cfg.proxy = SimpleNamespace(drain_timeout_s=1.0)
+    run.cfg.engine = SimpleNamespace(sleep_on_update="never", sleep_level=1)
+    run.cfg.checkpoint = SimpleNamespace(keep_last=2, save_optimizer=False)
+    run.cfg.update = UpdateConfig()
+    run.ckpt_dir, run.device = tmp_path / "checkpoints", "cpu"
+    run.proxy = SimpleNamespace(control=fakes.control())
+    run.engine, run.updater = fakes.engine(), fakes.updater()
+    return run
+
+
+def test_a_version_the_proxy_stamped_is_never_given_to_other_weights(tmp_path):
+    """Killed after step 1's swap (the engine serves the new weights, the proxy stamps version 1 on
+    spans) but before the step was recorded: --resume redoes step 1 from the old checkpoint, and its
+    new weights must not take version 1 again (spans of the lost weights carry it)."""
+    fakes = SwapFakes()
+    run = swap_run(tmp_path, fakes, None)
+    run._save_state()  # as a run's state file stands before its first step
+    rep = run.swap(1, None, run.version)
+    assert rep["model_version"] == 1 and fakes.stamped == [1]
+    # killed here: the step-end state save never ran
+    resumed_state = saved_state(tmp_path)
+    assert resumed_state["model_version"] == 0  # the resumed run serves the old checkpoint
+    again = swap_run(tmp_path, fakes, resumed_state)
+    rep = again.swap(1, None, again.version)
+    assert fakes.stamped == [1, 2]  # before the fix: [1, 1], one number for two sets of weights
+    assert rep["model_version"] == 2

@@ -268,11 +268,13 @@ class TrainingRun:
             self.updater.set_lr(lr)
             rep.update(self.updater.update(table))
             rep["update/lr"] = lr
-            new_version = version + 1  # one version per step, even if nothing was trainable
+            new_version = self._next_version(version)
             t0 = time.monotonic()
             ckpt = self.updater.save(step_dir(self.ckpt_dir, step), model_version=new_version, step=step,
                                      save_optimizer=cfg.checkpoint.save_optimizer)
             rep["time/save_s"] = time.monotonic() - t0
+            self.state["version_served"] = new_version  # on disk before any span carries it
+            self._save_state()
             # new weights into the engine, in place
             self.progress.update(phase="reload")
             if sleep:
@@ -283,6 +285,13 @@ class TrainingRun:
                 self.engine.wake_up()
             self.engine.resume()
         return new_version, ckpt
+
+    def _next_version(self, version: int) -> int:
+        """One version per step, even if nothing was trainable, and never one given before: a trainer
+        killed after its engine served new weights but before the step was recorded resumes at the
+        old version, and its redone step's weights must not take the number the proxy stamped on
+        spans of the lost weights (``state['version_served']``, written before the engine reloads)."""
+        return max(version, int(self.state.get("version_served", version))) + 1
 
     # -- eval --------------------------------------------------------------------------------------
     def _eval_due(self, step: int) -> bool:
