@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 import secrets
@@ -16,7 +17,7 @@ import click
 from ..process import free_port
 from ..schemas.rewards import reward_from_object
 from .client import BUNDLE_NAME, ProxyControl, ProxyError, control_token_path, harness_env, read_control_token
-from .config import CONTROL_TOKEN_VAR, MiB, ProxyConfig, default_confdir, flag_names
+from .config import CONTROL_TOKEN_VAR, TOKEN_VAR, MiB, ProxyConfig, default_confdir, flag_names
 from .credentials import InvalidId, check_attempt, check_rollout_id
 
 
@@ -33,8 +34,9 @@ def main() -> None:
 
     \b
     Quick start:
-      lightning-proxy serve --traces traces --upstream http://127.0.0.1:8000 --token SECRET
-      eval "$(lightning-proxy env rollout-1 --token SECRET)"   # then run any harness
+      export LIGHTNING_PROXY_TOKEN=SECRET   # a token on the command line is readable by every user
+      lightning-proxy serve --traces traces --upstream http://127.0.0.1:8000
+      eval "$(lightning-proxy env rollout-1)"   # then run any harness
       lightning-proxy ctl state      # control token from the file `serve` wrote in its confdir
     """
 
@@ -87,6 +89,9 @@ def _default_text(f: dataclasses.Field) -> str:
 def serve(config_path, **flags) -> None:
     """Run the proxy: forward and reverse listeners, capture to Parquet, control API under /_lh/."""
     config = _load(config_path, **flags)
+    _check_exposure(config)
+    if not os.environ.get("LIGHTNING_PROXY_REEXEC"):  # said once, not again by the re-executed process
+        _warn_secret_flags(click.get_current_context(), config)
     _reexec_if_no_mitmproxy()
     for name in ("forward_port", "reverse_port"):  # 0, "any free port": chosen now, so that the state, the
         if getattr(config, name) == 0:            # log line and the control token's file name give the real one
@@ -95,6 +100,36 @@ def serve(config_path, **flags) -> None:
     from .server import serve as run_server  # imports mitmproxy
 
     sys.exit(run_server(config))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name may resolve to any interface
+
+
+def _check_exposure(config: ProxyConfig) -> None:
+    """A proxy that other machines reach must check who writes its traces and who drives it: listening
+    beyond loopback needs a token and an access-checked control API."""
+    if _is_loopback(config.listen_host):
+        return
+    where = f"--listen-host {config.listen_host} lets other machines reach the proxy"
+    if not config.token:
+        raise click.UsageError(f"{where}: give it a token (${TOKEN_VAR}, or --token), or listen on 127.0.0.1")
+    if config.control_token == "":
+        raise click.UsageError(f"{where}: --control-token '' would let any of them pause it and post rewards")
+
+
+def _warn_secret_flags(ctx: click.Context, config: ProxyConfig) -> None:
+    """A token given as a flag sits in /proc/<pid>/cmdline, readable by every user (harnesses too)."""
+    for name, var in (("token", TOKEN_VAR), ("control_token", CONTROL_TOKEN_VAR)):
+        if getattr(config, name) and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            flag = "--" + name.replace("_", "-")
+            click.echo(f"warning: {flag} on the command line is readable by every user of this machine "
+                       f"(/proc/<pid>/cmdline); give it as ${var}", err=True)
 
 
 def _reexec_if_no_mitmproxy() -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
+import re
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -67,13 +69,17 @@ class Upstream:
 
 
 def option(default: Any, help: str, *, flag: str | None = None, off: str | None = None, envvar: str | None = None,
-           shown: str | None = None, choices: Iterable[str] | None = None, is_file: bool = False) -> Any:
+           shown: str | None = None, choices: Iterable[str] | None = None, is_file: bool = False,
+           minimum: float | None = None, maximum: float | None = None, above: float | None = None) -> Any:
     """Declare one proxy option (mitmproxy's ``loader.add_option`` in dataclass form): its default
     and help. The YAML key is the field name, the ``serve`` flag ``--name-with-dashes`` (or ``flag``;
     ``off`` names a boolean's negative flag), and :func:`option_argv` writes the command line back.
-    ``envvar``: a secret read from this variable, passed to a child by environment, never argv."""
+    ``envvar``: a secret read from this variable, passed to a child by environment, never argv, and
+    never quoted in an error. ``minimum``/``maximum`` (inclusive) and ``above`` (exclusive) bound a
+    number, checked however the value came (file, flag, keyword)."""
     meta = {"help": help, "flag": flag, "off": off, "envvar": envvar, "shown": shown,
-            "choices": tuple(choices) if choices else None, "is_file": is_file}
+            "choices": tuple(choices) if choices else None, "is_file": is_file,
+            "minimum": minimum, "maximum": maximum, "above": above}
     if isinstance(default, (list, dict)):
         return field(default_factory=type(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -89,8 +95,10 @@ class ProxyConfig:
 
     traces: str = option("traces", "Traces root: spans/ and rewards/ Parquet parts go below it.")
     listen_host: str = option("127.0.0.1", "Interface both listeners bind to (0.0.0.0 for pods).")
-    forward_port: int = option(8080, "Forward-proxy port (HTTP_PROXY/HTTPS_PROXY).")
-    reverse_port: int = option(8081, "Reverse-proxy port (OPENAI_BASE_URL) and control API.")
+    forward_port: int = option(8080, "Forward-proxy port (HTTP_PROXY/HTTPS_PROXY); 0: any free one.",
+                               minimum=0, maximum=65535)
+    reverse_port: int = option(8081, "Reverse-proxy port (OPENAI_BASE_URL) and control API; 0: any free one.",
+                               minimum=0, maximum=65535)
     token: str | None = option(None, "Token harnesses must present (else anyone may write traces).", envvar=TOKEN_VAR)
     control_token: str | None = option(
         None, "Bearer token of the control API, never given to harnesses ('' leaves it open).",
@@ -108,15 +116,18 @@ class ProxyConfig:
     model_version: int = option(0, "Policy version stamped on spans until changed over the control API.")
     idle_timeout: float = option(
         600.0, "Seconds without a byte either way before a connection is closed (a hung upstream becomes a "
-        "'timeout' error span).")
+        "'timeout' error span).", above=0)
     # bounds on model calls (hostile input)
-    max_body_size: int = option(32 * MiB, "Largest model-call request body in bytes; larger ones get 413.")
+    max_body_size: int = option(32 * MiB, "Largest model-call request body in bytes; larger ones get 413.",
+                                minimum=1)
     max_decoded_size: int = option(
-        64 * MiB, "Bytes a compressed body (or one SSE event) may expand to; past it: 413 / error span.")
+        64 * MiB, "Bytes a compressed body (or one SSE event) may expand to; past it: 413 / error span.",
+        minimum=1)
     max_inflight_bytes: int = option(
         256 * MiB, "Bytes of large request bodies (64 KiB and up, each costs several times its size while in "
-        "flight) processed at once; more calls wait their turn.")
-    shutdown_grace: float = option(5.0, "Seconds SIGTERM waits for calls in flight (the rest: 'shutdown' error spans).")
+        "flight) processed at once; more calls wait their turn.", minimum=1)
+    shutdown_grace: float = option(
+        5.0, "Seconds SIGTERM waits for calls in flight (the rest: 'shutdown' error spans).", minimum=0)
     ssl_insecure: bool = option(False, "Do not verify upstream TLS certificates (test upstreams only).")
     upstream_ca: str | None = option(None, "PEM file of extra CAs trusted for upstream TLS.", is_file=True)
     lean: bool = option(True, "Load only the mitmproxy built-ins a capture proxy needs (faster), or stock "
@@ -124,21 +135,21 @@ class ProxyConfig:
     gc_young: int = option(
         10_000, "Allocations between collections of Python's youngest generation (Python's default: 700; "
         "0 keeps it). Parsed stream events live until their span is written: at 700 the collector took "
-        "~8% of the proxy's CPU on streamed answers, at 10,000 ~5%.")
+        "~8% of the proxy's CPU on streamed answers, at 10,000 ~5%.", minimum=0)
     # durability
-    flush_seconds: float = option(1.0, "Longest time a span waits in memory (what a SIGKILL can lose).")
-    flush_rows: int = option(5000, "Write a part after this many rows.")
-    flush_bytes: int = option(16 * MiB, "Write a part after this many buffered bytes.")
+    flush_seconds: float = option(1.0, "Longest time a span waits in memory (what a SIGKILL can lose).", above=0)
+    flush_rows: int = option(5000, "Write a part after this many rows.", minimum=1)
+    flush_bytes: int = option(16 * MiB, "Write a part after this many buffered bytes.", minimum=1)
     fsync: bool = option(True, "fsync every part before it counts as written.")
     compact_seconds: float = option(
         60.0, "Seconds between compactions of spans/ and rewards/ (many small parts -> a few large ones, "
-        "schemas/compact.py); 0: never (another process compacts).")
+        "schemas/compact.py); 0: never (another process compacts).", minimum=0)
     capture_failure: str = option(
         "reject", "While spans cannot be written (disk full): 'reject' new model calls with 503 + Retry-After "
         "(nothing unrecorded), or 'serve' them and count what is not recorded.", choices=CAPTURE_FAILURE_POLICIES)
     max_buffer_bytes: int = option(
         256 * MiB, "Most bytes of unwritten rows held per table while writes fail; past it new spans are "
-        "refused/dropped.")
+        "refused/dropped.", minimum=1)
 
     @property
     def control_secret(self) -> str | None:
@@ -157,14 +168,22 @@ class ProxyConfig:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> ProxyConfig:
+        """The config from YAML keys / flag values / keywords; a ValueError naming each bad option."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown proxy config keys {sorted(unknown)}; known: {sorted(known)}")
         values = {k: os.fspath(v) if isinstance(v, os.PathLike) else list(v) if isinstance(v, tuple) else v
                   for k, v in data.items()}  # paths and repeated flags (tuples) as YAML would give them
+        for key in ("route_hosts", "no_intercept", "upstreams"):
+            if isinstance(values.get(key), str):
+                values[key] = [values[key]]
         if isinstance(values.get("model_map"), list):  # repeated --model-map NAME=SERVED
             values["model_map"] = parse_model_map(values["model_map"])
+        problems = [p for f in dataclasses.fields(cls) if f.name in values
+                    for p in [check_option(f, values[f.name])] if p]
+        if problems:
+            raise ValueError("bad proxy option" + ("s" if len(problems) > 1 else "") + ": " + "; ".join(problems))
         if "upstreams" in values:
             values["upstreams"] = [parse_upstream(u) for u in values["upstreams"] or []]
         if "model_version" in values:
@@ -173,13 +192,6 @@ class ProxyConfig:
             check_model_version(values["model_version"])
         if values.get("reverse_target"):
             parse_upstream(values["reverse_target"])  # fail early on a bad URL
-        for key in ("route_hosts", "no_intercept"):
-            if isinstance(values.get(key), str):
-                values[key] = [values[key]]
-        for f in dataclasses.fields(cls):
-            choices = f.metadata["choices"]
-            if choices and f.name in values and values[f.name] not in choices:
-                raise ValueError(f"{f.name} must be one of {sorted(choices)}, got {values[f.name]!r}")
         return cls(**values)
 
     @classmethod
@@ -188,12 +200,64 @@ class ProxyConfig:
         data: dict[str, Any] = {}
         if path:
             text = Path(path).read_text()
-            loaded = yaml.safe_load(text) or {}
+            try:
+                loaded = yaml.safe_load(text) or {}
+            except yaml.YAMLError as exc:
+                raise ValueError(f"{path}: not YAML: {exc}") from None
             if not isinstance(loaded, dict):
                 raise ValueError(f"{path}: expected a mapping of options, got {type(loaded).__name__}")
             data.update(loaded)
         data.update({key: value for key, value in overrides.items() if value not in (None, (), [])})
         return cls.from_mapping(data)
+
+
+_KINDS = {  # the declared type of an option -> (check, what it must be)
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+              "a finite number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "str | None": (lambda v: v is None or isinstance(v, str), "a string"),
+    "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "dict[str, str]": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values())),
+                       "a mapping of strings to strings"),
+    "list[Upstream]": (lambda v: isinstance(v, list), "a list of URLs"),
+}
+
+
+def check_option(f: dataclasses.Field, value: Any) -> str | None:
+    """What is wrong with ``value`` for option ``f`` (its declared type, bounds, choices, file), or
+    None. A secret option's value is never quoted (the message goes to a terminal and to logs)."""
+    meta = f.metadata
+    shown = "(value hidden)" if meta["envvar"] else repr(value)
+    check, kind = _KINDS[f.type]
+    if not check(value):
+        return f"{f.name} must be {kind}, got {shown}"
+    if meta["choices"] and value not in meta["choices"]:
+        return f"{f.name} must be one of {sorted(meta['choices'])}, got {shown}"
+    low, high, above = meta["minimum"], meta["maximum"], meta["above"]
+    if (low is not None and value < low) or (high is not None and value > high) or (above is not None
+                                                                                     and value <= above):
+        bounds = [f">= {low:g}" if low is not None else f"> {above:g}" if above is not None else "",
+                  f"<= {high:g}" if high is not None else ""]
+        return f"{f.name} must be {' and '.join(b for b in bounds if b)}, got {shown}"
+    return _check_path(f.name, value, meta["is_file"])
+
+
+def _check_path(name: str, value: Any, is_file: bool) -> str | None:
+    """Paths that must be a file or a folder, and regexes, are checked now, not when a call needs them."""
+    if is_file and value is not None and not Path(value).expanduser().is_file():
+        return f"{name}: {value!r} is not a readable file"
+    if name in ("traces", "confdir") and value and Path(value).expanduser().exists() \
+            and not Path(value).expanduser().is_dir():
+        return f"{name}: {value!r} exists and is not a directory"
+    if name == "no_intercept":
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                return f"no_intercept: {pattern!r} is not a regular expression ({exc})"
+    return None
 
 
 def parse_upstream(value: Any) -> Upstream:
@@ -211,10 +275,19 @@ def _checked(u: Upstream) -> Upstream:
     try:
         port = u.port
     except ValueError as exc:
-        raise ValueError(f"upstream {u.url!r}: {exc}") from None
+        raise ValueError(f"upstream {_without_userinfo(u.url)!r}: {exc}") from None
     if u.scheme not in ("http", "https") or not u.parts.hostname or not port:
-        raise ValueError(f"upstream {u.url!r}: expected http(s)://host[:port][/v1]")
+        raise ValueError(f"upstream {_without_userinfo(u.url)!r}: expected http(s)://host[:port][/v1]")
     return u
+
+
+def _without_userinfo(url: str) -> str:
+    """A URL for an error message: ``user:key@`` (a credential) replaced by ``***@``."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    return f"{scheme}{sep}{netloc}{slash}{path}"
 
 
 def parse_model_map(items: Iterable[str]) -> dict[str, str]:
