@@ -13,13 +13,18 @@ Protocol, per day folder of a table, under an exclusive ``flock`` on ``ROOT/<tab
    has its inputs removed (the step a crash or the grace period left for later);
 2. temporaries of a compaction that was killed (``.compact-*.tmp``) are removed;
 3. readable parts under ``target_bytes / 2`` (and ``raw_bytes / 2`` in memory) that are neither
-   replaced nor waiting for their own inputs to go are taken in name (= time) order, in batches of
+   replaced nor waiting for their own inputs to go, named as a footer may name them (``[A-Za-z0-9_.-]``)
+   and typed like the table, are taken in name (= time) order, in batches of
    about ``target_bytes`` (at most ``raw_bytes`` in memory); each batch
    of two or more becomes one part: rows sorted by ``rollout_id`` (stable, so time order within a
    rollout; row-group statistics then prune a query for a few rollouts), written under a hidden
    temporary name, row count checked against the inputs, fsynced, renamed, folder fsynced. Its
    footer names the parts it replaces (``lightning.compacted_from``);
 4. with ``grace_s == 0`` the inputs go at once, else at a later run after ``grace_s``.
+
+A compacted part gets its inputs' access (common permission bits; their owner when run as root), not
+the compacting process's umask. A part whose data turns out damaged is marked corrupt (readers skip
+it too) and the rest of its batch is compacted.
 
 Readers (``schemas.checked.finished_parts``) leave out a part as soon as a compacted part naming it
 exists, so a row is never seen twice; inputs stay readable for ``grace_s`` for readers that listed
@@ -35,6 +40,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -43,8 +49,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .checked import COMPACTED_FROM, finished_parts, part_error, replaced_parts
-from .parts import RAW_BYTES, write_part
+from .checked import _PART_NAME, COMPACTED_FROM, finished_parts, mark_bad, part_error, replaced_parts
+from .parts import RAW_BYTES, plain_root, write_part
 from .tables import TABLES
 
 log = logging.getLogger("lightning.schemas")
@@ -90,7 +96,8 @@ def compact_store(root: str | os.PathLike, tables: Iterable[str] | None = None, 
 
 
 def _finish_table(root: str | os.PathLike, table: str, grace_s: float, rep: CompactReport, fsync: bool) -> None:
-    base = Path(root) / table
+    root = plain_root(root)
+    base = root / table
     with _locked(base / LOCK_NAME) as locked:
         if locked:
             for folder in sorted({p.parent for p in base.glob("**/*.parquet")}):
@@ -119,7 +126,8 @@ def compact_table(
         raise ValueError("target_bytes and raw_bytes must be positive and grace_s not negative")
     t0 = time.monotonic()
     rep = CompactReport(table)
-    base = Path(root) / table
+    root = plain_root(root)  # a name pyarrow can open (not UTF-8: every part looked corrupt, none compacted)
+    base = root / table
     if not base.is_dir():
         rep.skipped = "no such table folder"
         return rep
@@ -138,8 +146,19 @@ def compact_table(
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[bool]:
-    """A non-blocking exclusive ``flock``: ``with _locked(path) as locked`` (False when busy)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """A non-blocking exclusive ``flock``: ``with _locked(path) as locked`` (False when busy).
+
+    A lock file another user created (an operator's ``sudo lightning-train compact``) is read-only to
+    us: ``flock`` needs no write access, so it is opened read-only then, and ours is made readable
+    to all whatever the umask (it holds nothing): the proxy's compaction failed every round with
+    PermissionError."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY)
+    with contextlib.suppress(OSError):
+        if os.fstat(fd).st_uid == os.geteuid():
+            os.fchmod(fd, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         locked = True
@@ -194,10 +213,12 @@ def _compact_folder(folder: Path, table: str, rep: CompactReport, budget: tuple[
         tmp.unlink(missing_ok=True)
     pending = _remove_replaced(folder, grace_s, rep, fsync, step)
     replaced = {folder / n for p in pending for n in replaced_parts(p)}
+    # only names a compacted part's footer may list: one named otherwise ("part (1).parquet", a copy) made
+    # a compacted part every reader took for corrupt, and a new one of it every round
     on_disk = {p: p.stat().st_size for p in _visible_parts(folder)
-               if p not in replaced and p not in pending and not part_error(p)}
+               if _PART_NAME.fullmatch(p.name) and p not in replaced and p not in pending and not part_error(p)}
     small = [(p, (n, raw)) for p, n in on_disk.items()  # the footer read only for parts small on disk
-             if n < budget[0] // 2 and (raw := _raw_size(p)) < budget[1] // 2]
+             if n < budget[0] // 2 and 0 <= (raw := _raw_size(p, table)) < budget[1] // 2]
     for batch in _batches(small, *budget):
         if len(batch) >= 2:
             _write_compacted(folder, table, batch, rep, fsync, step)
@@ -218,21 +239,53 @@ def _batches(parts: list[tuple[Path, tuple[int, int]]], target_bytes: int, raw_b
     return out
 
 
-def _raw_size(part: Path) -> int:
-    """The part's rows in memory, as its writer recorded them; for a part written before the footer
-    said so, its uncompressed column data (a repeated dictionary value counted once)."""
-    md = pq.read_metadata(part)
-    recorded = (md.metadata or {}).get(RAW_BYTES)
-    return int(recorded) if recorded else sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
+_odd_parts: set[str] = set()  # parts already warned about as not joining a batch
 
 
-def _read_inputs(batch: list[Path], table: str) -> pa.Table | None:
-    """The rows of ``batch`` as one table (schemas unified by name); None if they do not unify."""
-    tables = [pq.read_table(p) for p in batch]
+def _raw_size(part: Path, table: str) -> int:
+    """The part's rows in memory, as its writer recorded them (never less than its uncompressed column
+    data, which counts a repeated dictionary value once); -1 when it cannot join a batch: a column typed
+    unlike the table's (another version, another tool) failed the whole batch every round, so none of
+    its parts was ever compacted. Such a part stays as it is (readers read it), with one warning."""
+    md, schema = pq.read_metadata(part), TABLES[table]
+    odd = [f.name for f in md.schema.to_arrow_schema()
+           if f.name in schema.names and f.type != schema.field(f.name).type]
+    if odd:
+        if str(part) not in _odd_parts:
+            _odd_parts.add(str(part))
+            log.warning("not compacting %s: column(s) %s typed unlike the %s table's", part, ", ".join(odd), table)
+        return -1
+    columns = sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
+    try:  # a footer from elsewhere may say anything: an unreadable figure stopped every table's compaction
+        recorded = int((md.metadata or {}).get(RAW_BYTES, b"0"))
+    except ValueError:
+        recorded = 0
+    return max(recorded, columns)
+
+
+def _read_parts(batch: list[Path]) -> tuple[list[Path], list[pa.Table]]:
+    """The parts of ``batch`` that read whole, and their rows. A part whose data is damaged past its footer
+    is marked corrupt (one warning; readers skip it too) and left as it is: it kept its whole batch
+    from ever being compacted, with a warning every round."""
+    read, tables = [], []
+    for p in batch:
+        try:
+            tables.append(pq.read_table(p))
+        except MemoryError:  # not the part's fault: this round fails, the part stays readable
+            raise
+        except Exception as exc:
+            mark_bad(p, f"{type(exc).__name__}: {exc}")
+            continue
+        read.append(p)
+    return read, tables
+
+
+def _read_inputs(tables: list[pa.Table], folder: Path, table: str) -> pa.Table | None:
+    """The rows of ``tables`` as one table (schemas unified by name); None if they do not unify."""
     try:
         data = pa.concat_tables(tables, promote_options="default")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        log.warning("not compacting %s parts in %s: schemas differ (%s)", table, batch[0].parent, exc)
+        log.warning("not compacting %s parts in %s: schemas differ (%s)", table, folder, exc)
         return None
     if "rollout_id" in data.column_names and data.num_rows:
         data = data.take(pc.sort_indices(data, sort_keys=[("rollout_id", "ascending")]))
@@ -240,13 +293,14 @@ def _read_inputs(batch: list[Path], table: str) -> pa.Table | None:
 
 
 def _write_compacted(folder: Path, table: str, batch: list[Path], rep: CompactReport, fsync: bool, step) -> None:
-    try:
-        data = _read_inputs(batch, table)
-    except Exception as exc:  # a part damaged past its footer: leave the batch as it is
-        log.warning("not compacting %s parts in %s: %s: %s", table, folder, type(exc).__name__, exc)
+    batch, tables = _read_parts(batch)
+    if len(batch) < 2:
         return
+    data = _read_inputs(tables, folder, table)
+    del tables
     if data is None:
         return
+    mode, owner = _access_of(batch)
     expected = sum(pq.read_metadata(p).num_rows for p in batch)
     in_bytes = sum(p.stat().st_size for p in batch)
     rows_per_group = max(256, int(data.num_rows * ROW_GROUP_BYTES / max(in_bytes, 1)))
@@ -258,16 +312,34 @@ def _write_compacted(folder: Path, table: str, batch: list[Path], rep: CompactRe
         written = pq.read_metadata(tmp).num_rows
         if written != expected:
             raise RuntimeError(f"compacted part holds {written} rows, its inputs {expected}")
+        if owner is not None:
+            os.chown(tmp, *owner)
         step("written")
 
     meta = {**(data.schema.metadata or {}), COMPACTED_FROM: json.dumps([p.name for p in batch]).encode()}
     write_part(data, folder / name, meta, fsync=fsync, tmp=folder / f"{_TMP_PREFIX}{name}.tmp", check=check,
-               row_group_size=rows_per_group)
+               mode=mode, row_group_size=rows_per_group)
     _fsync_dir(folder, fsync)
     rep.parts_written += 1
     rep.parts_replaced += len(batch)
     rep.rows_compacted += expected
     step("committed")
+
+
+def _access_of(batch: list[Path]) -> tuple[int, tuple[int, int] | None]:
+    """The access a compacted part gets from its inputs: their common permission bits (never wider than
+    any of them), and their owner when they share one and we may give it (root; None otherwise).
+
+    Why: the part was created with the compacting process's umask. An operator compacting a store a
+    proxy kept private (umask 077) made its spans world-readable (0644), and one compacting as root
+    with umask 077 made the parts unreadable to the proxy's user, who then saw none of their rows.
+    """
+    stats = [p.stat() for p in batch]
+    mode = 0o777
+    for st in stats:
+        mode &= stat.S_IMODE(st.st_mode)
+    owners = {(st.st_uid, st.st_gid) for st in stats}
+    return mode, (next(iter(owners)) if len(owners) == 1 and os.geteuid() == 0 else None)
 
 
 class PeriodicCompactor:

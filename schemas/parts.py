@@ -8,11 +8,15 @@ and a process killed mid-write leaves at most a ``.*.tmp`` file that no ``*.parq
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as _dt
 import itertools
 import logging
 import os
+import re
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -308,17 +312,21 @@ RAW_BYTES = b"lightning.raw_bytes"
 
 
 def write_part(table: pa.Table, final: Path, metadata: dict, *, fsync: bool, tmp: Path | None = None,
-               check: Callable[[Path], None] | None = None, **options: Any) -> Path:
+               check: Callable[[Path], None] | None = None, mode: int | None = None, **options: Any) -> Path:
     """Write ``table`` (``metadata`` + the schema version in its footer) under a hidden temporary name
     (``tmp``), fsync it, ``check(tmp)`` it, rename it to ``final``: a reader never sees half a file,
-    and a failed write leaves nothing behind (disk full: frees the space). ``options``: pq.write_table's."""
+    and a failed write leaves nothing behind (disk full: frees the space). ``mode``: the file's permission
+    bits instead of the umask's (created 0600, so it is never wider meanwhile). ``options``: pq.write_table's."""
     tmp = tmp or final.with_name(f".{final.name}.tmp")
     table = table.replace_schema_metadata({**metadata, b"lightning.schema_version": str(SCHEMA_VERSION).encode(),
                                            RAW_BYTES: str(table.nbytes).encode()})
+    opener = None if mode is None else (lambda path, flags: os.open(path, flags, 0o600))
     try:
-        with open(tmp, "wb") as fh:
+        with open(tmp, "wb", opener=opener) as fh:
             pq.write_table(table, fh, compression="zstd", **options)
             fh.flush()
+            if mode is not None:
+                os.fchmod(fh.fileno(), mode)
             if fsync:
                 os.fsync(fh.fileno())
         if check is not None:
@@ -331,18 +339,82 @@ def write_part(table: pa.Table, final: Path, metadata: dict, *, fsync: bool, tmp
     return final
 
 
-def read_table(root: str | os.PathLike, table: str) -> pa.Table:
+# what pyarrow and DuckDB cannot be handed in a path: bytes that are not UTF-8 (Python holds them as lone
+# surrogates) and the backslash, which DuckDB reads as a separator when it expands a pattern
+_UNNAMEABLE = re.compile(r"[\\\ud800-\udfff]")
+_aliases: dict[str, Path] = {}
+_alias_lock = threading.Lock()
+
+
+def plain_root(root: str | os.PathLike) -> Path:
+    """``root``, or a symlink to it whose path every reader can be handed.
+
+    Why: a traces folder whose name is not UTF-8 was written fine (Python passes bytes to the OS) but
+    read as empty: pyarrow and DuckDB take UTF-8 text, so every part was skipped as "corrupt" and
+    compaction never ran. Such a root (or one with a backslash) is reached through a symlink in a
+    private temporary folder (mode 0700, removed at exit), named like the original with the odd bytes
+    replaced, so warnings still say which store it is. Any other root is returned as given.
+    """
+    text = os.fsdecode(os.fspath(root))
+    if not _UNNAMEABLE.search(text):
+        return Path(text)
+    target = os.path.abspath(text)
+    with _alias_lock:
+        link = _aliases.get(target)
+        if link is not None and os.path.islink(link):
+            return link
+        name = os.fsencode(os.path.basename(target)).decode("utf-8", "replace").replace("\\", "_") or "store"
+        try:
+            folder = tempfile.mkdtemp(prefix="lightning-store-")
+            link = Path(folder) / name
+            os.symlink(target, link)
+        except OSError as exc:  # no usable temporary folder: the root as given (read as before)
+            log.warning("cannot make a readable alias of %r (%s); its parts may read as corrupt", target, exc)
+            return Path(text)
+        atexit.register(shutil.rmtree, folder, True)
+        _aliases[target] = link
+        return link
+
+
+def listed_parts(root: str | os.PathLike, table: str, *, attempts: int = 20) -> tuple[list[Path], list[Path]]:
+    """:func:`finished_parts`, listed again while a part it found had vanished before its footer was read.
+
+    Why: a compaction that commits its part and removes the inputs while a listing runs (grace 0) can
+    leave that listing with the inputs gone (skipped) and the compacted part not yet seen: a reader
+    silently missed their rows. A vanished part means the folder changed under the listing.
+    """
+    for _ in range(attempts):
+        good, bad = finished_parts(root, table)
+        if all(os.path.lexists(p) for p in bad):
+            break
+    return good, bad
+
+
+def read_table(root: str | os.PathLike, table: str, *, attempts: int = 20) -> pa.Table:
     """Read every finished part of a table (an empty table with the schema if there is none).
 
     A corrupt part is skipped with one warning naming it (``schemas.checked``), so one damaged
-    file does not hide all the others.
+    file does not hide all the others. A part removed after it was listed (compaction put its rows
+    in another part) makes the table listed and read again: its rows are never silently missing.
     """
     schema = TABLES[table]
-    files, _skipped = finished_parts(root, table)
+    root = plain_root(root)
+    for _ in range(attempts):
+        parts = _read_listed(root, table, schema)
+        if parts is not None:
+            return pa.concat_tables(parts) if parts else schema.empty_table()
+    raise RuntimeError(f"the parts of {table} under {root} kept changing while they were read ({attempts} tries)")
+
+
+def _read_listed(root: Path, table: str, schema: pa.Schema) -> list[pa.Table] | None:
+    """The listed parts' rows, or None when one vanished before it was read (list again)."""
+    files, _skipped = listed_parts(root, table)
     parts = []
     for f in files:
         try:
             parts.append(pq.read_table(f, schema=schema))
         except Exception as exc:  # footer fine, data damaged: same policy as an unreadable footer
+            if not os.path.lexists(f):
+                return None
             mark_bad(f, f"{type(exc).__name__}: {exc}")
-    return pa.concat_tables(parts) if parts else schema.empty_table()
+    return parts

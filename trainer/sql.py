@@ -13,6 +13,8 @@ from __future__ import annotations
 import csv
 import decimal
 import json
+import math
+import re
 import sys
 from typing import Any
 
@@ -21,6 +23,7 @@ import duckdb
 import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .views import VIEW_NAMES, connect, define_views, past_damaged_parts
 
@@ -85,13 +88,29 @@ FROM rollouts GROUP BY step ORDER BY step NULLS FIRST""",
 FORMATS = ("table", "csv", "json", "parquet")
 
 
-def _cell(v: Any, width: int = 60) -> str:
+# control characters (ESC, CR, backspace, C1) and bidi overrides: shown as escapes, never sent to a terminal
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _cell(v: Any, width: int = 60) -> Text:
+    """A table cell as plain text: no rich markup, no terminal control sequence.
+
+    Why: cells hold what harnesses and models wrote. As a string, rich parsed it as markup (a
+    ``[/]`` in a prompt ended the query with MarkupError) and passed ESC through to the terminal
+    (a model-written escape sequence could retitle, hide or rewrite what the operator saw).
+    """
     if v is None:
-        return "NULL"
+        return Text("NULL")
     if isinstance(v, (list, dict)):
         v = json.dumps(v, default=str)
-    s = str(v)
-    return s if len(s) <= width else s[: width - 1] + "…"
+    s = _printable(str(v))
+    return Text(s if len(s) <= width else s[: width - 1] + "…")
+
+
+def _printable(s: str) -> str:
+    """``s`` with control characters as escapes (``\\x1b``): for a terminal (cells, names, error texts,
+    which quote the values DuckDB failed on)."""
+    return _CONTROL.sub(lambda m: ascii(m.group(0))[1:-1], s)
 
 
 def _csv_cell(v: Any) -> Any:
@@ -106,6 +125,8 @@ def _jsonable(v: Any) -> Any:
         return [_jsonable(x) for x in v]
     if isinstance(v, dict):
         return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # 'nan', 'inf': JSON has no such numbers (json.dumps wrote NaN, which parsers refuse)
     if isinstance(v, (int, float, str, bool)) or v is None:
         return v
     if isinstance(v, decimal.Decimal):  # DuckDB sums of integers are HUGEINT -> decimal
@@ -139,8 +160,8 @@ def render(table: pa.Table, fmt: str, *, out=None, max_rows: int = 100, output: 
             w.writerow([_csv_cell(v) for v in r.values()])
     else:
         t = Table(show_header=True, header_style="bold", show_lines=False)
-        for name in table.column_names:
-            t.add_column(name, overflow="fold")
+        for name in table.column_names:  # a column name may come from a part's footer: plain text too
+            t.add_column(Text(_printable(name)), overflow="fold")
         for r in rows[:max_rows]:
             t.add_row(*(_cell(v) for v in r.values()))
         console = Console(file=out, width=max(120, Console().width))
@@ -255,7 +276,7 @@ def _shell_exec(con, sql: str, fmt: str, max_rows: int, out, traces_dir: str | N
             define_views(con, traces_dir)
         result = _run_skipping(con, sql, traces_dir)
     except duckdb.Error as exc:
-        out.write(f"error: {exc}\n")
+        out.write(f"error: {_printable(str(exc))}\n")
         return
     if result is not None:
         render(result, fmt, out=out, max_rows=max_rows)
@@ -311,7 +332,7 @@ def main(traces_dir, query, name, list_, fmt, output, max_rows, show_sql) -> Non
     try:
         result = _run_skipping(con, query, traces_dir)
     except duckdb.Error as exc:
-        raise click.ClickException(f"query failed: {exc}") from exc
+        raise click.ClickException(f"query failed: {_printable(str(exc))}") from exc
     if result is not None:
         render(result, fmt, max_rows=max_rows, output=output)
 

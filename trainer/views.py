@@ -43,8 +43,9 @@ from typing import TypeVar
 import duckdb
 import pyarrow as pa
 
-from ..schemas import TABLES, finished_parts
+from ..schemas import TABLES
 from ..schemas.checked import mark_bad
+from ..schemas.parts import listed_parts, plain_root
 from ..schemas.rewards import VERIFIER, precedence_sql, rank_sql
 from ..schemas.states import NO_REWARD, SUCCEEDED
 
@@ -58,15 +59,42 @@ def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
+_GLOB = re.compile(r"[*?\[]")
+
+
+def _part_source(path: Path) -> str | None:
+    """``path`` as DuckDB's ``read_parquet`` names exactly that file, None where it cannot.
+
+    Why: DuckDB expands ``* ? [`` in every path of the list. A store under ``runs/exp[1]`` read the parts
+    of ``runs/exp1`` instead, ``x*`` read ``x`` and ``xy`` both, and a file named ``*.parquet`` read its
+    whole folder, replaced parts included (rows twice). Each such character becomes a one-character
+    class (``[*]``). DuckDB cannot match one beside a backslash (a separator to it), so such a name
+    (never written here; roots with one are aliased by ``plain_root``) is left out.
+    """
+    text = str(path)
+    if not _GLOB.search(text):
+        return text
+    if "\\" in text:
+        return None
+    return _GLOB.sub(lambda m: f"[{m.group(0)}]", text)
+
+
 ROLLOUT_KEYED = ("spans", "rewards", "rollouts")  # tables with a rollout_id column to prune on
 
 
 def _create_raw_view(con: duckdb.DuckDBPyConnection, root: Path, table: str, view: str,
                      rollouts: list[str] | None = None) -> None:
     schema: pa.Schema = TABLES[table]
-    good, _bad = finished_parts(root, table)  # corrupt or replaced parts: left out
-    if good:
-        source = "[" + ", ".join(_sql_str(str(f)) for f in good) + "]"
+    good, _bad = listed_parts(root, table)  # corrupt or replaced parts: left out
+    sources = []
+    for f in good:
+        name = _part_source(f)
+        if name is None:
+            mark_bad(f, "a backslash beside * ? or [ in its path: DuckDB cannot name it; rename it to read it")
+        else:
+            sources.append(name)
+    if sources:
+        source = "[" + ", ".join(_sql_str(n) for n in sources) + "]"
         only = ""
         if rollouts is not None and table in ROLLOUT_KEYED:
             only = " WHERE rollout_id IN (" + (", ".join(_sql_str(r) for r in rollouts) or "NULL") + ")"
@@ -174,14 +202,26 @@ def _rollouts_sql() -> str:
 
 
 def define_views(con: duckdb.DuckDBPyConnection, traces_dir: str | os.PathLike,
-                 rollouts: Iterable[str] | None = None) -> duckdb.DuckDBPyConnection:
-    """(Re)define every view of ``traces_dir`` on an existing connection (``rollouts``: see module doc)."""
-    root = Path(traces_dir)
+                 rollouts: Iterable[str] | None = None, *, attempts: int = 20) -> duckdb.DuckDBPyConnection:
+    """(Re)define every view of ``traces_dir`` on an existing connection (``rollouts``: see module doc).
+
+    Listed again when a listed part is gone before DuckDB bound the views (it opens every part then):
+    a compaction without grace period (the loop at its exit, ``lightning-train compact --grace-s 0``)
+    made ``connect`` itself fail with "No files found" when it removed a part in between.
+    """
+    root = plain_root(traces_dir)  # a folder named in bytes that are not UTF-8 read as empty
     only = None if rollouts is None else sorted({str(r) for r in rollouts})
-    for table, view in RAW_VIEWS.items():
-        _create_raw_view(con, root, table, view, only)
-    con.execute(CALLS_SQL)
-    con.execute(_rollouts_sql())
+    for left in range(attempts, 0, -1):
+        try:
+            for table, view in RAW_VIEWS.items():
+                _create_raw_view(con, root, table, view, only)
+            con.execute(CALLS_SQL)
+            con.execute(_rollouts_sql())
+            return con
+        except duckdb.Error as exc:
+            path = _part_in_error(str(exc))
+            if left == 1 or path is None or os.path.lexists(path):
+                raise
     return con
 
 
@@ -201,7 +241,27 @@ def connect(traces_dir: str | os.PathLike, *, threads: int | None = None,
     return define_views(con, root, rollouts)
 
 
-_PART_IN_ERROR = re.compile(r"""["']([^"']+\.parquet)["']""")
+_PART_END = re.compile(r"""\.parquet(["'])""")
+
+
+def _part_in_error(message: str) -> str | None:
+    """The Parquet file a DuckDB error names: between a quote and ``.parquet`` + the same quote.
+
+    The path may hold quotes itself (``bob's traces``, a single-quote-only pattern missed it and the
+    query failed instead of skipping the damaged part): every opening quote is tried, nearest first,
+    and an existing file wins.
+    """
+    first = None
+    for m in _PART_END.finditer(message):
+        quote, end = m.group(1), m.end() - 1
+        start = message.rfind(quote, 0, m.start())
+        while start >= 0:
+            path = message[start + 1:end]
+            if os.path.isfile(path):
+                return path
+            first = first or path
+            start = message.rfind(quote, 0, start)
+    return first
 
 
 def past_damaged_parts(run: Callable[[], T], redefine: Callable[[], object], *, attempts: int = 100) -> T:
@@ -216,8 +276,7 @@ def past_damaged_parts(run: Callable[[], T], redefine: Callable[[], object], *, 
         try:
             return run()
         except duckdb.Error as exc:
-            m = _PART_IN_ERROR.search(str(exc))
-            path = m.group(1) if m else None
+            path = _part_in_error(str(exc))
             if path is None or path in seen or len(seen) >= attempts:
                 raise
             seen.add(path)
