@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 
@@ -37,6 +38,7 @@ COMPACTED_FROM = b"lightning.compacted_from"  # footer key: JSON list of the par
 _cache: dict[str, tuple[int, int, str | None, tuple[str, ...]]] = {}
 _cache_lock = threading.Lock()
 _MAX_CACHE = 1_000_000
+_refused: set[tuple[str, int]] = set()  # (path, errno) already warned of: a refusal is said once
 
 
 def part_files(root: str | os.PathLike, table: str) -> list[Path]:
@@ -57,14 +59,31 @@ def _footer(path: str | os.PathLike) -> tuple[str | None, tuple[str, ...]]:
         return hit[2], hit[3]
     replaces: tuple[str, ...] = ()
     try:
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or device named *.parquet: opening it would hang every reader
+            raise ValueError("not a regular file")
         meta = pq.read_metadata(key).metadata or {}
         error = None
         if COMPACTED_FROM in meta:
             replaces = tuple(str(n) for n in json.loads(meta[COMPACTED_FROM]))
             if not all(_PART_NAME.fullmatch(n) for n in replaces):  # compaction deletes these: plain names only
                 raise ValueError(f"{COMPACTED_FROM.decode()} names something other than parts of its folder")
-    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError...; any failure means unreadable
-        error = f"{type(exc).__name__}: {exc}"
+    except OSError as exc:
+        if exc.errno is None:  # pyarrow's own IO errors on the file's content: damaged
+            return _remember(key, st, f"{type(exc).__name__}: {exc}", ())
+        # the system refused (too many open files, EIO, permissions): not remembered, tried again next listing
+        if (key, exc.errno) not in _refused:
+            _refused.add((key, exc.errno))
+            log.warning("cannot read Parquet part %s now (%s); skipped until it can be read", key, exc)
+        return f"{type(exc).__name__}: {exc}", ()
+    except Exception as exc:  # pyarrow raises ArrowInvalid...; any other failure means unreadable
+        return _remember(key, st, f"{type(exc).__name__}: {exc}", ())
+    return _remember(key, st, error, replaces)
+
+
+def _remember(key: str, st: os.stat_result, error: str | None,
+              replaces: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
+    """Cache what a part's footer said (a damaged part warns once: when first found)."""
+    if error:
         log.warning("skipping corrupt Parquet part %s (%s)", key, error)
     with _cache_lock:
         if len(_cache) > _MAX_CACHE:

@@ -145,8 +145,21 @@ def compact_table(
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[bool]:
-    """A non-blocking exclusive ``flock``: ``with _locked(path) as locked`` (False when busy).
+def compaction_held(root: str | os.PathLike, table: str) -> Iterator[None]:
+    """No compaction of ``table`` under ``root`` while inside (a running one is waited for). Why: a
+    caller that lists parts and removes them later (``lightning-train build --replace``) would leave
+    their rows behind in a part compacted from them in between."""
+    base = Path(root) / table
+    if not base.is_dir():  # no parts yet: nothing a compaction could fold
+        yield
+        return
+    with _locked(base / LOCK_NAME, wait=True):
+        yield
+
+
+@contextlib.contextmanager
+def _locked(path: Path, wait: bool = False) -> Iterator[bool]:
+    """An exclusive ``flock``: ``with _locked(path) as locked`` (False when busy, unless ``wait``).
 
     A lock file another user created (an operator's ``sudo lightning-train compact``) is read-only to
     us: ``flock`` needs no write access, so it is opened read-only then, and ours is made readable
@@ -160,7 +173,7 @@ def _locked(path: Path) -> Iterator[bool]:
         if os.fstat(fd).st_uid == os.geteuid():
             os.fchmod(fd, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         locked = True
     except BlockingIOError:
         locked = False

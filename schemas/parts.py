@@ -1,6 +1,6 @@
 """Durable, append-only Parquet part files that any reader can open at any moment.
 
-Layout: ``ROOT/<table>/day=YYYY-MM-DD/part-<ms>-<pid>-<n>.parquet`` (hive partitioning, so
+Layout: ``ROOT/<table>/day=YYYY-MM-DD/part-<ms>-<pid>-<tag>-<n>.parquet`` (hive partitioning, so
 ``read_parquet('ROOT/spans/**/*.parquet', hive_partitioning=true)`` just works). Each part is
 written under a hidden temporary name, fsynced, then renamed: a reader never sees half a file,
 and a process killed mid-write leaves at most a ``.*.tmp`` file that no ``*.parquet`` glob matches.
@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import threading
@@ -33,6 +34,9 @@ from .tables import SCHEMA_VERSION, TABLES
 log = logging.getLogger("lightning.schemas")
 
 _counter = itertools.count()
+# part names carry a random tag of the writing process besides its pid: writers in separate containers
+# share a store and often a pid (1), and a rename onto a taken name would replace a part without a word
+_WRITER_TAG = secrets.token_hex(4)
 
 
 def _row_bytes(row: dict[str, Any]) -> int:
@@ -299,7 +303,7 @@ class PartWriter:
         day = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
         folder = self.root / self.table / f"day={day}"
         folder.mkdir(parents=True, exist_ok=True)
-        name = f"part-{int(time.time() * 1000)}-{os.getpid()}-{next(_counter):06d}.parquet"
+        name = f"part-{int(time.time() * 1000)}-{os.getpid()}-{_WRITER_TAG}-{next(_counter):06d}.parquet"
         final = write_part(table, folder / name, self.schema.metadata or {}, fsync=self.fsync)
         self.rows_written += table.num_rows
         self.parts_written += 1

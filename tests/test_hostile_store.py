@@ -412,3 +412,59 @@ def test_json_output_stays_json_with_numbers_json_cannot_hold(tmp_path):
     p = _sql(tmp_path, "SELECT 'nan'::DOUBLE AS x, 'inf'::DOUBLE AS y, ['-inf'::DOUBLE, 1.5] AS z, 2.5 AS w")
     assert p.returncode == 0, p.stderr
     assert strict(p.stdout) == [{"x": "nan", "y": "inf", "z": ["-inf", 1.5], "w": 2.5}]
+
+
+def test_a_fifo_named_like_a_part_is_skipped_not_read(tmp_path):
+    """A FIFO (or device) named ``*.parquet`` in a store: opening it blocks until a writer comes, so
+    every reader and every compaction hung on it. It is skipped like a damaged part."""
+    import multiprocessing
+
+    from lightning_harness.schemas.checked import finished_parts
+
+    folder = tmp_path / "spans" / "day=2026-01-01"
+    folder.mkdir(parents=True)
+    pq.write_table(pa.table({"a": [1]}), folder / "part-1.parquet")
+    os.mkfifo(folder / "part-2.parquet")
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        res = pool.apply_async(finished_parts, (tmp_path, "spans"))
+        good, bad = res.get(timeout=20)  # before the fix: a hang (TimeoutError)
+    assert [p.name for p in good] == ["part-1.parquet"] and [p.name for p in bad] == ["part-2.parquet"]
+
+
+def test_a_part_the_system_refuses_for_now_is_read_once_it_can_be(tmp_path, monkeypatch):
+    """Too many open files (or EIO) while a footer is read says nothing about the part: it must not be
+    remembered as corrupt, or a long-running reader hides it for good (its rows lost to every query)."""
+    import errno
+
+    from lightning_harness.schemas import checked
+
+    folder = tmp_path / "spans" / "day=2026-01-01"
+    folder.mkdir(parents=True)
+    pq.write_table(pa.table({"a": [1]}), folder / "part-1.parquet")
+    real = checked.pq.read_metadata
+
+    def refused(path):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(checked.pq, "read_metadata", refused)
+    good, bad = checked.finished_parts(tmp_path, "spans")
+    assert good == [] and len(bad) == 1
+    monkeypatch.setattr(checked.pq, "read_metadata", real)
+    good, bad = checked.finished_parts(tmp_path, "spans")
+    assert [p.name for p in good] == ["part-1.parquet"] and bad == []  # before the fix: still skipped as corrupt
+
+
+def test_writers_with_one_pid_in_one_millisecond_never_share_a_part_name(tmp_path):
+    """Writers in separate containers share a store and often a pid (1): a part named by time, pid
+    and a counter alone was replaced by the other writer's part of the same name, rows lost."""
+    import subprocess
+    import sys
+
+    code = ("import os, time; from lightning_harness.schemas import parts as P; time.time = lambda: 1.0; "
+            "os.getpid = lambda: 1; "
+            "import pyarrow as pa; w = P.PartWriter(__import__('sys').argv[1], 'rewards', background=False); "
+            "print(w._write_arrow(P.TABLES['rewards'].empty_table()).name)")
+    names = {subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                            check=True).stdout.strip() for _ in range(2)}
+    assert len(names) == 2, names  # before the fix: one name, so the second write replaced the first

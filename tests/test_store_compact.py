@@ -329,3 +329,25 @@ def test_a_footer_naming_files_outside_its_folder_never_gets_them_deleted(tmp_pa
     assert hostile in finished_parts(root, "spans")[1]  # skipped as corrupt, left on disk
     assert read_table(root, "rollouts")["rollout_id"].to_pylist() == ["a"]
     assert connect(root).sql("SELECT rollout_id FROM spans").fetchall() == [("a",)]
+
+
+def test_build_replace_leaves_no_old_sample_behind_a_compaction_running_meanwhile(tmp_path, monkeypatch):
+    """`lightning-train build --replace` lists the old sample parts, builds, then removes them. A
+    compaction (the CLI's, another process's) that folded them into a new part in between left that
+    part behind: the old samples stayed beside the new ones and were trained on twice."""
+    from lightning_harness.trainer import build as B
+    from lightning_harness.trainer.cli import main
+
+    root = small_store(tmp_path / "t")
+    for _ in range(3):  # three sample parts, as three earlier builds (or loop steps) wrote them
+        PartWriter(root, "samples", background=False).write_table(build_samples(root)[0])
+    real = B.build_samples
+
+    def build_while_compacting(*args, **kwargs):
+        compact_table(root, "samples", grace_s=0)  # what another process may do at this moment
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(B, "build_samples", build_while_compacting)
+    out = CliRunner().invoke(main, ["build", str(root), "--replace"])
+    assert out.exit_code == 0, out.output
+    assert read_table(root, "samples").num_rows == 12  # before the fix: 48, the 36 old samples survived

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..schemas import PartWriter
+from ..schemas.compact import compaction_held
 from .advantages import ESTIMATORS, FAILED_POLICIES
 from .samples import MODES, build_samples
 from .views import past_damaged_parts
@@ -110,30 +111,29 @@ def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std,
     """
     console = Console(stderr=as_json)
     out_root = Path(out) if out else Path(traces_dir)
-    old_parts = sorted((out_root / "samples").glob("**/*.parquet")) if (out_root / "samples").exists() else []
-    if old_parts and not replace:
-        raise click.ClickException(
-            f"{out_root / 'samples'} already holds {len(old_parts)} part(s); pass --replace to rebuild it or --out DIR"
-        )
     if failed_policy == "penalize" and failed_reward is None:
         raise click.BadParameter("--failed-policy penalize needs --failed-reward", param_hint="--failed-reward")
+    options = dict(mode=mode, tokenizer=tokenizer, group_by=group_by, advantage=advantage, norm_by_std=not no_std,
+                   failed_policy=failed_policy, failed_reward=failed_reward, weight_mode=weight_mode,
+                   max_prompt_len=max_prompt_len, max_response_len=max_response_len, steps=list(steps) or None,
+                   where=where, include_secret_spans=include_secret_spans)
     t0 = time.perf_counter()
-    with console.status("building samples ..."):
-        try:
-            # a part whose data is damaged is skipped and the build runs again (it reconnects)
-            table, stats = past_damaged_parts(lambda: build_samples(
-                traces_dir, mode=mode, tokenizer=tokenizer, group_by=group_by, advantage=advantage,
-                norm_by_std=not no_std, failed_policy=failed_policy, failed_reward=failed_reward,
-                weight_mode=weight_mode, max_prompt_len=max_prompt_len, max_response_len=max_response_len,
-                steps=list(steps) or None, where=where, include_secret_spans=include_secret_spans,
-            ), lambda: None)
-        except (ValueError, FileNotFoundError) as exc:
-            raise click.ClickException(str(exc)) from exc
-        path = None
-        if table.num_rows:
-            path = PartWriter(out_root, "samples", background=False).write_table(table)
-        for p in old_parts:  # --replace: after the new table is safely on disk; an empty build leaves none
-            p.unlink(missing_ok=True)
+    with compaction_held(out_root, "samples"):  # a compaction in between would keep the rows --replace removes
+        old_parts = sorted((out_root / "samples").glob("**/*.parquet"))
+        if old_parts and not replace:
+            raise click.ClickException(f"{out_root / 'samples'} already holds {len(old_parts)} part(s); "
+                                       f"pass --replace to rebuild it or --out DIR")
+        with console.status("building samples ..."):
+            try:
+                # a part whose data is damaged is skipped and the build runs again (it reconnects)
+                table, stats = past_damaged_parts(lambda: build_samples(traces_dir, **options), lambda: None)
+            except (ValueError, FileNotFoundError) as exc:
+                raise click.ClickException(str(exc)) from exc
+            path = None
+            if table.num_rows:
+                path = PartWriter(out_root, "samples", background=False).write_table(table)
+            for p in old_parts:  # --replace: after the new table is safely on disk; an empty build leaves none
+                p.unlink(missing_ok=True)
     elapsed = time.perf_counter() - t0
     if as_json:
         click.echo(json.dumps({**stats, "path": str(path) if path else None, "seconds": round(elapsed, 3)},
