@@ -96,6 +96,7 @@ def test_a_stream_ended_by_done_without_its_final_event_holds_no_token_ids(rprox
               b"data: [DONE]\n\n"]
     _, got = _call(rproxy, upstream, "r-done", events)
     assert got["prompt_token_ids"] is None and got["response_token_ids"] is None and got["finish_reason"] is None
+    assert got["error_kind"] == "truncated"  # not a clean answer either (it was before)
     with pytest.raises(ValueError, match="no whole answer"):
         as_chat("responses", json.loads(got["request_json"]), json.loads(got["response_json"]), strict=True)
 

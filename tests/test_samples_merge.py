@@ -255,3 +255,25 @@ def test_a_prefill_call_is_retokenised_as_the_engine_continued_it(tiny_tokenizer
     assert prompt == tiny_ids("<|im_start|>", "user", "what", "is", "two", "plus", "three", "<|im_end|>",
                               "<|im_start|>", "assistant", "answer")
     assert response == tiny_ids("five", "<|im_end|>")
+
+
+def test_a_call_is_retokenised_with_its_chat_template_kwargs(tiny_tokenizer_dir):
+    """vLLM renders a chat call's prompt with the request's ``chat_template_kwargs`` (Qwen's
+    ``enable_thinking: false`` adds an empty think block): rendered without them, the rebuilt prompt
+    was not the one the engine saw. Keys that would change how the rebuild renders are ignored."""
+    from transformers import AutoTokenizer
+
+    from lightning_harness.trainer.samples import retokenize
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant"
+                         "{% if enable_thinking is defined and not enable_thinking %} five{% endif %}{% endif %}")
+    answer = {"id": "x", "object": "chat.completion",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "two"}, "finish_reason": "stop"}]}
+    request = {"model": "policy", "messages": [{"role": "user", "content": "three"}]}
+    plain, _, _ = retokenize(tok, json.dumps(request), json.dumps(answer))
+    thinking_off = {**request, "chat_template_kwargs": {"enable_thinking": False, "tokenize": True,
+                                                         "add_generation_prompt": False}}
+    prompt, _, _ = retokenize(tok, json.dumps(thinking_off), json.dumps(answer))
+    assert prompt == plain + tiny_ids("five")  # before the fix: equal to plain

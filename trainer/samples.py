@@ -128,6 +128,22 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def _template_kwargs(req: dict) -> dict[str, Any]:
+    """What the engine rendered the chat template with besides the messages: the tools and the
+    request's ``chat_template_kwargs`` (``enable_thinking: false`` changes the prompt), less any that
+    would override how this function renders."""
+    extra = req.get("chat_template_kwargs")
+    kw = {k: v for k, v in extra.items() if isinstance(k, str) and k not in _RENDER_KEYS} \
+        if isinstance(extra, dict) else {}
+    if req.get("tools"):
+        kw["tools"] = req["tools"]
+    return kw
+
+
+_RENDER_KEYS = frozenset({"conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message",
+                          "return_dict", "return_tensors", "chat_template", "messages"})
+
+
 def retokenize(tokenizer: Any, request_json: str | None, response_json: str | None,
                endpoint: str | None = None) -> tuple[list[int], list[int], list[float] | None]:
     """Rebuild (prompt ids, response ids, logprobs or None) of one call from its JSON bodies.
@@ -151,7 +167,7 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     logprobs = token_fields(resp, CHAT)["response_logprobs"]  # read as the proxy reads an answer
     if "messages" in req:
         messages = req["messages"]
-        kw = {"tools": req["tools"]} if req.get("tools") else {}
+        kw = _template_kwargs(req)
         last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
         # a prefill (an Anthropic call's last assistant message): the answer continues it, in its turn
         prefill = bool(req.get("continue_final_message")) and last.get("role") == "assistant" and isinstance(

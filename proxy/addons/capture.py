@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from mitmproxy import http
 
 from .. import fastjson
-from ..assemble import assembler_for, token_fields
+from ..assemble import RESPONSES, assembler_for, token_fields
 from ..codec import TooLarge, client_accepts, decode_body, utf8_text
 from ..sse import SSERelay
 from ..state import META, MODEL, Call, ProxyState
@@ -220,10 +220,12 @@ class Capture:
             return response_json, "too_large", call.response_error
         if call.response_error or asm.error:
             return response_json, "malformed_response", call.response_error or asm.error
-        if status < 400 and not relay.done and not asm.finished:
+        # a Responses stream is whole only with its final event ([DONE] alone: the client got no response)
+        whole = asm.finished if call.endpoint == RESPONSES else (relay.done or asm.finished)
+        if status < 400 and not whole:
             return response_json, "truncated", (
-                f"event stream ended without [DONE] or a finish_reason after {relay.events} events "
-                f"({relay.bytes} bytes): the answer is incomplete")
+                f"event stream ended without its final event ([DONE], a finish_reason or response.completed) "
+                f"after {relay.events} events ({relay.bytes} bytes): the answer is incomplete")
         return response_json, None, None
 
     def _body_result(self, call: Call, resp: http.Response) -> tuple[str | None, str | None, str | None]:
