@@ -321,8 +321,7 @@ def _start_service(stack, checks, o) -> dict[str, str]:
     service = HarnessService(o.service, cwd=o.cwd or ".", log_path=log, env=o.harness_env)
     stack.callback(service.stop)
     service.start()
-    checks.append(lambda: None if (code := exit_code(service.process)) is None
-                  else f"the harness service exited with code {code} (log {log})")
+    checks.append(service.check)
     console.print(f"harness service ready at {service.socket_path} (log {log})")
     return service.env
 

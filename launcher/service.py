@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_harness.process import direct_env, start_in_session, stop_group, wait_ready
+from lightning_harness.process import direct_env, exit_code, log_tail, start_in_session, stop_group, wait_ready
 
 from .local import launcher_env
 
@@ -64,6 +64,15 @@ class HarnessService:
             s.settimeout(2.0)
             s.connect(self.socket_path)  # (a probe: the service sees a connection that sends nothing)
         return True
+
+    def check(self) -> str | None:
+        """Why the service can serve no rollout (it exited), else None: a batch's ``health_check``. Every
+        rollout after a dead service fails at once (its harness cannot connect), so a run must stop
+        with this reason rather than go on failing them."""
+        code = exit_code(self.process) if self.process is not None else None
+        if code is None:
+            return None
+        return f"the harness service exited with code {code} (log {self.log_path}):\n{log_tail(self.log_path, 15)}"
 
     @property
     def pid(self) -> int | None:

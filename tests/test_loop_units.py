@@ -246,3 +246,37 @@ def test_a_step_is_recorded_before_its_eval(tmp_path):
     assert (on_disk["step"], on_disk["model_version"], on_disk["stream_pos"]) == (2, 2, 7)
     assert on_disk["checkpoint"].endswith("step-000002")
     assert on_disk["discarded_groups"] == 3  # cumulative: --resume starts counting from it
+
+
+def test_the_loops_rollouts_stop_when_its_harness_service_died(tmp_path):
+    """Every rollout after a dead harness service fails at once (its harness cannot connect); the
+    loop's batches had no health check for it, so past the first step the run went on to its end
+    training on nothing. Now a batch of the loop aborts, naming the service and its log."""
+    import os
+    import signal
+    import sys
+    import time
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from lightning_harness.launcher.batch import BatchAborted, run_batch
+    from lightning_harness.trainer.loop import TrainingRun
+
+    echo = Path(__file__).parent / "support" / "echo_service.py"
+    (tmp_path / "train.jsonl").write_text('{"id": "t0"}\n')
+    p = write_cfg(tmp_path, BASE + f"run_dir: {tmp_path / 'run'}\n")
+    cfg = C.load_config(p, [f"harness.service={sys.executable} {echo}"])
+    run = TrainingRun(cfg)
+    run.logs.mkdir(parents=True)
+    run.progress = SimpleNamespace(update=lambda **k: None, print=lambda *a, **k: None)
+    run.start_harness_service()
+    try:
+        command, settings = run._harness_phase([sys.executable, "-c", "import time; time.sleep(30)"], 1.0,
+                                               run_id="r", samples=1, split="train")
+        os.kill(run.service.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(BatchAborted, match="harness service exited"):  # before the fix: ran to the end
+            run_batch([{"id": "t0"}], command, settings)
+        assert time.monotonic() - t0 < 20
+    finally:
+        run.service.stop(grace=1)

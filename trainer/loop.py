@@ -477,7 +477,8 @@ class TrainingRun:
         settings = BatchSettings(
             traces_dir=self.traces, proxy=self.proxy, concurrency=h.concurrency, timeout=h.timeout_s,
             retries=h.retries, reward_cmd=self._reward_cmd(), self_reward=h.self_reward, run_as=h.run_as,
-            cwd=self._harness_cwd(), extra_env=env, **fields)
+            cwd=self._harness_cwd(), extra_env=env, health_check=self.service.check if self.service else None,
+            **fields)
         values = {"temperature": temperature, "max_tokens": c.rollout.max_tokens or "", "python": sys.executable}
         return fill(command, values), settings
 

@@ -18,7 +18,8 @@ model on two cores. So the same file is also a harness service (``--serve``, the
 ``harness.service``): one process keeps mini-swe-agent imported and runs each episode in a thread.
 When ``LIGHTNING_HARNESS_SERVICE`` names its socket, the per-rollout command only hands over its
 task, folder, ``OPENAI_BASE_URL`` and key, and waits: still one attributed process per rollout,
-whose exit (timeout, kill) cancels its episode at the next command.
+whose exit (timeout, kill) cancels its episode: its running command is killed, and it makes no further
+command or model call (whose credential the launcher has ended, or is about to).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import select
+import signal
 import socket
 import sys
 import threading
@@ -79,27 +81,43 @@ def build_agent(config: dict, workdir: Path, name: str, output_path: Path | None
 
     litellm.suppress_debug_info = True  # its "Provider List" banner on every unpriced call
 
+    def check_cancel() -> None:
+        if cancel is not None and cancel.is_set():  # the rollout's process is gone
+            raise InterruptAgentFlow({"role": "exit", "content": "Cancelled",
+                                      "extra": {"exit_status": "Cancelled", "submission": ""}})
+
     class CancellableEnvironment(BubblewrapEnvironment):
         def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict:
             """The package's bubblewrap command line, sealed (``sandbox.SEAL``, after the folder's bind), run
             with its output, its cgroup and its folder's growth capped (``sandbox.run_capped``: the
             package's own execute keeps all output in memory and in the trajectory, and bounds neither)."""
-            if cancel is not None and cancel.is_set():  # the rollout's process is gone
-                raise InterruptAgentFlow({"role": "exit", "content": "Cancelled",
-                                          "extra": {"exit_status": "Cancelled", "submission": ""}})
+            check_cancel()
+            command = action.get("command", "")
+            if not isinstance(command, str) or "\0" in command:  # bash takes neither: the model hears why
+                return {"output": "", "returncode": -1, "exception_info": "the command was not run: it must be "
+                        "one string without NUL characters"}  # (raised, it ended the episode as a failure)
             cwd = cwd or self.config.cwd or str(self.working_dir)
             argv = [self.config.executable, *self.config.wrapper_args, "--bind", cwd, cwd, "--chdir", cwd,
                     *sandbox.SEAL]
             for key, value in self.config.env.items():
                 argv += ["--setenv", key, value]
             limit = timeout or self.config.timeout
-            text, code = sandbox.run_capped([*argv, "bash", "-c", action.get("command", "")], limit, workdir=cwd)
+            text, code = sandbox.run_capped([*argv, "bash", "-c", command], limit, workdir=cwd)
             output = {"output": text, "returncode": -1 if code is None else code,
                       "exception_info": f"the command ran past {limit} s and was killed" if code is None else ""}
             self._check_finished(output)
             return output
 
     class UnrecordedCredentials(LitellmModel):
+        abort_exceptions = [*LitellmModel.abort_exceptions, InterruptAgentFlow]  # a cancel is never retried
+
+        def _query(self, messages: list[dict], **kwargs):
+            """No model call once the rollout's process is gone (service mode): neither the next one (a reply
+            without a tool call is followed by another call, no command in between) nor a retry of this one
+            (mini-swe-agent retries errors for minutes). Each would go out with the ended attempt's credential."""
+            check_cancel()
+            return super()._query(messages, **kwargs)
+
         def serialize(self) -> dict:
             """The config as saved in trajectory.json, without the key and the base URL (which
             carries the attempt's proxy credential): the saved trajectory is no place for secrets."""
@@ -142,6 +160,9 @@ def run_episode(task: dict, workdir: Path, config: dict, name: str, output_path:
 
 # -- the harness service: mini-swe-agent imported once, an episode per connection ----------------------
 MAX_REQUEST = 1 << 22  # one JSON line: the task row and where to run it
+MAX_ANSWER = 1 << 20  # one JSON line: the episode's exit status and model calls, or why it failed
+# mini-swe-agent's limits over every episode of a process: in the service, all rollouts' episodes together
+SHARED_LIMITS = ("MSWEA_GLOBAL_COST_LIMIT", "MSWEA_GLOBAL_CALL_LIMIT")
 
 
 def serve(socket_path: str) -> None:
@@ -149,6 +170,10 @@ def serve(socket_path: str) -> None:
     gets one answer line. Episodes run in threads, one per connection."""
     import socketserver
 
+    if shared := [v for v in SHARED_LIMITS if os.environ.get(v, "0").strip() not in ("", "0", "0.0")]:
+        sys.exit(f"harness.py --serve: {', '.join(shared)} would count the calls of every rollout's episode "
+                 "together (one rollout's calls would fail later ones); limit each episode with step_limit or "
+                 "cost_limit in the agent config instead")
     quiet_mini(Path(socket_path).parent / "mini-swe-agent-config")
     sandbox.check()
     import litellm  # noqa: F401  (what costs the seconds: imported once, here)
@@ -160,10 +185,12 @@ def serve(socket_path: str) -> None:
             if not line.strip():  # a readiness probe
                 return
             try:
-                answer = serve_episode(parse_request(line), self.connection)
+                req = parse_request(line)
             except ValueError as exc:
-                answer = {"error": f"bad request: {exc}"}
+                req, answer = None, {"error": f"bad request: {exc}"}
                 print(f"harness service: {answer['error']}", flush=True)
+            if req is not None:
+                answer = serve_episode(req, self.connection)
             try:
                 self.wfile.write(json.dumps(answer).encode() + b"\n")
             except OSError:  # the rollout's process is gone: nobody to answer
@@ -207,7 +234,8 @@ def parse_request(line: bytes) -> dict:
 
 def serve_episode(req: dict, conn: socket.socket) -> dict:
     """Run one request's episode in a thread; if the rollout's process goes away meanwhile (its
-    timeout, a kill), cancel it: it ends before its next command (and its credential is dead)."""
+    timeout, a kill), cancel it: its running command is killed, and it ends before its next command
+    or model call (its credential is dead), as a per-process harness ends with its process tree."""
     cancel, out = threading.Event(), {}
 
     def episode() -> None:
@@ -215,16 +243,68 @@ def serve_episode(req: dict, conn: socket.socket) -> dict:
             out.update(run_episode(req["task"], Path(req["workdir"]), load_config(req["config"]), req["model"],
                                    Path(req["output_path"]), req["base_url"], req.get("temperature"),
                                    req.get("api_key"), cancel))
-        except Exception as exc:  # the rollout's process reports it and exits non-zero
+        except BaseException as exc:  # noqa: BLE001 - the rollout's process reports it and exits non-zero
             out["error"] = f"{type(exc).__name__}: {exc}"
 
     worker = threading.Thread(target=episode, daemon=True)
     worker.start()
     while worker.is_alive():
         worker.join(0.25)
-        if not cancel.is_set() and select.select([conn], [], [], 0)[0] and not conn.recv(1, socket.MSG_PEEK):
-            cancel.set()  # EOF: the rollout's process is gone
+        if not cancel.is_set() and peer_gone(conn):
+            cancel.set()
+        if cancel.is_set():  # (again each round: a command may have started just as the rollout went)
+            kill_commands(str(Path(req["workdir"]).resolve()))  # (as the sandbox binds it)
     return {"task_id": req["task"].get("id"), **out}
+
+
+def peer_gone(conn: socket.socket) -> bool:
+    """True once the rollout's process hung up (or its connection failed). It sends nothing after its
+    request line, so whatever else arrives is read and dropped: left unread, it would hide the hang-up.
+    (poll, not select: select fails on a descriptor numbered past 1023.)"""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    for _ in range(64):
+        if not poller.poll(0):
+            return False
+        try:
+            if not conn.recv(1 << 16, socket.MSG_DONTWAIT):
+                return True
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+    return False
+
+
+def kill_commands(workdir: str) -> int:
+    """SIGKILL this process's children that run a sandboxed command bound to ``workdir`` (bubblewrap, or
+    the cgroup-joining shell about to become it; its sandbox dies with it): a cancelled episode's command
+    must not run on to its timeout, writing into a folder whose attempt has ended. A pidfd opened before
+    the check makes sure the process checked is the one signalled. Returns how many were signalled."""
+    me, needle, killed = os.getpid(), f"\0--bind\0{workdir}\0{workdir}\0".encode(), 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or _parent(entry.path) != me:
+            continue
+        try:
+            fd = os.pidfd_open(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+        try:
+            if _parent(entry.path) == me and needle in Path(entry.path, "cmdline").read_bytes():
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+                killed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return killed
+
+
+def _parent(proc_dir: str) -> int | None:
+    try:
+        return int(Path(proc_dir, "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def ask_service(socket_path: str, task: dict, workdir: Path, output_path: Path, config: str, name: str,
@@ -238,12 +318,29 @@ def ask_service(socket_path: str, task: dict, workdir: Path, output_path: Path, 
            "config": str(Path(config).resolve()), "model": name, "temperature": temperature,
            "base_url": base_url, "api_key": os.environ.get("OPENAI_API_KEY")}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.connect(socket_path)
+        try:
+            s.connect(socket_path)
+        except OSError as exc:
+            sys.exit(f"harness.py: cannot reach the harness service at {socket_path} ({exc.strerror or exc}): "
+                     "it is not running (see its log, harness-service.log)")
         s.sendall(json.dumps(req).encode() + b"\n")
-        answer = s.makefile("rb").readline()
+        answer = s.makefile("rb").readline(MAX_ANSWER + 1)
     if not answer:
         sys.exit("harness.py: the harness service closed the connection without an answer")
-    return json.loads(answer)
+    return read_answer(answer)
+
+
+def read_answer(line: bytes) -> dict:
+    """The service's answer, or exit non-zero: an answer that reports neither the episode's exit status
+    nor its error says nothing of the episode, and exiting 0 on it would have the launcher judge
+    whatever the folder holds."""
+    try:
+        info = json.loads(line) if len(line) <= MAX_ANSWER else None
+    except (ValueError, RecursionError):
+        info = None
+    if not isinstance(info, dict) or not isinstance(info.get("exit_status", info.get("error")), str):
+        sys.exit(f"harness.py: the harness service's answer is not understood: {line[:200]!r}")
+    return info
 
 
 def quiet_mini(config_dir: Path) -> None:
