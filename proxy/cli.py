@@ -91,7 +91,7 @@ def serve(config_path, **flags) -> None:
     config = _load(config_path, **flags)
     _check_exposure(config)
     if not os.environ.get("LIGHTNING_PROXY_REEXEC"):  # said once, not again by the re-executed process
-        _warn_secret_flags(click.get_current_context(), config)
+        _warn_secret_flags(click.get_current_context())
     _reexec_if_no_mitmproxy()
     for name in ("forward_port", "reverse_port"):  # 0, "any free port": chosen now, so that the state, the
         if getattr(config, name) == 0:            # log line and the control token's file name give the real one
@@ -123,10 +123,12 @@ def _check_exposure(config: ProxyConfig) -> None:
         raise click.UsageError(f"{where}: --control-token '' would let any of them pause it and post rewards")
 
 
-def _warn_secret_flags(ctx: click.Context, config: ProxyConfig) -> None:
-    """A token given as a flag sits in /proc/<pid>/cmdline, readable by every user (harnesses too)."""
-    for name, var in (("token", TOKEN_VAR), ("control_token", CONTROL_TOKEN_VAR)):
-        if getattr(config, name) and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+def _warn_secret_flags(ctx: click.Context, secrets_: tuple[tuple[str, str], ...] = (
+        ("token", TOKEN_VAR), ("control_token", CONTROL_TOKEN_VAR))) -> None:
+    """A token given as a flag sits in /proc/<pid>/cmdline, readable by every user (harnesses too).
+    ``secrets_``: (parameter, the variable to give it in instead) of the command in ``ctx``."""
+    for name, var in secrets_:
+        if ctx.params.get(name) and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
             flag = "--" + name.replace("_", "-")
             click.echo(f"warning: {flag} on the command line is readable by every user of this machine "
                        f"(/proc/<pid>/cmdline); give it as ${var}", err=True)
@@ -196,8 +198,10 @@ def env(rollout_id, attempt, config_path, public_host, api_key, anthropic_api_ke
     """Print the environment that sends an unmodified harness through the proxy.
 
     \b
-    eval "$(lightning-proxy env my-rollout --token SECRET)"; python my_agent.py
+    export LIGHTNING_PROXY_TOKEN=SECRET   # read from the environment: a flag is readable by every user
+    eval "$(lightning-proxy env my-rollout)"; python my_agent.py
     """
+    _warn_secret_flags(click.get_current_context(), (("token", TOKEN_VAR),))
     cfg = _load(config_path, **proxy_flags)
     host = public_host or cfg.local_host
     bundle = cfg.resolved_confdir / BUNDLE_NAME
@@ -222,6 +226,7 @@ def env(rollout_id, attempt, config_path, public_host, api_key, anthropic_api_ke
 def ctl(ctx, url, token, confdir) -> None:
     """Drive a running proxy's control API; prints its JSON answer."""
     url = url or "http://127.0.0.1:8081"
+    _warn_secret_flags(ctx, (("token", CONTROL_TOKEN_VAR),))
     if not token:
         port = urllib.parse.urlsplit(url).port or 80
         token = read_control_token(confdir or default_confdir(), port)

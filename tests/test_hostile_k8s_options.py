@@ -448,3 +448,22 @@ def test_no_secret_in_help_errors_or_the_started_proxys_command_line(tmp_path, m
     proxy = make_proxy()
     cmdline = Path(f"/proc/{proxy.pid}/cmdline").read_bytes().decode()
     assert "serve" in cmdline and proxy.token not in cmdline and proxy.control_token not in cmdline
+
+
+def test_env_and_ctl_warn_of_a_token_given_as_a_flag(tmp_path, monkeypatch):
+    """`serve` warned of --token on the command line (every user reads /proc/<pid>/cmdline); `env`
+    and `ctl` took theirs there silently, and `env --help` showed that usage."""
+    from click.testing import CliRunner
+
+    from lightning_harness.proxy.cli import main
+
+    runner = CliRunner()
+    monkeypatch.delenv("LIGHTNING_PROXY_TOKEN", raising=False)
+    flagged = runner.invoke(main, ["env", "r1", "--confdir", str(tmp_path), "--token", "flag-secret"])
+    assert flagged.exit_code == 0 and "--token on the command line is readable" in flagged.stderr
+    monkeypatch.setenv("LIGHTNING_PROXY_TOKEN", "env-secret")
+    quiet = runner.invoke(main, ["env", "r1", "--confdir", str(tmp_path)])
+    assert quiet.exit_code == 0 and "readable" not in quiet.stderr
+    ctl = runner.invoke(main, ["ctl", "--url", "http://127.0.0.1:9", "--token", "flag-secret", "state"])
+    assert "--token on the command line is readable" in ctl.stderr
+    assert "--token SECRET" not in runner.invoke(main, ["env", "--help"]).stdout
