@@ -74,23 +74,27 @@ def group_advantages(
     uniq, inv = np.unique(labels, return_inverse=True)
     inv = inv.reshape(-1)
     n = np.bincount(inv).astype(np.float64)
-    mean = np.bincount(inv, weights=r) / n
-    dev = r - mean[inv]
-    ss = np.bincount(inv, weights=dev * dev)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        std = np.sqrt(ss / (n - 1))  # unbiased, like torch.std
     single = n == 1
     gmax = np.full(len(uniq), -np.inf)
     gmin = np.full(len(uniq), np.inf)
     np.maximum.at(gmax, inv, r)
     np.minimum.at(gmin, inv, r)
     equal = (~single) & (gmax == gmin)
+    # The statistics of r / s, s = a power of two at the group's largest |reward|: the same bits as
+    # unscaled wherever those are finite, but no overflow in sums and squares of large rewards (a
+    # self-reported 1e200 made the group's std inf and every advantage 0; 1e308 made them NaN).
+    s = np.ldexp(1.0, np.frexp(np.maximum(np.abs(gmax), np.abs(gmin)))[1] - 1)
+    rs = r / s[inv]
+    mean = np.where(single, 0.0, np.bincount(inv, weights=rs) / n)  # a group of one: mean 0
+    dev = rs - mean[inv]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        std = np.sqrt(np.bincount(inv, weights=dev * dev) / (n - 1))  # unbiased, like torch.std
 
-    adv = r - np.where(single, 0.0, mean)[inv]
-    if method == "grpo" and norm_by_std:
-        adv = adv / (np.where(single, 1.0, std)[inv] + epsilon)
-    elif method == "rloo":
-        adv = adv * np.where(single, 1.0, n / np.maximum(n - 1, 1))[inv]
+    with np.errstate(invalid="ignore", divide="ignore"):  # equal rewards and epsilon 0: 0/0, set below
+        if method == "grpo" and norm_by_std:  # dev / (std + eps) in units of s; a group of one: std 1
+            adv = dev / (np.where(single, 1.0 / s, std)[inv] + epsilon / s[inv])
+        else:  # r - mean (rloo: times n / (n - 1)) back in reward units
+            adv = dev * s[inv] * (np.where(single, 1.0, n / np.maximum(n - 1, 1))[inv] if method == "rloo" else 1.0)
     # Equal rewards: the exact answer is 0; float noise in the mean must not become a tiny signal.
     adv[equal[inv]] = 0.0
 

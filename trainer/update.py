@@ -83,13 +83,16 @@ def table_to_samples(table: pa.Table, max_seq_len: int | None,
     """Validate and unpack a samples table; bad rows raise a clear error (nothing silently dropped).
     Responses longer than ``max_seq_len`` minus their prompt are cut (``None``: no limit); the cut
     tokens' share of the loss weight goes with them unless ``loss_mode`` is given, which re-derives
-    the weights of the kept tokens so that each rollout (``seq-mean``: sample) still counts once."""
+    the weights of the kept tokens so that each rollout (``seq-mean``: sample) still counts once.
+    A prompt that fills ``max_seq_len`` by itself leaves no response token (counted in
+    ``prompt_too_long``): a sample, not the update, is lost, and its rollout's other samples carry
+    its weight. (A conversation that outgrew the window and broke the merge starts such a sample.)"""
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"samples table lacks columns {missing} (expected schemas.SAMPLES)")
     cols = {c: table.column(c).to_pylist() for c in REQUIRED_COLUMNS}
     attempts = table.column("attempt").to_pylist() if "attempt" in table.column_names else [0] * table.num_rows
-    out, truncated = [], 0
+    out, truncated, too_long = [], 0, 0
     for i in range(table.num_rows):
         prompt, resp = cols["prompt_token_ids"][i] or [], cols["response_token_ids"][i] or []
         mask, lps = cols["response_mask"][i] or [], cols["response_logprobs"][i] or []
@@ -104,16 +107,15 @@ def table_to_samples(table: pa.Table, max_seq_len: int | None,
         adv, w = cols["advantage"][i], cols["loss_weight"][i]
         if adv is None or w is None or not math.isfinite(adv) or not math.isfinite(w):
             raise ValueError(f"sample {i} (rollout {rid}): advantage/loss_weight missing or not finite")
-        if max_seq_len is not None and len(prompt) >= max_seq_len:
-            raise ValueError(f"sample {i} (rollout {rid}): prompt of {len(prompt)} tokens >= max_seq_len {max_seq_len}")
-        room = len(resp) if max_seq_len is None else max_seq_len - len(prompt)
+        room = len(resp) if max_seq_len is None else max(max_seq_len - len(prompt), 0)
+        too_long += max_seq_len is not None and len(prompt) >= max_seq_len
         if len(resp) > room:
             resp, mask, lps, truncated = resp[:room], mask[:room], lps[:room], truncated + 1
         out.append(Sample(rid, list(prompt), list(resp), [int(m) for m in mask],
                           [float("nan") if x is None else float(x) for x in lps], float(adv), float(w)))
     if truncated and loss_mode is not None:
         reweigh(out, loss_mode)
-    return out, {"truncated": truncated}
+    return out, {"truncated": truncated, "prompt_too_long": too_long}
 
 
 def reweigh(samples: list[Sample], mode: str) -> None:
@@ -350,7 +352,7 @@ class PolicyUpdater:
         if isinstance(samples, pa.Table):
             rows, info = table_to_samples(samples, cfg.max_seq_len, cfg.loss_mode)
         else:
-            rows, info = list(samples), {"truncated": 0}
+            rows, info = list(samples), {"truncated": 0, "prompt_too_long": 0}
         n_in = len(rows)
         rows = [s for s in rows if sum(s.mask) > 0]
         # Samples with advantage 0 add nothing to the policy gradient: without a KL term, skip their
@@ -359,7 +361,7 @@ class PolicyUpdater:
         trains = [not skip_zero or s.advantage != 0.0 for s in rows]
         useful = [i for i, t in enumerate(trains) if t]  # positions in rows: the keys of prox and ref
         m: dict[str, float] = {"update/samples_in": n_in, "update/samples_used": len(useful),
-                               "update/truncated": info["truncated"]}
+                               "update/truncated": info["truncated"], "update/prompt_too_long": info["prompt_too_long"]}
         if not useful:
             m.update({"update/skipped": 1.0, "update/time_s": time.monotonic() - t0})
             return m
