@@ -289,8 +289,23 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
             out["response_logprobs"] = _floats([c.get("logprob") for c in lp["content"] if isinstance(c, dict)])
         elif isinstance(lp.get("token_logprobs"), list):
             out["response_logprobs"] = _floats(lp["token_logprobs"])
+    out["response_logprobs"] = _answer_logprobs(out["response_logprobs"], out["response_token_ids"],
+                                                out["prompt_token_ids"])
     return _checked(_token_counts(out, obj.get("usage"), "prompt_tokens", "completion_tokens",
                                   count_ids=len(choices) == 1), obj)
+
+
+def _answer_logprobs(lps: list[float] | None, ids: list[int] | None, prompt: list[int] | None) -> list[float] | None:
+    """One logprob per response token id, or None. A completions call with ``echo`` gets the
+    prompt's logprobs first (the first one null) and its token ids without them, so the answer's
+    are the tail; logprobs of any other count than the ids' cannot be placed on their tokens (an
+    entry that is no object was skipped, say): none are kept (the update recomputes them), never
+    shifted onto other tokens. Without ids (to be rebuilt by the trainer) they are kept as sent."""
+    if lps is None or ids is None or len(lps) == len(ids):
+        return lps
+    if prompt is not None and len(lps) == len(prompt) + len(ids):
+        return lps[len(prompt):]
+    return None
 
 
 def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:
