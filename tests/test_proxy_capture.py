@@ -252,3 +252,24 @@ def test_harness_numbers_reach_upstream_exactly(proxy, stub_server, extra):
     want = json.loads(body)
     for key, value in want.items():
         assert json.dumps(sent[key]) == json.dumps(value), key  # json.dumps: NaN equals itself here
+
+
+def test_no_injection_where_it_would_change_the_answer(proxy, stub_server):
+    """Asked for token ids, vLLM blanks a completions call's echoed prompt (the harness read "111" for
+    "1+1=111"); a chat call with top_logprobs but no logprobs, which vLLM refuses (400), succeeded once
+    logprobs were injected. Both go upstream as the harness sent them; the trainer rebuilds their ids."""
+    env = proxy.env_for("no-inject")
+    with httpx.Client(trust_env=False, timeout=20) as c:
+        auth = {"Authorization": f"Bearer {env['OPENAI_API_KEY']}"}
+        c.post(env["OPENAI_BASE_URL"] + "/completions", headers=auth,
+               json={"model": "m", "prompt": "1+1=", "echo": True, "max_tokens": 2})
+        assert "return_token_ids" not in stub_server.requests()[-1]  # before the fix: injected
+        c.post(env["OPENAI_BASE_URL"] + "/chat/completions", headers=auth,
+               json={"model": "m", "messages": MSG, "top_logprobs": 2, "max_tokens": 2})
+        sent = stub_server.requests()[-1]
+        assert "logprobs" not in sent and "return_token_ids" not in sent
+        c.post(env["OPENAI_BASE_URL"] + "/completions", headers=auth,
+               json={"model": "m", "prompt": "1+1=", "max_tokens": 2})
+        assert stub_server.requests()[-1]["return_token_ids"] is True  # the usual call still is
+    spans = sorted(read_spans(proxy), key=lambda s: s["seq"])
+    assert [s["token_ids_injected"] for s in spans] == [False, False, True]

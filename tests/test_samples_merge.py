@@ -277,3 +277,22 @@ def test_a_call_is_retokenised_with_its_chat_template_kwargs(tiny_tokenizer_dir)
                                                          "add_generation_prompt": False}}
     prompt, _, _ = retokenize(tok, json.dumps(thinking_off), json.dumps(answer))
     assert prompt == plain + tiny_ids("five")  # before the fix: equal to plain
+
+
+def test_retokenising_an_echoed_completion_keeps_only_the_generated_text(tiny_tokenizer_dir):
+    """A completions call with echo (sent without token ids: vLLM would blank the echo) has the prompt
+    at the start of its text; rebuilt as it was, the prompt counted as generated tokens. A chat call
+    with include_reasoning: false hid reasoning the model generated: it cannot be rebuilt."""
+    from transformers import AutoTokenizer
+
+    from lightning_harness.trainer.samples import retokenize
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    answer = {"object": "text_completion", "choices": [{"index": 0, "text": "two plus five", "finish_reason": "stop"}]}
+    _, plain, _ = retokenize(tok, json.dumps({"prompt": "two plus", "max_tokens": 2}),
+                             json.dumps({**answer, "choices": [{"index": 0, "text": " five"}]}))
+    _, echoed, _ = retokenize(tok, json.dumps({"prompt": "two plus", "echo": True}), json.dumps(answer))
+    assert echoed == plain == tiny_ids("five")  # before the fix: "two plus five"
+    with pytest.raises(ValueError, match="include_reasoning"):
+        retokenize(tok, json.dumps({"messages": [{"role": "user", "content": "two"}], "include_reasoning": False}),
+                   json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "three"}}]}))

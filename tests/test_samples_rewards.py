@@ -217,3 +217,18 @@ def test_group_labels_differing_only_by_a_trailing_nul_stay_separate_groups(make
 def test_group_advantages_keep_labels_differing_only_by_a_trailing_nul_apart():
     adv, rep = A.group_advantages(np.array([1.0, 0.0, 1.0, 1.0]), ["g", "g", "g\x00", "g\x00"])
     assert rep.n_groups == 2 and adv[2:].tolist() == [0.0, 0.0]
+
+
+def test_a_call_with_several_choices_is_not_trained_on(make_traces):
+    """With ``n > 1`` the span holds choice 0, but a best-of-n harness may go on with another choice:
+    the rollout's reward was credited to tokens it never used. Such calls leave the samples (counted);
+    the rollout's other calls, and its group membership, stay."""
+    d = make_traces(
+        spans=[span("a", 0, [1, 2], [10, 11], n_choices=3), span("a", 1, [1, 2, 12, 13, 3], [14, 15]),
+               _one_call("b")],
+        rollouts=[rollout("a", reward=1.0), rollout("b", reward=0.0)],
+    )
+    table, stats = build_samples(d)
+    assert stats["calls_multi_choice"] == 1
+    got = {(r, tuple(p)) for r, p in zip(table["rollout_id"].to_pylist(), table["prompt_token_ids"].to_pylist())}
+    assert got == {("a", (1, 2, 12, 13, 3)), ("b", (1, 2))}  # before the fix: a's choice-0 call was a sample too

@@ -40,6 +40,8 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
     row("rollouts dropped", stats["rollouts_dropped"], f"policy {stats['failed_policy']}: {by_state or 'none'}")
     row("spans read", stats["spans_read"])
     row("calls with errors (skipped)", stats["calls_error"])
+    if stats.get("calls_multi_choice"):
+        row("calls with several choices", stats["calls_multi_choice"], "left out: the harness may have used another")
     if stats.get("calls_secret_detected"):
         hint = " (--include-secret-spans to retokenise them)" if stats["calls_dropped_secret"] else ""
         row("calls with a secret", stats["calls_secret_detected"], f"left out {stats['calls_dropped_secret']}{hint}")

@@ -28,7 +28,9 @@ end-of-turn token).
 Rewards, advantages and weights: see ``advantages.py`` (rollout-level, group-normalised, explicit
 failure policy) and ``weights.py`` (rollout / token-mean / seq-mean). Every selected rollout that
 passes the failure policy is a member of its group's statistics, even one without usable calls.
-Calls that ended in an error are not trained on (counted).
+Calls that ended in an error are not trained on (counted), nor calls that asked for several
+choices (``n > 1``: the span holds choice 0, the harness may have gone on with another;
+``calls_multi_choice``).
 
 Secrets: a span with ``secret_detected`` (the proxy masked a known credential or a provider key in
 its request or response text and emptied its token ids) is left out (``calls_secret_detected``)
@@ -166,6 +168,8 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     choice = (resp.get("choices") or [{}])[0]
     logprobs = token_fields(resp, CHAT)["response_logprobs"]  # read as the proxy reads an answer
     if "messages" in req:
+        if req.get("include_reasoning") is False:  # the engine generated reasoning the answer does not show
+            raise ValueError("include_reasoning: false hides tokens the model generated; its answer cannot be rebuilt")
         messages = req["messages"]
         kw = _template_kwargs(req)
         last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
@@ -193,10 +197,21 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
         if isinstance(p, list) and p and isinstance(p[0], list):
             p = p[0]
         prompt = [int(x) for x in p] if isinstance(p, list) else _encode(tokenizer, str(p))
-        response = _encode(tokenizer, choice.get("text") or "")
+        response = _encode(tokenizer, _answer_text(req, choice.get("text") or ""))
     if logprobs is not None and len(logprobs) != len(response):
         logprobs = None
     return prompt, response, logprobs
+
+
+def _answer_text(req: dict, text: str) -> str:
+    """A completion's generated text: with ``echo`` the text starts with the prompt, which the model
+    did not generate (the proxy does not ask such a call for token ids: vLLM would blank the echo)."""
+    if not req.get("echo"):
+        return text
+    prompt = req.get("prompt")
+    if not isinstance(prompt, str) or not text.startswith(prompt):
+        raise ValueError("echo: the answer does not start with a text prompt; the generated part is unknown")
+    return text[len(prompt):]
 
 
 # -- the builder -----------------------------------------------------------------------------------
@@ -312,10 +327,13 @@ def _kept_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions, stats: d
     return _Kept(table, eff_reward[kept_idx], adv)
 
 
-def _secret_column(con: duckdb.DuckDBPyConnection) -> str:
-    """``s.secret_detected``, or FALSE for traces written before the column existed."""
+def _optional_columns(con: duckdb.DuckDBPyConnection) -> str:
+    """``secret_detected`` and ``n_choices`` as SQL, with their defaults for traces written before the
+    columns existed."""
     cols = {r[0] for r in con.sql("DESCRIBE spans").fetchall()}
-    return "coalesce(s.secret_detected, FALSE)" if "secret_detected" in cols else "FALSE"
+    secret = "coalesce(s.secret_detected, FALSE)" if "secret_detected" in cols else "FALSE"
+    choices = "coalesce(s.n_choices, 1)" if "n_choices" in cols else "1"
+    return f"{secret} AS secret_detected, {choices} AS n_choices"
 
 
 def _read_calls(con: duckdb.DuckDBPyConnection, kept: pa.Table, include_secret_spans: bool, stats: dict) -> pa.Table:
@@ -326,7 +344,7 @@ def _read_calls(con: duckdb.DuckDBPyConnection, kept: pa.Table, include_secret_s
         calls = con.sql(f"""
             SELECT k.ridx, s.span_id, s.seq, s.model_version, s.finish_reason, s.error_kind,
                    {", ".join(f"{_whole(c)} AS {c}" for c in _TOKEN_TYPES)},
-                   {_secret_column(con)} AS secret_detected
+                   {_optional_columns(con)}
             FROM spans s JOIN _lh_kept k ON s.rollout_id = k.rollout_id AND coalesce(s.attempt, 0) = k.attempt
             ORDER BY k.ridx, s.seq, s.started_at
         """).to_arrow_table()
@@ -335,12 +353,16 @@ def _read_calls(con: duckdb.DuckDBPyConnection, kept: pa.Table, include_secret_s
     stats["spans_read"] = calls.num_rows
     err = calls["error_kind"].is_valid().to_numpy(zero_copy_only=False)
     stats["calls_error"] = int(err.sum())
-    if err.any():
-        calls = calls.filter(pa.array(~err))
+    # several choices (n > 1): the span holds choice 0, but the harness may have gone on with another,
+    # and the rollout's reward would then be credited to tokens it did not use
+    multi = calls["n_choices"].to_numpy(zero_copy_only=False) > 1
+    stats["calls_multi_choice"] = int((multi & ~err).sum())
+    if err.any() or multi.any():
+        calls = calls.filter(pa.array(~(err | multi)))
     secret = calls["secret_detected"].to_numpy(zero_copy_only=False).astype(bool)
     stats["calls_secret_detected"] = int(secret.sum())
     stats["calls_dropped_secret"] = 0 if include_secret_spans else int(secret.sum())
-    calls = calls.drop_columns(["secret_detected"])
+    calls = calls.drop_columns(["secret_detected", "n_choices"])
     return calls if include_secret_spans or not secret.any() else calls.filter(pa.array(~secret))
 
 

@@ -20,6 +20,17 @@ from ..filters import make_model_restorer, make_responses_stripper, make_strippe
 from ..state import META, MODEL, Call, ProxyState
 
 
+def _changes_the_answer(endpoint: str | None, obj: dict) -> bool:
+    """Whether injecting would change what the harness gets beyond the fields stripped again: vLLM
+    blanks the echoed prompt of a completions call with ``echo`` once token ids are asked for (the
+    harness read "111" for "1+1=111"), and a chat call with ``top_logprobs`` but no ``logprobs``,
+    which plain vLLM refuses (400), would succeed. Such a call goes upstream as sent; the trainer
+    rebuilds its token ids from the text."""
+    if endpoint == CHAT:
+        return not obj.get("logprobs") and any(obj.get(k) is not None for k in ("top_logprobs", "logprob_token_ids"))
+    return endpoint != RESPONSES and bool(obj.get("echo"))
+
+
 class Rewrite:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
@@ -48,7 +59,7 @@ class Rewrite:
             if LOGPROBS_INCLUDE not in include:
                 obj["include"] = [*include, LOGPROBS_INCLUDE]
                 call.injected_logprobs = changed = True
-        elif call.inject:
+        elif call.inject and not _changes_the_answer(call.endpoint, obj):
             if not obj.get("return_token_ids"):
                 obj["return_token_ids"] = True
                 call.injected_token_ids = changed = True
