@@ -26,11 +26,22 @@ class RewardError(ValueError):
     """A reward was reported but cannot be used (the message says why)."""
 
 
+# Rewards past this magnitude are refused: a harness reports its own by default, and one of 1e300 (or a
+# 400-digit integer, which no float holds) overflowed the advantages (float32 samples) or crashed the
+# reader; no scoring scheme needs them.
+MAX_REWARD = 1e15
+
+
 def check_reward(value: Any, *, what: str = "reward") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RewardError(f"{what} must be a number, got {value!r}"[:200])
+    if isinstance(value, int) and abs(value) > MAX_REWARD:
+        raise RewardError(f"{what} must be a number within +-{MAX_REWARD:g}, got an integer of "
+                          f"{value.bit_length()} bits")
     if not math.isfinite(value):
         raise RewardError(f"{what} must be a finite number, got {value}")
+    if abs(value) > MAX_REWARD:
+        raise RewardError(f"{what} must be a number within +-{MAX_REWARD:g}, got {value:g}")
     return float(value)
 
 
@@ -50,7 +61,7 @@ def parse_reward(text: str | bytes, *, what: str = "reward") -> tuple[float, dic
         raise RewardError(f"{what} is empty")
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # JSONDecodeError, an integer past Python's 4,300 digits, deep nesting
         raise RewardError(f"{what} is not a number or JSON: {text[:120]!r}") from None
     return reward_from_object(data, what=what) if isinstance(data, dict) else (check_reward(data, what=what), None)
 

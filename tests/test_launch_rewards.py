@@ -21,7 +21,8 @@ def test_parse_reward_accepts_numbers_and_json(text, value, info):
 
 
 @pytest.mark.parametrize("text",
-                         ["", "abc", "true", '"1"', '{"score": 1}', "NaN", "Infinity", "[1]", '{"reward": null}'])
+                         ["", "abc", "true", '"1"', '{"score": 1}', "NaN", "Infinity", "[1]", '{"reward": null}',
+                          "1e300", "-2e15", "1" + "0" * 400, '{"reward": ' + "9" * 5000 + "}"])
 def test_parse_reward_refuses_what_is_not_a_finite_number(text):
     with pytest.raises(RewardError):
         parse_reward(text)
@@ -97,3 +98,17 @@ def test_rewards_table_latest_wins_reads_new_parts_and_flushes_once(tmp_path):
     n = len(flushes)
     table.lookup("r-b-0", 0, ended_mono=-math.inf)
     assert len(flushes) == n
+
+
+def test_a_reward_no_float_holds_is_a_clear_error_not_a_crashed_batch(tmp_path):
+    """A harness's reward file holding a 400-digit integer raised OverflowError out of the reader (not a
+    RewardError), and one of 1e300 overflowed the group's advantages. Both are refused: no reward."""
+    import sys
+
+    from lightning_harness.launcher.batch import run_batch
+
+    write = "import os; open(os.environ['LIGHTNING_REWARD_FILE'], 'w').write('1' + '0' * 400)"
+    (row,) = run_batch([{"id": "huge"}], [sys.executable, "-c", write], traces_dir=tmp_path / "traces",
+                       run_id="r")
+    assert (row.state, row.reward) == ("no_reward", None)
+    assert "within +-1e+15" in row.error
