@@ -288,3 +288,19 @@ def test_rebuilt_responses_prompts_match_what_a_real_engine_rendered(vllm_engine
         assert prompt == engine, (name, tok.decode(prompt), tok.decode(engine))
         got = [t for m in resp["output_messages"] for t in m["tokens"]]
         assert response[:len(got)] == got, name
+
+
+@pytest.mark.parametrize("status, kind", [("failed", "malformed_response"), ("cancelled", "malformed_response"),
+                                          ("queued", "truncated"), ("in_progress", "truncated"),
+                                          ("completed", None)])
+def test_a_json_answer_without_a_whole_response_is_an_error_span(rproxy, upstream, status, kind):
+    """A JSON (not streamed) Responses answer that failed, was cancelled, or is a background one still
+    queued was recorded as a clean call (only its token ids were withheld)."""
+    upstream.json(_response(status, **({"error": {"message": "engine died"}} if status == "failed" else {})))
+    with httpx.Client(trust_env=False, timeout=20) as c:
+        r = c.post(rproxy.env_for(f"r-{status}")["OPENAI_BASE_URL"] + "/responses", json={**REQ, "stream": False})
+    assert r.status_code == 200
+    (got,) = [s for s in read_spans(rproxy) if s["rollout_id"] == f"r-{status}"]
+    assert got["error_kind"] == kind  # before the fix: None for every status
+    if status == "failed":
+        assert "engine died" in got["error"]

@@ -33,6 +33,19 @@ log = logging.getLogger("lightning.proxy")
 MAX_ERROR_BODY = 500
 
 
+def _unfinished_response(obj: dict) -> tuple[str | None, str | None]:
+    """(error kind, error) of a Responses JSON answer that holds no whole answer: failed or cancelled
+    (the harness got no answer), queued or in progress (``background``: the answer comes later from
+    ``GET /v1/responses/{id}``, which is not a model call and is not recorded)."""
+    status = obj.get("status")
+    if status in ("failed", "cancelled"):
+        err = obj.get("error")
+        return "malformed_response", f"response {status}: {err.get('message') if isinstance(err, dict) else err}"
+    if status in ("queued", "in_progress"):
+        return "truncated", f"response {status} (background): its answer is not in this call, nothing to record"
+    return None, None
+
+
 def _ts(t: float | None) -> datetime | None:
     return None if t is None else datetime.fromtimestamp(t, tz=UTC)
 
@@ -252,6 +265,8 @@ class Capture:
                 return text, "truncated", f"upstream JSON body ends mid-value ({exc}): the answer is incomplete"
             return text, "malformed_response", f"upstream response is not valid JSON ({exc})"
         call.response_obj = obj if isinstance(obj, dict) else None
+        if call.endpoint == RESPONSES and call.response_obj is not None and resp.status_code < 400:
+            return text, *_unfinished_response(call.response_obj)
         return text, None, None
 
     @_guarded
