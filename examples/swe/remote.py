@@ -10,7 +10,8 @@ data (None, bool, int, float, str, bytes, and lists, tuples, dicts and sets of t
 the module returns stays in ``serve`` and comes back as a reference, so an ``assert`` compares
 values the module computed and never runs the module's code. A reference equals only a reference
 (the module's own ``__eq__`` decides between its objects), never a plain value. An exception
-comes back as the nearest built-in ``Exception`` class by name (never ``SystemExit``). Lists,
+comes back as the nearest built-in ``Exception`` class by name (never ``SystemExit``;
+``StopIteration`` as ``RuntimeError``, so it cannot end a test's ``map`` early). Lists,
 dicts and sets passed as arguments are copied back after the call, as a function that sorts or
 fills its argument in place would have left them. ``drive``'s exit status is the verdict: 0 when
 every test passed. Both run in their own bubblewrap sandbox; ``reward.py`` wires them together.
@@ -180,11 +181,17 @@ class Link:
         raise TypeError(f"{type(obj).__name__} cannot be passed to the module")
 
 
+# what tells the caller of a function "no more items" (map, filter, zip, next): raised by the module inside a
+# test's map(), it would end the iteration early, so all(map(f, xs)) held whatever f computed. It arrives as
+# RuntimeError instead, as PEP 479 has it inside a generator.
+ENDS_ITERATION = (StopIteration, StopAsyncIteration)
+
+
 def _builtin_exception(names) -> type:
     for name in names if isinstance(names, list) else []:
         cls = getattr(builtins, name, None) if isinstance(name, str) else None
         if isinstance(cls, type) and issubclass(cls, Exception):
-            return cls
+            return RuntimeError if issubclass(cls, ENDS_ITERATION) else cls
     return RemoteError
 
 
