@@ -543,3 +543,13 @@ def test_collect_writes_each_call_with_the_request_mini_swe_agent_sent(tmp_path)
                 assert req["messages"][-2]["tool_calls"][0]["function"] == prev["function"]
                 assert req["messages"][-1] == {"content": req["messages"][-1]["content"],
                                                "tool_call_id": prev["id"], "role": "tool"}
+
+
+def test_the_sandbox_check_refuses_a_checkout_every_sandbox_can_read(tmp_path):
+    """Every sandbox binds /usr and the Python installation read-only; a checkout placed there
+    (``/usr/src/app`` in many images) let the agent cat tasks_*.jsonl, every solution and hidden test."""
+    inside = Path(sandbox.python_roots()[0]) / "lib"
+    with pytest.raises(sandbox.SandboxUnavailable, match="could read its task files"):
+        sandbox.check(secrets=(inside,))
+    sandbox.check(secrets=(tmp_path,))  # elsewhere: fine
+    sandbox.check()  # this checkout

@@ -335,8 +335,17 @@ def confined():
             _remove_group(group)
 
 
-def check() -> None:
-    """Raise SandboxUnavailable unless a trivial command runs in the sandbox."""
+def check(secrets: tuple[Path, ...] = (Path(__file__).resolve().parent,)) -> None:
+    """Raise SandboxUnavailable unless a trivial command runs in the sandbox, and unless ``secrets``
+    (this folder: its task files hold every solution and hidden test) lie outside what every sandbox
+    sees read-only: a checkout under ``/usr`` (``/usr/src/app`` in many images) or inside the Python
+    installation would let the agent read them."""
+    seen = ["/usr", *python_roots()]
+    for folder in secrets:
+        real = Path(folder).resolve()
+        if any(real.is_relative_to(root) for root in seen):
+            raise SandboxUnavailable(f"{real} lies under {', '.join(seen)}, which every sandbox sees read-only: "
+                                     "the agent could read its task files (solutions, hidden tests); move it elsewhere")
     with tempfile.TemporaryDirectory() as tmp:
         try:
             proc = run(["true"], tmp, timeout=30)
