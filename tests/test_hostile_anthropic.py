@@ -53,7 +53,10 @@ class ScriptedUpstream:
                 body += conn.recv(65536)
             self.paths.append(head.split(b" ")[1].decode())
             self.bodies.append(json.loads(body or b"{}"))
-            conn.sendall(self.answer)
+            self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.sendall(self.answer)
 
     def json(self, obj: dict, status: int = 200) -> None:
         data = json.dumps(obj).encode()

@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import random
 import socket
-import threading
 import time
 
 import httpx
 import pytest
 from fixtures_proxy import read_spans
+from test_hostile_anthropic import ScriptedUpstream
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,43 +30,22 @@ PROMPT = [151644, 872, 198, 6023, 151645]
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
 
 
-class PacedUpstream:
+class PacedUpstream(ScriptedUpstream):
     """Answers every request with a scripted answer (then closes) and keeps the request bodies.
     A streamed answer goes out as one HTTP chunk per piece, with a pause between, so the proxy
     reads the bytes split where the test split them."""
 
     def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.head = b""
         self.pieces: list[bytes] = []
-        self.bodies: list[dict] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn: socket.socket) -> None:
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += conn.recv(65536)
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            while len(body) < length:
-                body += conn.recv(65536)
-            self.bodies.append(json.loads(body or b"{}"))
-            conn.sendall(self.head)
-            for piece in self.pieces:
-                conn.sendall(piece)
-                time.sleep(0.002)
+    def _answer(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.sendall(self.head)
+        for piece in self.pieces:
+            conn.sendall(piece)
+            time.sleep(0.002)
 
     def json(self, obj: dict) -> None:
         data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
@@ -80,9 +59,6 @@ class PacedUpstream:
                     b"Connection: close\r\n\r\n"
         bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(data))), len(data)]
         self.pieces = [b"%x\r\n%s\r\n" % (b - a, data[a:b]) for a, b in zip(bounds, bounds[1:])] + [b"0\r\n\r\n"]
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture
