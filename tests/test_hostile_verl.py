@@ -121,3 +121,24 @@ def test_each_verl_run_launches_under_its_own_run_id(tmp_path, monkeypatch):
     ids = [c["run_id"] for c in calls]
     assert len(set(ids)) == 2 and "verl" not in ids
     assert np.all([i.startswith("verl-") for i in ids])
+
+
+def test_a_recorded_infinite_logprob_leaves_the_verl_loss():
+    """A -inf behaviour logprob (the engine gave the token probability 0) became -3.4e38 in verl's
+    ``old_log_probs`` (nan_to_num), an infinite bypass ratio and a NaN loss where the advantage is
+    negative; update.py caps such a token's weight, which verl cannot express: it leaves the loss."""
+    table = make_samples(seed=43)
+    lps = table["response_logprobs"].to_pylist()
+    lps[0] = [-math.inf] + lps[0][1:]
+    lps[1] = [math.inf] + lps[1][1:]
+    table = table.set_column(table.schema.get_field_index("response_logprobs"), "response_logprobs",
+                             pa.array(lps, pa.list_(pa.float32())))
+    t, _, meta = VB.samples_to_tensors(table)
+    assert bool(torch_finite(t["rollout_log_probs"]))  # before the fix: -3.4e38 on a trained token
+    assert meta["lightning_tokens_without_logprobs"] == 2
+
+
+def torch_finite(x) -> bool:
+    import torch
+
+    return bool(torch.isfinite(x).all()) and float(x.abs().max()) < 1e30

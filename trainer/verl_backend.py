@@ -115,8 +115,10 @@ def samples_to_tensors(table, *, pad_id: int = 0, weight_mode: str = "rollout") 
 
 
 def train_only_logged(rows: list, weight_mode: str) -> int:
-    """Take model tokens without a captured logprob (NaN: retokenised calls, partial logprobs) out
-    of the loss, re-derive the loss weights over the tokens left, and return how many were taken.
+    """Take model tokens without a captured logprob (NaN: retokenised calls, partial logprobs) or with
+    an infinite one (-inf: probability 0 under the engine, an infinite ratio in verl, where update.py
+    caps the weight) out of the loss, re-derive the loss weights over the tokens left, and return
+    how many were taken.
 
     Why: verl's bypass mode uses the captured logprob as the behaviour policy ``mu``; written as 0
     it made ``pi / mu = pi``, a wrong importance ratio (update.py gives such a token weight 1, which
@@ -125,7 +127,7 @@ def train_only_logged(rows: list, weight_mode: str) -> int:
 
     taken = 0
     for s in rows:
-        lost = [bool(m) and math.isnan(x) for m, x in zip(s.mask, s.logprobs)]
+        lost = [bool(m) and not math.isfinite(x) for m, x in zip(s.mask, s.logprobs)]
         if any(lost):
             taken += sum(lost)
             s.mask = [0 if gone else m for m, gone in zip(s.mask, lost)]
