@@ -54,6 +54,7 @@ def assembler_for(endpoint: str | None):
 
 RESPONSE_END = ("response.completed", "response.incomplete", "response.failed")  # a whole stream ends with one
 FINAL_STATUSES = ("completed", "incomplete")  # a Responses object that holds a whole answer (cut or not)
+FAILED_STATUSES = ("failed", "cancelled")  # one whose generation failed or was aborted: no answer
 
 
 class ResponsesAssembler:
@@ -83,7 +84,7 @@ class ResponsesAssembler:
             self.finished = True
             if not isinstance(resp, dict):
                 self._fail({}, f"{kind} without its response object")
-            elif resp.get("status") in ("failed", "cancelled") or resp.get("error"):
+            elif resp.get("status") in FAILED_STATUSES or resp.get("error"):
                 self._fail(resp, f"{kind} with a response whose status is {resp.get('status')!r}")
         if isinstance(resp, dict) and (kind in RESPONSE_END or not self.finished):
             self.response = resp
@@ -99,6 +100,19 @@ class ResponsesAssembler:
         if not self.finished and not obj.get("output") and self.items:  # cut short: the items done so far
             obj["output"] = [self.items[i] for i in sorted(self.items)]
         return obj
+
+
+def unfinished_response(obj: dict) -> tuple[str | None, str | None]:
+    """(error kind, error) of a Responses JSON answer that holds no whole answer: failed or cancelled
+    (the harness got no answer), queued or in progress (``background``: the answer comes later from
+    ``GET /v1/responses/{id}``, which is not a model call and is not recorded)."""
+    status = obj.get("status")
+    if status in FAILED_STATUSES:
+        err = obj.get("error")
+        return "malformed_response", f"response {status}: {err.get('message') if isinstance(err, dict) else err}"
+    if status in ("queued", "in_progress"):
+        return "truncated", f"response {status} (background): its answer is not in this call, nothing to record"
+    return None, None
 
 
 class _Pieces(list):
@@ -348,7 +362,7 @@ def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:
     reason = details.get("reason") if isinstance(details, dict) else None
     if reason:
         out["finish_reason"] = "length" if reason == "max_output_tokens" else reason
-    elif obj.get("status") in ("failed", "cancelled"):
+    elif obj.get("status") in FAILED_STATUSES:
         out["finish_reason"] = obj["status"]
     elif any(it.get("type") == "function_call" for it in items):
         out["finish_reason"] = "tool_calls"

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from mitmproxy import http
 
 from .. import fastjson
-from ..assemble import RESPONSES, assembler_for, token_fields
+from ..assemble import RESPONSES, assembler_for, token_fields, unfinished_response
 from ..codec import TooLarge, client_accepts, decode_body, utf8_text
 from ..sse import SSERelay
 from ..state import META, MODEL, Call, ProxyState
@@ -31,19 +31,6 @@ from .limits import REFUSED
 log = logging.getLogger("lightning.proxy")
 
 MAX_ERROR_BODY = 500
-
-
-def _unfinished_response(obj: dict) -> tuple[str | None, str | None]:
-    """(error kind, error) of a Responses JSON answer that holds no whole answer: failed or cancelled
-    (the harness got no answer), queued or in progress (``background``: the answer comes later from
-    ``GET /v1/responses/{id}``, which is not a model call and is not recorded)."""
-    status = obj.get("status")
-    if status in ("failed", "cancelled"):
-        err = obj.get("error")
-        return "malformed_response", f"response {status}: {err.get('message') if isinstance(err, dict) else err}"
-    if status in ("queued", "in_progress"):
-        return "truncated", f"response {status} (background): its answer is not in this call, nothing to record"
-    return None, None
 
 
 def _ts(t: float | None) -> datetime | None:
@@ -266,7 +253,7 @@ class Capture:
             return text, "malformed_response", f"upstream response is not valid JSON ({exc})"
         call.response_obj = obj if isinstance(obj, dict) else None
         if call.endpoint == RESPONSES and call.response_obj is not None and resp.status_code < 400:
-            return text, *_unfinished_response(call.response_obj)
+            return text, *unfinished_response(call.response_obj)
         return text, None, None
 
     @_guarded
