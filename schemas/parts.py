@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow.dataset  # noqa: F401  (pq.read_table imports it on first use; a proxy that dropped its
+import pyarrow.parquet as pq  # privileges or lost its environment since would take every part for corrupt)
 
 from .checked import finished_parts, mark_bad
 from .salvage import encode_rows
