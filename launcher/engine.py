@@ -13,6 +13,7 @@ crashed a worker), ``--kv-cache-memory-bytes`` (else it reserves 92% of RAM), he
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import subprocess
 import sys
@@ -27,7 +28,15 @@ import httpx
 from lightning_harness.process import StartupError, direct_env, free_port, start_in_session, stop_group, wait_ready
 
 CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
+# The logprobs the engine returns (and the proxy records as the behaviour policy mu) are those of the
+# distribution it sampled from: after temperature, top-k/p, penalties, logit_bias, allowed and bad
+# words. vLLM's default ('raw_logprobs') gives the bare model's instead: at temperature 0.5 it recorded
+# -0.051 for a token sampled with probability 0.999, and tokens a harness forced with logit_bias were
+# recorded at -9.6 (trained on as if the policy had chosen them) instead of 0 (importance weight
+# pi/mu ~ 1e-4). verl's rollouts use the same mode.
+LOGPROBS_MODE = "processed_logprobs"
 _STARTED: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
+log = logging.getLogger("lightning.engine")
 
 
 class EngineError(RuntimeError):
@@ -62,6 +71,8 @@ def server_command(model_dir: str | Path, served_name: str, port: int, *, host: 
                 "--gpu-memory-utilization", str(gpu_memory_utilization)]
         if kv_cache_bytes:
             cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    if not any(str(a).startswith("--logprobs-mode") for a in extra_args):
+        cmd += ["--logprobs-mode", LOGPROBS_MODE]
     return cmd + list(extra_args)
 
 
@@ -126,6 +137,11 @@ class VLLMEngine:
         """Use a server someone else runs; checks it answers and learns its model name."""
         engine = cls(url, served_name=served_name, api_key=api_key)
         engine.wait_ready(timeout)
+        mode = engine.logprobs_mode()
+        if mode not in (LOGPROBS_MODE, None):
+            log.warning("vLLM at %s records %s: the logprobs of the bare model, not of what it sampled "
+                        "(temperature, top-p, logit_bias...); start it with --logprobs-mode %s",
+                        engine.url, mode, LOGPROBS_MODE)
         return engine
 
     def wait_ready(self, timeout: float) -> None:
@@ -173,6 +189,14 @@ class VLLMEngine:
         r = self._http.get("/v1/models", timeout=30)
         r.raise_for_status()
         return [m["id"] for m in r.json().get("data", [])]
+
+    def logprobs_mode(self) -> str | None:
+        """The server's ``--logprobs-mode`` (dev mode's ``/server_info``), or None where it does not say."""
+        try:
+            r = self._http.get("/server_info", params={"config_format": "json"}, timeout=120)
+            return r.json()["vllm_config"]["model_config"]["logprobs_mode"] if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
 
     def is_paused(self) -> bool:
         return bool(self._call("GET", "/is_paused")["is_paused"])

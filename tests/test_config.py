@@ -114,3 +114,16 @@ def test_a_harness_service_cannot_serve_harnesses_run_as_other_users(tmp_path):
     path.write_text("model: m\ntasks: {train: t.jsonl}\nharness: {command: [a], service: [b], run_as: nobody}\n")
     res = train("--config", str(path))
     assert res.returncode == 2 and "harness.service cannot be combined with harness.run_as" in res.stderr, res.stderr
+
+
+def test_the_update_computes_logprobs_at_the_rollout_temperature_unless_told(config_file):
+    """The engine records the logprobs of the distribution it sampled from (launcher/engine.py): an update
+    at temperature 1 after rollouts at 0.5 took every sample for off-policy (importance weights of
+    pi_1 / pi_0.5); ``update.temperature`` left unset follows ``rollout.temperature``."""
+    assert C.load_config(config_file, ["rollout.temperature=0.5"]).update.temperature == 0.5
+    assert C.load_config(config_file).update.temperature == 1.0
+    told = C.load_config(config_file, ["rollout.temperature=0.5", "update.temperature=0.7"])
+    assert told.update.temperature == 0.7
+    assert C.load_config(config_file, ["rollout.temperature=0"]).update.temperature is None  # greedy: 1 in update.py
+    res = train("--config", str(config_file), "--set", "update.temperature=0", "--print-config")
+    assert res.returncode == 2 and "update.temperature" in res.stderr, res.stderr

@@ -37,6 +37,10 @@ def test_server_command_flags_differ_by_device(tmp_path):
     gpu = server_command(tmp_path, "m", 1234, device="cuda", extra_args=["--seed", "3"])
     assert "--enable-sleep-mode" in gpu and "--kv-cache-memory-bytes" not in gpu
     assert gpu[-2:] == ["--seed", "3"]
+    for cmd in (cpu, gpu):  # the recorded logprobs are those of what was sampled (LOGPROBS_MODE)
+        assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
+    raw = server_command(tmp_path, "m", 1234, extra_args=["--logprobs-mode=raw_logprobs"])  # the user's word wins
+    assert raw[-1] == "--logprobs-mode=raw_logprobs" and "--logprobs-mode" not in raw
 
 
 def test_start_rejects_a_directory_without_a_model(tmp_path):

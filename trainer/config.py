@@ -87,7 +87,8 @@ class UpdateConfig(Section):
     loss_mode: Literal[LOSS_MODES] = "rollout"  # weights.aggregate_loss mode: 'rollout', 'token-mean' or 'seq-mean'
     #   (must match the mode the samples' loss_weight was built with; the loop keeps them in sync)
     max_seq_len: int = 4096  # prompt + response longer than this is cut from the right
-    temperature: float = 1.0  # logits / T before log-softmax (match the engine's logprob mode)
+    temperature: float | None = Field(default=None, gt=0)  # logits / T before log-softmax; None: the
+    #   rollout's temperature (the engine records the logprobs it sampled with, launcher/engine.py), else 1
     device: str = "auto"  # 'auto' = cuda if available else cpu
     dtype: str = "float32"  # training dtype ('float32' on CPU; 'bfloat16' on GPU if you like)
     seed: int = 0
@@ -287,6 +288,8 @@ class RunConfig(Section):
             problems.append(f"rollout.max_staleness must be >= 0, got {self.rollout.max_staleness}")
         # the samples' loss_weight and the update's divisor must come from the same mode
         self.update.loss_mode = self.samples.weight_mode
+        if self.update.temperature is None and self.rollout.temperature > 0:  # on-policy: pi as it sampled
+            self.update.temperature = self.rollout.temperature
         from .trackers import TrackerError, tracker_names
 
         try:  # before vLLM starts: an unknown or uninstalled tracker names its extra

@@ -434,7 +434,7 @@ class PolicyUpdater:
     def logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """response_logprobs with this update's temperature, chunking and autocast: [B, R] fp32."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return response_logprobs(model, batch, self.cfg.temperature, self.cfg.logprob_chunk_tokens)
+            return response_logprobs(model, batch, self.cfg.temperature or 1.0, self.cfg.logprob_chunk_tokens)
 
     @torch.no_grad()
     def frozen_logprobs(self, model: torch.nn.Module, rows: list[Sample],
