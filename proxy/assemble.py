@@ -309,6 +309,40 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
                                   count_ids=len(choices) == 1), obj)
 
 
+def engine_flag(value: Any) -> bool:
+    """A request flag as vLLM reads it: its request models are lax pydantic, so ``"false"``, ``0`` and
+    ``"off"`` are false and ``"true"``, ``1`` and ``"yes"`` true. The proxy must read a harness's
+    flags the same way (``return_token_ids: "false"`` was taken as set: nothing was injected, and the
+    engine's logprobs were later put on tokens rebuilt from text)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes", "on", "t", "y")
+    return value is True or (type(value) in (int, float) and value == 1)
+
+
+def _engine_float(value: Any) -> float | None:
+    """A number as vLLM reads it (``"0"``, ``false`` and ``0`` are all 0.0), or None."""
+    try:
+        return float(value.strip() if isinstance(value, str) else value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def behaviour_logprobs(request: Any, endpoint: str | None, lps: list[float] | None) -> list[float] | None:
+    """The recorded logprobs as those of the policy that chose the tokens (the update's mu). The engine
+    returns the sampling distribution's (launcher/engine.py), except where nothing was sampled: at
+    temperature 0 (greedy) and with beam search every token was chosen with probability 1, while vLLM
+    returns the softmax at temperature 1 (-1.98 for a token it picked for certain): they are 0. A
+    Responses answer with ``ignore_eos`` may hold a text-less end-of-turn token anywhere, whose
+    missing logprob was padded as if it were the last: none are kept (the update recomputes them)."""
+    if lps is None or not isinstance(request, dict):
+        return lps
+    if _engine_float(request.get("temperature")) == 0.0 or engine_flag(request.get("use_beam_search")):
+        return [0.0] * len(lps)
+    if endpoint == RESPONSES and engine_flag(request.get("ignore_eos")) and any(x != x for x in lps):
+        return None
+    return lps
+
+
 def _answer_logprobs(lps: list[float] | None, ids: list[int] | None, prompt: list[int] | None) -> list[float] | None:
     """One logprob per response token id, or None. A completions call with ``echo`` gets the
     prompt's logprobs first (the first one null) and its token ids without them, so the answer's
@@ -356,8 +390,8 @@ def _responses_token_fields(obj: dict, out: dict[str, Any]) -> dict[str, Any]:
                 lps += [lp for lp in part["logprobs"] if isinstance(lp, dict)]
     out["response_logprobs"] = _floats([lp.get("logprob") for lp in lps]) if lps else None
     ids, got = out["response_token_ids"], out["response_logprobs"]
-    if ids and got and len(got) < len(ids):
-        out["response_logprobs"] = _pad_last(got, lps, ids, outs)
+    if ids and got and len(got) < len(ids):  # (an answer cut short may miss a logprob anywhere)
+        out["response_logprobs"] = _pad_last(got, lps, ids, outs) if obj.get("status") == "completed" else None
     details = obj.get("incomplete_details")
     reason = details.get("reason") if isinstance(details, dict) else None
     if reason:
@@ -380,7 +414,7 @@ def _pad_last(got: list[float], entries: list[dict], ids: list[int], outs: list)
     object, wherever it stood. One missing token whose absence leaves the text whole (the
     entries' token strings spell the generated text, whitespace aside: some tokenizers decode a
     lone token without its leading space) is taken for the last: it is NaN (unknown). (Left
-    possible: a text-less special token mid-answer in an answer cut by max_output_tokens.)
+    possible: a text-less special token mid-answer with ``ignore_eos``: see behaviour_logprobs.)
     Otherwise the entries cannot be placed on their tokens and none is kept (the update
     recomputes them), never shifted onto other tokens."""
     if len(ids) - len(got) != 1:
@@ -520,8 +554,8 @@ def _answer(resp: dict, refuse) -> tuple[dict, list]:
             for part in it.get("content") or ():
                 if isinstance(part, dict):
                     text.append(part["text"] if isinstance(part.get("text"), str) else "")
-                    logprobs += [{"logprob": lp.get("logprob")} for lp in part.get("logprobs") or ()
-                                 if isinstance(lp, dict)]
+                    logprobs += [{"logprob": lp.get("logprob"), "token": lp.get("token")}
+                                 for lp in part.get("logprobs") or () if isinstance(lp, dict)]
         elif kind == "function_call":
             calls.append(_function_call(it))
         elif kind == "reasoning":

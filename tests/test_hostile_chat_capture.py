@@ -337,7 +337,8 @@ def test_echoed_completions_from_a_real_engine_record_the_answers_logprobs(make_
     same greedy answer without ``echo`` (one per generated token). One that does not ask is sent
     as it is (asked for token ids, vLLM would blank the echo): its harness reads the echoed text."""
     p = make_proxy(upstreams=[vllm_engine.url])
-    body = {"model": vllm_engine.served_name, "prompt": "1+1=", "max_tokens": 3, "temperature": 0}
+    # sampled with a seed (a greedy call's recorded logprobs are 0: each token was certain)
+    body = {"model": vllm_engine.served_name, "prompt": "1+1=", "max_tokens": 3, "temperature": 1.0, "seed": 7}
     asks = {"logprobs": 0, "return_token_ids": True}
     for stream in (False, True):
         r = _post(p, f"echo-vllm-{stream}", {**body, **asks, "echo": True, "stream": stream}, "/completions")

@@ -198,9 +198,29 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
             p = p[0]
         prompt = [int(x) for x in p] if isinstance(p, list) else _encode(tokenizer, str(p))
         response = _encode(tokenizer, _answer_text(req, choice.get("text") or ""))
-    if logprobs is not None and len(logprobs) != len(response):
-        logprobs = None
+    if logprobs is not None and not _spelled_alike(tokenizer, _logprob_tokens(choice), response):
+        logprobs = None  # the engine's logprobs belong to other tokens than the rebuilt ones
     return prompt, response, logprobs
+
+
+def _logprob_tokens(choice: dict) -> list | None:
+    """The token strings of an answer's logprob entries (chat ``content[].token``, completions ``tokens``)."""
+    lp = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else {}
+    if isinstance(lp.get("content"), list):
+        return [c.get("token") if isinstance(c, dict) else None for c in lp["content"]]
+    return lp.get("tokens") if isinstance(lp.get("tokens"), list) else None
+
+
+def _spelled_alike(tokenizer: Any, spelled: list | None, ids: list[int]) -> bool:
+    """Whether the engine's logprob entries name the rebuilt tokens, one by one: an equal count is not
+    enough (a stop string left out of the text rebuilt the end-of-turn token where the engine had
+    generated the stop token: the stop token's logprob went onto a token never generated)."""
+    if spelled is None or len(spelled) != len(ids):
+        return False
+    for s, i in zip(spelled, ids):
+        if not isinstance(s, str) or (s != f"token_id:{i}" and s.strip() != tokenizer.decode([i]).strip()):
+            return False
+    return True
 
 
 def _answer_text(req: dict, text: str) -> str:

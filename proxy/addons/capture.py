@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from mitmproxy import http
 
 from .. import fastjson
-from ..assemble import RESPONSES, assembler_for, token_fields, unfinished_response
+from ..assemble import RESPONSES, assembler_for, behaviour_logprobs, engine_flag, token_fields, unfinished_response
 from ..codec import TooLarge, client_accepts, decode_body, utf8_text
 from ..sse import SSERelay
 from ..state import META, MODEL, Call, ProxyState
@@ -142,7 +142,7 @@ class Capture:
             call.request_obj = obj
             model = obj.get("model")
             call.model = model if isinstance(model, str) else None
-            call.stream = bool(obj.get("stream"))
+            call.stream = engine_flag(obj.get("stream"))
 
     def _start(self, call: Call) -> None:
         """Seq and policy version, once: when the request is complete, or when it fails before."""
@@ -349,6 +349,7 @@ class Capture:
             log.warning("token fields not extracted (%s: %s)", type(exc).__name__, exc)
             toks = {**token_fields(None, call.endpoint), "salvaged": True}
         salvaged = toks.pop("salvaged", False) or call.salvaged
+        toks["response_logprobs"] = behaviour_logprobs(call.request_obj, call.endpoint, toks["response_logprobs"])
         row = {
             "span_id": uuid.uuid4().hex,
             "rollout_id": call.rollout_id,

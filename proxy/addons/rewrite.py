@@ -15,7 +15,7 @@ from __future__ import annotations
 from mitmproxy import http
 
 from .. import fastjson
-from ..assemble import CHAT, LOGPROBS_INCLUDE, RESPONSES
+from ..assemble import CHAT, LOGPROBS_INCLUDE, RESPONSES, engine_flag
 from ..filters import make_model_restorer, make_responses_stripper, make_stripper
 from ..state import META, MODEL, Call, ProxyState
 
@@ -27,8 +27,9 @@ def _changes_the_answer(endpoint: str | None, obj: dict) -> bool:
     which plain vLLM refuses (400), would succeed. Such a call goes upstream as sent; the trainer
     rebuilds its token ids from the text."""
     if endpoint == CHAT:
-        return not obj.get("logprobs") and any(obj.get(k) is not None for k in ("top_logprobs", "logprob_token_ids"))
-    return endpoint != RESPONSES and bool(obj.get("echo"))
+        asks = ("top_logprobs", "logprob_token_ids")
+        return not engine_flag(obj.get("logprobs")) and any(obj.get(k) is not None for k in asks)
+    return endpoint != RESPONSES and engine_flag(obj.get("echo"))
 
 
 class Rewrite:
@@ -52,7 +53,7 @@ class Rewrite:
             changed = True
         call.served_model = served if isinstance(served, str) else None
         if call.inject and call.endpoint == RESPONSES:
-            if not obj.get("enable_response_messages"):
+            if not engine_flag(obj.get("enable_response_messages")):
                 obj["enable_response_messages"] = True
                 call.injected_token_ids = changed = True
             include = obj.get("include") if isinstance(obj.get("include"), list) else []
@@ -60,11 +61,11 @@ class Rewrite:
                 obj["include"] = [*include, LOGPROBS_INCLUDE]
                 call.injected_logprobs = changed = True
         elif call.inject and not _changes_the_answer(call.endpoint, obj):
-            if not obj.get("return_token_ids"):
+            if not engine_flag(obj.get("return_token_ids")):
                 obj["return_token_ids"] = True
                 call.injected_token_ids = changed = True
             if call.endpoint == CHAT:
-                if not obj.get("logprobs"):
+                if not engine_flag(obj.get("logprobs")):
                     obj["logprobs"] = True
                     call.injected_logprobs = changed = True
             elif obj.get("logprobs") is None:
