@@ -198,6 +198,9 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
             p = p[0]
         prompt = [int(x) for x in p] if isinstance(p, list) else _encode(tokenizer, str(p))
         response = _encode(tokenizer, _answer_text(req, choice.get("text") or ""))
+        ended = choice.get("finish_reason") == "stop" and "stop_reason" in choice and choice["stop_reason"] is None
+        if ended and tokenizer.eos_token_id is not None:  # vLLM stopped on EOS, which the text does not show
+            response.append(int(tokenizer.eos_token_id))
     if logprobs is not None and not _spelled_alike(tokenizer, _logprob_tokens(choice), response):
         logprobs = None  # the engine's logprobs belong to other tokens than the rebuilt ones
     return prompt, response, logprobs
