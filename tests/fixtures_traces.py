@@ -185,11 +185,14 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
 
 
-def chat_bodies(messages: list[dict], answer: str, *, logprobs: list[float] | None = None) -> dict:
-    """request_json / response_json of a chat call without token ids (for retokenisation)."""
+def chat_bodies(messages: list[dict], answer: str, *, logprobs: list[float] | None = None,
+                tokens: list[str] | None = None) -> dict:
+    """request_json / response_json of a chat call without token ids (for retokenisation); ``tokens``:
+    the logprob entries' token strings (the builder keeps logprobs only where they name its tokens)."""
     choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
     if logprobs is not None:
-        choice["logprobs"] = {"content": [{"token": "?", "logprob": lp} for lp in logprobs]}
+        names = tokens or ["?"] * len(logprobs)
+        choice["logprobs"] = {"content": [{"token": t, "logprob": lp} for t, lp in zip(names, logprobs)]}
     return {
         "request_json": json.dumps({"model": "policy", "messages": messages}),
         "response_json": json.dumps({"id": "x", "object": "chat.completion", "choices": [choice]}),

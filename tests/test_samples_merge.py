@@ -117,7 +117,8 @@ def test_retokenised_call_merges_and_is_flagged(make_traces, tiny_tokenizer_dir)
     d = make_traces(
         spans=[
             span("r", 0, p0, r0),
-            span("r", 1, None, None, logprobs=None, **chat_bodies(msgs, "five", logprobs=[-0.5, -0.25])),
+            span("r", 1, None, None, logprobs=None,
+                 **chat_bodies(msgs, "five", logprobs=[-0.5, -0.25], tokens=["five", "<|im_end|>"])),
         ],
         rollouts=[rollout("r", reward=1.0)],
     )
