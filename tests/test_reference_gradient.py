@@ -158,15 +158,16 @@ def reference_loss(model, rollouts: list[Rollout], cfg, *, mode: str = "rollout"
          "token-mean": sum(per_rollout.values()),
          "seq-mean": sum(1 for r in rollouts for c in r.calls if kept[id(c)])}[mode]
     total = torch.zeros(())
+    temperature = cfg.temperature or 1.0  # (None: the loop fills in the rollout's; alone, the update uses 1)
     for r in rollouts:
         for c in r.calls:
             if not kept[id(c)]:
                 continue
             w = {"rollout": 1 / max(per_rollout[r.rid], 1), "token-mean": 1.0, "seq-mean": 1 / len(kept[id(c)])}[mode]
-            lps = call_logprobs(model, c, cfg.temperature)
+            lps = call_logprobs(model, c, temperature)
             with torch.no_grad():  # pi_prox and the reference are numbers here, never differentiated
-                prox = lps if prox_model is None else call_logprobs(prox_model, c, cfg.temperature)
-                refs = call_logprobs(ref_model, c, cfg.temperature) if ref_model is not None else None
+                prox = lps if prox_model is None else call_logprobs(prox_model, c, temperature)
+                refs = call_logprobs(ref_model, c, temperature) if ref_model is not None else None
             for j in kept[id(c)]:
                 ref = None if refs is None else float(refs[j])
                 total = total + w * token_loss(lps[j], float(prox[j].detach()), c.logprobs[j], adv[r.rid], cfg, ref)
