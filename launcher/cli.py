@@ -119,7 +119,8 @@ def main() -> None:
 @click.option("--env", "extra_env", multiple=True, help="KEY=VALUE added to every harness environment. Repeatable.")
 @click.option("--pass-env", "pass_env", multiple=True, metavar="NAME",
               help="Pass this variable of the launcher's environment (glob: 'HF_*') to every harness and scorer. "
-                   "Unasked they get only PATH, HOME, USER, SHELL, locale, TMPDIR, PYTHONPATH, VIRTUAL_ENV: "
+                   "Unasked they get only PATH, HOME, USER, LOGNAME, SHELL, locale, TZ, TERM, TMPDIR, PYTHONPATH, "
+                   "VIRTUAL_ENV (and the proxy's own variables): "
                    "harnesses run model-written commands. Repeatable.")
 @click.option("--service", metavar="CMD",
               help="Shell command of a harness service started once before the rollouts and stopped after: it and "

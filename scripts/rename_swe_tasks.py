@@ -7,8 +7,8 @@ same tasks renamed asks whether what it learnt is the fix or the text it practis
 checked the way the generator checks a task (the buggy module scores 0.0 with the sandboxed hidden
 tests, the renamed solution 1.0) and drawn again otherwise; deterministic for a seed.
 
-    python scripts/rename_swe_tasks.py examples/swe/tasks_practice_eval.jsonl renamed_eval.jsonl
-    python scripts/rename_swe_tasks.py examples/swe/tasks_practice.jsonl renamed_train.jsonl \\
+    .venv/bin/python scripts/rename_swe_tasks.py examples/swe/tasks_practice_eval.jsonl renamed_eval.jsonl
+    .venv/bin/python scripts/rename_swe_tasks.py examples/swe/tasks_practice.jsonl renamed_train.jsonl \\
         --copies 8 --seed near-transfer-train --avoid renamed_eval.jsonl
 """
 
