@@ -35,6 +35,11 @@ CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 # recorded at -9.6 (trained on as if the policy had chosen them) instead of 0 (importance weight
 # pi/mu ~ 1e-4). verl's rollouts use the same mode.
 LOGPROBS_MODE = "processed_logprobs"
+# What a request that sets no sampling parameter gets: vLLM's neutral defaults (temperature 1, whole
+# vocabulary), which the update reproduces. vLLM's default ('auto') takes them from the model's
+# generation_config.json instead (a Qwen model's: temperature 0.7, top_p 0.8, top_k 20, repetition
+# penalty 1.05), a distribution no request shows and so no span records (proxy/sampling.py).
+GENERATION_CONFIG = "vllm"
 _STARTED: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
 log = logging.getLogger("lightning.engine")
 
@@ -73,6 +78,8 @@ def server_command(model_dir: str | Path, served_name: str, port: int, *, host: 
             cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     if not any(str(a).startswith("--logprobs-mode") for a in extra_args):
         cmd += ["--logprobs-mode", LOGPROBS_MODE]
+    if not any(str(a).startswith("--generation-config") for a in extra_args):
+        cmd += ["--generation-config", GENERATION_CONFIG]
     return cmd + list(extra_args)
 
 
@@ -137,11 +144,15 @@ class VLLMEngine:
         """Use a server someone else runs; checks it answers and learns its model name."""
         engine = cls(url, served_name=served_name, api_key=api_key)
         engine.wait_ready(timeout)
-        mode = engine.logprobs_mode()
+        mode, defaults = engine.logprobs_mode(), engine.server_setting("generation_config")
         if mode not in (LOGPROBS_MODE, None):
             log.warning("vLLM at %s records %s: the logprobs of the bare model, not of what it sampled "
                         "(temperature, top-p, logit_bias...); start it with --logprobs-mode %s",
                         engine.url, mode, LOGPROBS_MODE)
+        if defaults not in (GENERATION_CONFIG, None):
+            log.warning("vLLM at %s runs with --generation-config %s: a request that sets no temperature, top_p "
+                        "or top_k gets the model's defaults, which no span records and the update does not "
+                        "reproduce; start it with --generation-config %s", engine.url, defaults, GENERATION_CONFIG)
         return engine
 
     def wait_ready(self, timeout: float) -> None:
@@ -191,10 +202,14 @@ class VLLMEngine:
         return [m["id"] for m in r.json().get("data", [])]
 
     def logprobs_mode(self) -> str | None:
-        """The server's ``--logprobs-mode`` (dev mode's ``/server_info``), or None where it does not say."""
+        """The server's ``--logprobs-mode``, or None where it does not say."""
+        return self.server_setting("logprobs_mode")
+
+    def server_setting(self, name: str) -> Any:
+        """A setting of the server's model config (dev mode's ``/server_info``), or None where it does not say."""
         try:
             r = self._http.get("/server_info", params={"config_format": "json"}, timeout=120)
-            return r.json()["vllm_config"]["model_config"]["logprobs_mode"] if r.status_code == 200 else None
+            return r.json()["vllm_config"]["model_config"][name] if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
 

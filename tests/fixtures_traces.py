@@ -134,6 +134,14 @@ def write_traces(root: str | Path, spans: Iterable[dict] = (), rollouts: Iterabl
     return root
 
 
+def drop_column(root: str | Path, table: str, column: str) -> None:
+    """Rewrite every part of ``table`` without ``column``: a store written before the column existed."""
+    import pyarrow.parquet as pq
+
+    for part in (Path(root) / table).glob("**/*.parquet"):
+        pq.write_table(pq.read_table(part).drop_columns([column]), part)
+
+
 @pytest.fixture
 def make_traces(tmp_path):
     """``make_traces(spans=[...], rollouts=[...], rewards=[...]) -> Path`` in a fresh directory."""

@@ -92,3 +92,16 @@ def restore_engine(served):
     if engine.is_paused():
         engine.resume()
     engine.reload_weights(model_dir)
+
+
+def model_logprobs(model_dir, prompt_ids, ids, temperature: float) -> list[float]:
+    """The logprobs of ``ids`` after ``prompt_ids`` under the checkpoint at ``temperature``
+    (transformers, float32): what an engine sampling at that temperature should record."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt_ids) + list(ids)])).logits[0].float()
+    lp = torch.log_softmax(logits / temperature, -1)
+    return [float(lp[len(prompt_ids) - 1 + j, t]) for j, t in enumerate(ids)]

@@ -39,8 +39,11 @@ def test_server_command_flags_differ_by_device(tmp_path):
     assert gpu[-2:] == ["--seed", "3"]
     for cmd in (cpu, gpu):  # the recorded logprobs are those of what was sampled (LOGPROBS_MODE)
         assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
+        assert cmd[cmd.index("--generation-config") + 1] == "vllm"  # omitted parameters: neutral, not the model's
     raw = server_command(tmp_path, "m", 1234, extra_args=["--logprobs-mode=raw_logprobs"])  # the user's word wins
     assert raw[-1] == "--logprobs-mode=raw_logprobs" and "--logprobs-mode" not in raw
+    auto = server_command(tmp_path, "m", 1234, extra_args=["--generation-config", "auto"])
+    assert auto[-2:] == ["--generation-config", "auto"] and auto.count("--generation-config") == 1
 
 
 def test_start_rejects_a_directory_without_a_model(tmp_path):

@@ -8,22 +8,12 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 from fixtures_proxy import read_spans
+from fixtures_vllm import model_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MSG = [{"role": "user", "content": "What is 12 plus 9?"}]
-
-
-def model_logprobs(model_dir, prompt_ids, ids, temperature):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([list(prompt_ids) + list(ids)])).logits[0].float()
-    lp = torch.log_softmax(logits / temperature, -1)
-    return [float(lp[len(prompt_ids) - 1 + j, t]) for j, t in enumerate(ids)]
 
 
 def test_recorded_logprobs_are_the_sampling_distributions(make_proxy, vllm_engine, tiny_model_dir, openai_from_env):

@@ -7,8 +7,7 @@ so including it means retokenising its masked text.
 from __future__ import annotations
 
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
-from fixtures_traces import chat_bodies, rollout, span, tiny_ids
+from fixtures_traces import chat_bodies, drop_column, rollout, span, tiny_ids
 
 from lightning_harness.trainer.samples import build_samples
 
@@ -43,9 +42,7 @@ def test_included_secret_spans_are_retokenised_from_the_masked_text(make_traces,
 def test_traces_without_the_column_still_build(make_traces, tmp_path):
     """Parts written before ``secret_detected`` existed: nothing is left out."""
     root = make_traces(spans=[span("r1", 0, tiny_ids("hello"), tiny_ids("hi"))], rollouts=[rollout("r1", reward=1.0)])
-    for part in (root / "spans").glob("**/*.parquet"):
-        t = pq.read_table(part)
-        pq.write_table(t.drop_columns(["secret_detected"]), part)
+    drop_column(root, "spans", "secret_detected")
     table, stats = build_samples(root)
     assert table.num_rows == 1 and stats["calls_secret_detected"] == 0
 

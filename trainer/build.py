@@ -45,6 +45,10 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
     if stats.get("calls_secret_detected"):
         hint = " (--include-secret-spans to retokenise them)" if stats["calls_dropped_secret"] else ""
         row("calls with a secret", stats["calls_secret_detected"], f"left out {stats['calls_dropped_secret']}{hint}")
+    if stats.get("calls_other_sampling"):
+        which = ", ".join(f"{k} {v:,}" for k, v in stats["other_sampling"].items())
+        row("calls sampled otherwise", stats["calls_other_sampling"],
+            f"than the update computes (--temperature): {which}; their importance weights stray from 1")
     hint = ""
     if stats["calls_without_token_ids"] and not stats["retokenized_calls"]:
         hint = " (pass --tokenizer to rebuild)"
@@ -98,12 +102,15 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
 @click.option("--include-secret-spans", is_flag=True,
               help="Train on spans the proxy masked a secret in (no token ids: retokenised from the masked text, needs "
                    "--tokenizer).")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="The temperature the update computes the policy at (update.temperature): calls sampled otherwise "
+                   "(another temperature, top-p/k, penalties, a constraint) are counted.")
 @click.option("--replace", is_flag=True,
               help="Replace an existing samples table (old parts are removed after the new one is written).")
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON instead of a table.")
 def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std, failed_policy, failed_reward,
-                  weight_mode, max_prompt_len, max_response_len, steps, where, include_secret_spans, replace,
-                  as_json) -> None:
+                  weight_mode, max_prompt_len, max_response_len, steps, where, include_secret_spans, temperature,
+                  replace, as_json) -> None:
     """Build training samples from TRACES_DIR (spans + rewards + rollouts) into a `samples` table.
 
     \b
@@ -118,7 +125,7 @@ def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std,
     options = dict(mode=mode, tokenizer=tokenizer, group_by=group_by, advantage=advantage, norm_by_std=not no_std,
                    failed_policy=failed_policy, failed_reward=failed_reward, weight_mode=weight_mode,
                    max_prompt_len=max_prompt_len, max_response_len=max_response_len, steps=list(steps) or None,
-                   where=where, include_secret_spans=include_secret_spans)
+                   where=where, include_secret_spans=include_secret_spans, temperature=temperature)
     t0 = time.perf_counter()
     with compaction_held(out_root, "samples"):  # a compaction in between would keep the rows --replace removes
         old_parts = sorted((out_root / "samples").glob("**/*.parquet"))

@@ -205,7 +205,7 @@ class TrainingRun:
         table, stats = past_damaged_parts(lambda: build_samples(  # a damaged part is skipped, not fatal
             self.traces, mode=s.mode, advantage=s.advantage, weight_mode=s.weight_mode, where="split = 'train'",
             include_secret_spans=s.include_secret_spans, rollouts=[r.rollout_id for g in groups for r in g.rollouts],
-            **(s.extra or {})), lambda: None)
+            **{**(s.extra or {}), "temperature": cfg.update.temperature or 1.0}), lambda: None)
         rep.update({f"samples/{k}": v for k,
                     v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         table, st = staleness_filter(table, version, self.schedule.max_staleness, self.schedule.staleness_mode)

@@ -32,6 +32,12 @@ Calls that ended in an error are not trained on (counted), nor calls that asked 
 choices (``n > 1``: the span holds choice 0, the harness may have gone on with another;
 ``calls_multi_choice``).
 
+Sampling: a call sampled otherwise than the update computes its policy (another temperature than
+``temperature``, top-p/k, min-p, penalties, logit_bias, an output constraint; the proxy records what
+the request set, ``spans.sampling_json``, proxy/sampling.py) is trained on, but counted
+(``calls_other_sampling``, per setting in ``other_sampling``) and logged: its recorded logprobs are
+those of another distribution, so its importance weights stray from 1 from the first step.
+
 Secrets: a span with ``secret_detected`` (the proxy masked a known credential or a provider key in
 its request or response text and emptied its token ids) is left out (``calls_secret_detected``)
 unless ``include_secret_spans=True`` (config ``samples.include_secret_spans``). Included, it has
@@ -46,6 +52,7 @@ measures the whole.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -58,11 +65,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..proxy.assemble import CHAT, as_chat, token_fields
+from ..proxy.sampling import unlike_update
 from ..schemas import SAMPLES
 from . import advantages as adv_mod
 from . import weights as w_mod
 from .merge import BREAK_REASONS, MODES, Merge, TokenArrays, flat, merge, segment_index
 from .views import connect
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -96,8 +106,11 @@ class SampleOptions:
     drift_check: int = 256
     include_secret_spans: bool = False
     rollouts: Iterable[str] | None = None
+    temperature: float = 1.0  # the update's; calls sampled otherwise are counted (``calls_other_sampling``)
 
     def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
         for name, value, known in (("mode", self.mode, MODES), ("weight mode", self.weight_mode, w_mod.MODES),
                                    ("advantage estimator", self.advantage, adv_mod.ESTIMATORS),
                                    ("failed policy", self.failed_policy, adv_mod.FAILED_POLICIES)):
@@ -265,6 +278,7 @@ def build_samples(source: str | os.PathLike | duckdb.DuckDBPyConnection, options
     kept = _kept_rollouts(con, opts, stats)
     clock.lap("rollouts")
     calls = _read_calls(con, kept.table, opts.include_secret_spans, stats)
+    calls = _count_other_sampling(calls, opts.temperature, stats)
     clock.lap("scan")
     calls, retok = _fill_token_ids(con, calls, tokenizer, stats, opts.drift_check)
     clock.lap("token_ids")
@@ -351,12 +365,13 @@ def _kept_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions, stats: d
 
 
 def _optional_columns(con: duckdb.DuckDBPyConnection) -> str:
-    """``secret_detected`` and ``n_choices`` as SQL, with their defaults for traces written before the
-    columns existed."""
+    """``secret_detected``, ``n_choices`` and ``sampling_json`` as SQL, with their defaults for traces
+    written before the columns existed."""
     cols = {r[0] for r in con.sql("DESCRIBE spans").fetchall()}
     secret = "coalesce(s.secret_detected, FALSE)" if "secret_detected" in cols else "FALSE"
     choices = "coalesce(s.n_choices, 1)" if "n_choices" in cols else "1"
-    return f"{secret} AS secret_detected, {choices} AS n_choices"
+    sampling = "s.sampling_json" if "sampling_json" in cols else "NULL::VARCHAR"
+    return f"{secret} AS secret_detected, {choices} AS n_choices, {sampling} AS sampling_json"
 
 
 def _read_calls(con: duckdb.DuckDBPyConnection, kept: pa.Table, include_secret_spans: bool, stats: dict) -> pa.Table:
@@ -387,6 +402,37 @@ def _read_calls(con: duckdb.DuckDBPyConnection, kept: pa.Table, include_secret_s
     stats["calls_dropped_secret"] = 0 if include_secret_spans else int(secret.sum())
     calls = calls.drop_columns(["secret_detected", "n_choices"])
     return calls if include_secret_spans or not secret.any() else calls.filter(pa.array(~secret))
+
+
+def _count_other_sampling(calls: pa.Table, temperature: float, stats: dict) -> pa.Table:
+    """Count (and log) the calls whose sampling the update does not reproduce; return ``calls``
+    without the column. Read per distinct recorded value: a run's calls share a handful."""
+    off: dict[str | None, list[str]] = {}
+    by_setting: dict[str, int] = {}
+    n = 0
+    for entry in pc.value_counts(calls["sampling_json"]).to_pylist():
+        value, count = entry["values"], entry["counts"]
+        # a call that set nothing was sampled at the engine's defaults (temperature 1, nothing else)
+        off[value] = unlike_update(_settings(value) if value is not None else {}, temperature)
+        n += count if off[value] else 0
+        for name in off[value]:
+            by_setting[name] = by_setting.get(name, 0) + count
+    stats["calls_other_sampling"] = n
+    stats["other_sampling"] = dict(sorted(by_setting.items()))
+    if n:
+        seen = ", ".join(f"{v or 'nothing set'}" for v in off if off[v])
+        log.warning("%d of %d calls were sampled otherwise than the update computes (temperature %g, whole "
+                    "vocabulary): %s; their recorded logprobs are another distribution's (requests set: %s)",
+                    n, calls.num_rows, temperature, stats["other_sampling"], seen[:500])
+    return calls.drop_columns(["sampling_json"])
+
+
+def _settings(value: str) -> dict:
+    try:
+        settings = json.loads(value)
+    except ValueError:
+        return {"unreadable": True}
+    return settings if isinstance(settings, dict) else {"unreadable": True}
 
 
 _TOKEN_TYPES = {"prompt_token_ids": pa.int32(), "response_token_ids": pa.int32(), "response_logprobs": pa.float32()}

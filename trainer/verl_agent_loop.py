@@ -140,8 +140,9 @@ class LauncherRollout:
     ``build_samples`` exactly as in a local run. The proxy starts on first use; proxy and harness
     processes run where verl's TaskRunner runs (the manager lives there)."""
 
-    def __init__(self, settings: dict, *, max_prompt_len: int, max_response_len: int) -> None:
+    def __init__(self, settings: dict, *, max_prompt_len: int, max_response_len: int, temperature: float = 1.0) -> None:
         self.s, self.max_prompt_len, self.max_response_len = settings, max_prompt_len, max_response_len
+        self.temperature = temperature  # verl's actor computes the policy at the rollout temperature
         self.proxy = None
 
     def __call__(self, tasks: list[dict], step: int, upstreams: list[str]):
@@ -162,7 +163,8 @@ class LauncherRollout:
         # matches other runs' rollouts in the same traces directory
         options = {k: s[k] for k in SAMPLE_KEYS if k in s}
         table, _ = build_samples(s["traces"], rollouts=[r.rollout_id for r in results], **options,
-                                 max_prompt_len=self.max_prompt_len, max_response_len=self.max_response_len)
+                                 max_prompt_len=self.max_prompt_len, max_response_len=self.max_response_len,
+                                 temperature=self.temperature)
         return table
 
     def close(self) -> None:
@@ -225,8 +227,9 @@ class LightningAgentLoopManager:
             raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={agg}: the folded weights need token-mean")
         self.max_prompt_len = int(config.data.max_prompt_length)
         self.max_response_len = int(config.data.max_response_length)
-        self.rollout_fn = rollout_fn or LauncherRollout(self.settings, max_prompt_len=self.max_prompt_len,
-                                                        max_response_len=self.max_response_len)
+        self.rollout_fn = rollout_fn or LauncherRollout(
+            self.settings, max_prompt_len=self.max_prompt_len, max_response_len=self.max_response_len,
+            temperature=float(config.actor_rollout_ref.rollout.get("temperature", 1.0) or 1.0))
         self.upstreams = upstreams
 
     @classmethod

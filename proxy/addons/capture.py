@@ -24,6 +24,7 @@ from mitmproxy import http
 from .. import fastjson
 from ..assemble import RESPONSES, assembler_for, behaviour_logprobs, engine_flag, token_fields, unfinished_response
 from ..codec import TooLarge, client_accepts, decode_body, utf8_text
+from ..sampling import sampling_json
 from ..sse import SSERelay
 from ..state import META, MODEL, Call, ProxyState
 from .limits import REFUSED
@@ -373,6 +374,7 @@ class Capture:
             "stream": call.stream,
             "request_json": call.request_text,
             "response_json": response_json,
+            "sampling_json": sampling_json(call.request_obj),
             "token_ids_injected": call.injected_token_ids or call.injected_logprobs,
             "error_kind": kind,
             "error": err,
