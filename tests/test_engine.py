@@ -42,6 +42,9 @@ def test_server_command_flags_differ_by_device(tmp_path):
         assert cmd[cmd.index("--generation-config") + 1] == "vllm"  # omitted parameters: neutral, not the model's
     raw = server_command(tmp_path, "m", 1234, extra_args=["--logprobs-mode=raw_logprobs"])  # the user's word wins
     assert raw[-1] == "--logprobs-mode=raw_logprobs" and "--logprobs-mode" not in raw
+    warm = server_command(tmp_path, "m", 1234, temperature=0.7)  # what a request that gives none is sampled at
+    assert json.loads(warm[warm.index("--override-generation-config") + 1]) == {"temperature": 0.7}
+    assert "--override-generation-config" not in server_command(tmp_path, "m", 1234)
     auto = server_command(tmp_path, "m", 1234, extra_args=["--generation-config", "auto"])
     assert auto[-2:] == ["--generation-config", "auto"] and auto.count("--generation-config") == 1
 

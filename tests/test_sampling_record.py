@@ -99,8 +99,13 @@ def test_the_samples_builder_counts_the_calls_the_update_does_not_reproduce(tmp_
     caplog.clear()
     _, alike = build_samples(_traces(tmp_path / "u", [None, '{"temperature":1}']))
     assert alike["calls_other_sampling"] == 0 and "sampled otherwise" not in caplog.text
+    # an engine started at the rollout temperature samples a call that gives none at it
+    _, warm = build_samples(traces, temperature=0.7, default_temperature=0.7)
+    assert warm["other_sampling"] == {"constraint": 1, "temperature": 1, "top_p": 1, "unreadable": 1}
     with pytest.raises(ValueError, match="temperature must be positive"):
         build_samples(traces, temperature=0)
+    with pytest.raises(ValueError, match="default_temperature must be >= 0"):
+        build_samples(traces, default_temperature=-1)
 
 
 def test_a_store_written_before_the_column_reads_as_sampled_by_default(tmp_path):
@@ -125,20 +130,21 @@ def test_lightning_train_build_shows_them(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-def test_a_request_that_sets_nothing_is_sampled_at_temperature_one_not_the_models_defaults(
+def test_a_request_that_sets_nothing_is_sampled_at_the_rollout_temperature_not_the_models_defaults(
         tmp_path, tiny_model_dir, make_proxy, openai_from_env, caplog):
     """A model whose generation_config.json recommends temperature 0.3 and top_k 5 (as Qwen's
     recommend 0.7 / 20): vLLM's default would sample a request without them at those, while the
-    span shows none and the update computes at 1."""
+    span shows none and the update computes at the rollout temperature (0.5 here)."""
     from lightning_harness.launcher.engine import GENERATION_CONFIG, VLLMEngine
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     gen = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.3, "top_k": 5}))
-    engine = VLLMEngine.start(model, "calc-tiny", max_model_len=512, log_path=tmp_path / "vllm.log")
+    engine = VLLMEngine.start(model, "calc-tiny", max_model_len=512, log_path=tmp_path / "vllm.log", temperature=0.5)
     try:
         assert engine.server_setting("generation_config") == GENERATION_CONFIG
+        assert engine.default_temperature() == 0.5
         with caplog.at_level(logging.WARNING, logger="lightning.engine"):
             VLLMEngine.attach(engine.url, served_name="calc-tiny")
         assert "generation-config" not in caplog.text
@@ -151,8 +157,9 @@ def test_a_request_that_sets_nothing_is_sampled_at_temperature_one_not_the_model
         engine.stop()
     assert row["sampling_json"] is None
     ids, lps = row["response_token_ids"], row["response_logprobs"]
-    at_one = model_logprobs(model, row["prompt_token_ids"], ids, 1.0)
-    at_03 = model_logprobs(model, row["prompt_token_ids"], ids, 0.3)
+    at_half = model_logprobs(model, row["prompt_token_ids"], ids, 0.5)
     assert len(lps) == 10 and all(math.isfinite(x) for x in lps)
-    assert max(abs(a - b) for a, b in zip(lps, at_one)) < 2e-3, (lps, at_one)
-    assert max(abs(a - b) for a, b in zip(lps, at_03)) > 0.01, (lps, at_03)
+    assert max(abs(a - b) for a, b in zip(lps, at_half)) < 2e-3, (lps, at_half)
+    for other in (0.3, 1.0):
+        at = model_logprobs(model, row["prompt_token_ids"], ids, other)
+        assert max(abs(a - b) for a, b in zip(lps, at)) > 0.01, (other, lps, at)

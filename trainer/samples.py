@@ -107,10 +107,13 @@ class SampleOptions:
     include_secret_spans: bool = False
     rollouts: Iterable[str] | None = None
     temperature: float = 1.0  # the update's; calls sampled otherwise are counted (``calls_other_sampling``)
+    default_temperature: float = 1.0  # the engine's for a call that gives none (VLLMEngine.default_temperature)
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if not self.default_temperature >= 0:  # (0: the engine samples greedily by default)
+            raise ValueError(f"default_temperature must be >= 0, got {self.default_temperature}")
         for name, value, known in (("mode", self.mode, MODES), ("weight mode", self.weight_mode, w_mod.MODES),
                                    ("advantage estimator", self.advantage, adv_mod.ESTIMATORS),
                                    ("failed policy", self.failed_policy, adv_mod.FAILED_POLICIES)):
@@ -278,7 +281,7 @@ def build_samples(source: str | os.PathLike | duckdb.DuckDBPyConnection, options
     kept = _kept_rollouts(con, opts, stats)
     clock.lap("rollouts")
     calls = _read_calls(con, kept.table, opts.include_secret_spans, stats)
-    calls = _count_other_sampling(calls, opts.temperature, stats)
+    calls = _count_other_sampling(calls, opts, stats)
     clock.lap("scan")
     calls, retok = _fill_token_ids(con, calls, tokenizer, stats, opts.drift_check)
     clock.lap("token_ids")
@@ -404,7 +407,7 @@ def _read_calls(con: duckdb.DuckDBPyConnection, kept: pa.Table, include_secret_s
     return calls if include_secret_spans or not secret.any() else calls.filter(pa.array(~secret))
 
 
-def _count_other_sampling(calls: pa.Table, temperature: float, stats: dict) -> pa.Table:
+def _count_other_sampling(calls: pa.Table, opts: SampleOptions, stats: dict) -> pa.Table:
     """Count (and log) the calls whose sampling the update does not reproduce; return ``calls``
     without the column. Read per distinct recorded value: a run's calls share a handful."""
     off: dict[str | None, list[str]] = {}
@@ -412,8 +415,9 @@ def _count_other_sampling(calls: pa.Table, temperature: float, stats: dict) -> p
     n = 0
     for entry in pc.value_counts(calls["sampling_json"]).to_pylist():
         value, count = entry["values"], entry["counts"]
-        # a call that set nothing was sampled at the engine's defaults (temperature 1, nothing else)
-        off[value] = unlike_update(_settings(value) if value is not None else {}, temperature)
+        # a call that set nothing was sampled at the engine's defaults (its temperature, nothing else)
+        off[value] = unlike_update(_settings(value) if value is not None else {}, opts.temperature,
+                                   opts.default_temperature)
         n += count if off[value] else 0
         for name in off[value]:
             by_setting[name] = by_setting.get(name, 0) + count
@@ -423,7 +427,7 @@ def _count_other_sampling(calls: pa.Table, temperature: float, stats: dict) -> p
         seen = ", ".join(f"{v or 'nothing set'}" for v in off if off[v])
         log.warning("%d of %d calls were sampled otherwise than the update computes (temperature %g, whole "
                     "vocabulary): %s; their recorded logprobs are another distribution's (requests set: %s)",
-                    n, calls.num_rows, temperature, stats["other_sampling"], seen[:500])
+                    n, calls.num_rows, opts.temperature, stats["other_sampling"], seen[:500])
     return calls.drop_columns(["sampling_json"])
 
 

@@ -142,7 +142,9 @@ class LauncherRollout:
 
     def __init__(self, settings: dict, *, max_prompt_len: int, max_response_len: int, temperature: float = 1.0) -> None:
         self.s, self.max_prompt_len, self.max_response_len = settings, max_prompt_len, max_response_len
-        self.temperature = temperature  # verl's actor computes the policy at the rollout temperature
+        # verl's actor computes the policy at the rollout temperature, and its vLLM servers sample a
+        # request that gives none at it (override_generation_config)
+        self.temperature = temperature
         self.proxy = None
 
     def __call__(self, tasks: list[dict], step: int, upstreams: list[str]):
@@ -164,7 +166,7 @@ class LauncherRollout:
         options = {k: s[k] for k in SAMPLE_KEYS if k in s}
         table, _ = build_samples(s["traces"], rollouts=[r.rollout_id for r in results], **options,
                                  max_prompt_len=self.max_prompt_len, max_response_len=self.max_response_len,
-                                 temperature=self.temperature)
+                                 temperature=self.temperature, default_temperature=self.temperature)
         return table
 
     def close(self) -> None:
