@@ -22,6 +22,12 @@ from . import fastjson
 # by another is one of these (the longest first where they start at the same byte). An end cut at
 # "\n\r" whose "\n" was still to come leaves an empty line before the next event: ignored, as the spec does.
 EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r|\n\r")
+# What a chat chunk is after stripping when it carried nothing but the injected token id and logprob:
+# with a tool or reasoning parser, vLLM sends no chunk for a token that makes no delta unless ids or
+# logprobs are asked for (28 of a 30-token tool call). Such chunks are dropped, as vLLM would have.
+_EMPTIED_CHUNK = re.compile(rb'"delta":\{\}(?:,"logprobs":null)?(?:,"finish_reason":null)?'
+                            rb'(?:,"stop_reason":null)?\}\]\}\Z')
+_CHOICE_KEYS = frozenset(("index", "delta", "logprobs", "finish_reason", "stop_reason"))
 EventSink = Callable[[dict], None]
 EventFilter = Callable[[dict], dict]  # returns the rewritten copy (see filters.py)
 
@@ -92,15 +98,16 @@ class SSERelay:
                 out = self._cut(payload, filters)
                 if out is not None:  # rewritten as bytes; the held bytes are parsed at settle
                     self._hold(payload)
-                    return b"data: " + out + b"\n\n"
+                    return [] if _EMPTIED_CHUNK.search(out, max(0, len(out) - 80)) else b"data: " + out + b"\n\n"
                 obj = self._loads(payload)
                 if type(obj) is dict:
                     self._hold(obj)  # filters return copies: the sink gets the event as sent
+                    new = obj
                     for f in filters:
-                        obj = f(obj)
-                    return b"data: " + fastjson.dumps_bytes(obj) + b"\n\n"
-            new = self._event(payload, ())  # anything else: [DONE], not JSON, not an object
-            return chunk if new is None else new + b"\n\n"
+                        new = f(new)
+                    return [] if _emptied(obj, new) else b"data: " + fastjson.dumps_bytes(new) + b"\n\n"
+            new = self._event(payload, ())  # anything else: [DONE], not JSON, not an object; b"": dropped
+            return chunk if new is None else new + b"\n\n" if new else []
         rewrite = bool(self.filters)
         if buf:
             buf += chunk
@@ -150,7 +157,7 @@ class SSERelay:
             end, pos = sep.span()
             block = bytes(data[start:end])
             new = self._parse_block(block)
-            if rewrite:
+            if rewrite and new != b"":  # (b"": dropped, its blank line too)
                 out.append((block if new is None else new) + data[end:pos])
             start = pos
         return b"".join(out), start
@@ -169,13 +176,13 @@ class SSERelay:
     def _parse_block(self, block: bytes) -> bytes | None:
         """Take one event; return its rewritten bytes, ending as ``block`` ended (a last line end
         upstream left there: the "\r" of a CRLF cut at "\n\r", a stream's unterminated last line),
-        or None: keep it as is."""
+        None: keep it as is, or b"": drop it."""
         body = block.rstrip(b"\r\n")
         payload, other = self._payload(body)
         if payload is None:
             return None
         new = self._event(payload, other)
-        return None if new is None else new + block[len(body):]
+        return new if not new else new + block[len(body):]
 
     def _event(self, payload: bytes, other: list[bytes] | tuple) -> bytes | None:
         """The event whose data is ``payload`` (``other``: its lines that are not data): held for the
@@ -190,10 +197,13 @@ class SSERelay:
         if not isinstance(obj, dict):
             return None
         self._hold(obj)  # filters return copies: the sink gets the event as sent
+        new = obj
         for f in self.filters:
-            obj = f(obj)
+            new = f(new)
+        if _emptied(obj, new) and not other:
+            return b""
         head = b"\n".join(other) + b"\n" if other else b""
-        return head + b"data: " + fastjson.dumps_bytes(obj)
+        return head + b"data: " + fastjson.dumps_bytes(new)
 
     def _cut(self, payload: bytes, filters: list) -> bytes | None:
         """The event rewritten by the filters' byte-level versions (``cut``), or None where one has
@@ -241,3 +251,14 @@ class SSERelay:
             if self.on_error:
                 self.on_error(f"malformed SSE event ({exc}): {payload[:200]!r}")
             return None
+
+
+def _emptied(sent: dict, new: dict) -> bool:
+    """``new`` (``sent`` stripped of injected fields) is a chat chunk left with nothing for the
+    harness: every choice has no delta, finish or stop reason or logprobs, and there is no usage. The bytes
+    path's test is ``_EMPTIED_CHUNK``."""
+    choices = new.get("choices")
+    return new is not sent and new.get("object") == "chat.completion.chunk" and not new.get("usage") \
+        and isinstance(choices, list) and bool(choices) and all(
+            type(c) is dict and not c.get("delta") and c.get("finish_reason") is None and c.get("stop_reason") is None
+            and c.get("logprobs") is None and c.keys() <= _CHOICE_KEYS for c in choices)

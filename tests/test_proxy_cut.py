@@ -167,10 +167,50 @@ def test_relay_cutting_gives_the_client_and_the_span_what_parsing_gives():
         asm, errors = StreamAssembler(CHAT), []  # (a lambda has no ``cut``: the parsing path)
         relay = SSERelay(asm.add, filters, on_error=errors.append)
         out = [relay(e) for e in _stream(chunks)] + [relay(b"")]
-        events = [json.loads(o[6:-2]) for o in out[:-2]]
+        events = [json.loads(o[6:-2]) if o else None for o in out[:-2]]  # None: dropped ([])
         runs.append((events, json.loads(json.dumps(asm.result())), errors, relay.events, relay.done))
     assert runs[0] == runs[1] and runs[2] == runs[3] and len(cut_calls) > 250
-    assert runs[0][3] == 301 and not runs[0][2] and {e["model"] for e in runs[2][0]} == {"gpt-4o"}
+    assert runs[0][3] == 301 and not runs[0][2] and {e["model"] for e in runs[2][0] if e} == {"gpt-4o"}
+    # a chunk that carried only the injected token ids and logprobs is not relayed (vLLM sends none
+    # for a token that makes no delta unless they are asked for); every other one is, and the span
+    # has them all
+    emptied = [i for i, c in enumerate(chunks) if _carried_only_injected(json.loads(c))]
+    assert len(emptied) > 10 and [i for i, e in enumerate(runs[0][0]) if e is None] == emptied
+    assert len(runs[0][1]["choices"][0]["token_ids"]) == sum(len(json.loads(c)["choices"][0].get("token_ids", []))
+                                                            for c in chunks)
+
+
+def _carried_only_injected(chunk: dict) -> bool:
+    (ch,) = chunk["choices"]
+    return not ch["delta"] and ch.get("finish_reason") is None and ch.get("stop_reason") is None and \
+        "prompt_token_ids" not in chunk
+
+
+def test_an_emptied_chunk_is_dropped_only_where_injection_emptied_it():
+    """Dropped: a chunk stripped to nothing (both paths, and a last event without its blank line).
+    Kept: the same chunk when nothing was stripped (no filters, or the harness asked for logprobs
+    itself), one with a finish reason, usage, a role, or a member this rule does not know."""
+    base = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    injected = {**base, "choices": [{"index": 0, "delta": {}, "logprobs": {"content": [
+        {"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}]}, "finish_reason": None,
+        "token_ids": [7]}]}
+    raw = _dump(injected, False)
+    for filters in ([STRIP], [lambda o: STRIP(o)]):
+        seen = []
+        relay = SSERelay(seen.append, filters)
+        assert relay(b"data: " + raw + b"\n\n") == []
+        assert relay(b"data: " + raw + b"\n\ndata: " + raw + b"\n\n") == []  # (the general scan)
+        assert relay(b"data: " + raw) == [] and relay(b"") == []
+        assert len(seen) == 4 and seen[0]["choices"][0]["token_ids"] == [7]  # the span has every token
+    assert SSERelay(lambda e: None, [])(b"data: " + raw + b"\n\n") == b"data: " + raw + b"\n\n"
+    ids_only = make_stripper(token_ids=True, logprobs=False)  # the harness asked for logprobs
+    assert b'"logprob":-0.5' in SSERelay(lambda e: None, [ids_only])(b"data: " + raw + b"\n\n")
+    for other in ({"finish_reason": "stop"}, {"delta": {"role": "assistant"}}, {"delta": {"content": ""}},
+                  {"extra": 1}):
+        kept = {**injected, "choices": [{**injected["choices"][0], **other}]}
+        assert SSERelay(lambda e: None, [STRIP])(b"data: " + _dump(kept, False) + b"\n\n") != [], other
+    usage = {**injected, "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    assert SSERelay(lambda e: None, [STRIP])(b"data: " + _dump(usage, False) + b"\n\n") != []
 
 
 def test_a_malformed_chunk_the_cut_took_is_reported_when_the_span_reads_it():
