@@ -149,26 +149,29 @@ def cut_chat_chunk(payload: bytes) -> bytes | None:
 
 
 def make_responses_stripper(token_ids: bool, logprobs: bool):
-    """The same for Responses API objects and stream events (whose ``response`` is the object)."""
+    """The same for Responses API objects and stream events (whose ``response`` is the object).
+    Without the logprobs ``include``, vLLM says ``top_logprobs: null`` in the response object,
+    ``logprobs: null`` in an output text part (the response's, a ``.done`` event's) and ``[]`` in a
+    stream event's own ``logprobs`` (``output_text.delta``/``.done``): each gets back what it would
+    have said."""
 
     def strip_part(part: Any) -> Any:
-        return _with(part, "logprobs", []) if isinstance(part, dict) and part.get("logprobs") else part
-
-    def strip_parts(parts: Any) -> Any:
-        return _mapped(parts, strip_part) if isinstance(parts, list) else parts
+        return _with(part, "logprobs", None) if isinstance(part, dict) and part.get("logprobs") else part
 
     def strip_item(item: Any) -> Any:
-        if not isinstance(item, dict) or "content" not in item:
+        if not isinstance(item, dict) or not isinstance(item.get("content"), list):
             return item
-        return _with(item, "content", strip_parts(item["content"]))
+        return _with(item, "content", _mapped(item["content"], strip_part))
 
     def strip_response(resp: dict) -> dict:
         if token_ids:
             resp = _without(resp, ("input_messages", "output_messages"))
+        if not logprobs:
+            return resp
+        if resp.get("top_logprobs") is not None and resp.get("object") == "response":
+            resp = _with(resp, "top_logprobs", None)
         output = resp.get("output")
-        if logprobs and isinstance(output, list):
-            resp = _with(resp, "output", _mapped(output, strip_item))
-        return resp
+        return _with(resp, "output", _mapped(output, strip_item)) if isinstance(output, list) else resp
 
     def strip(obj: dict) -> dict:
         obj = strip_response(obj)

@@ -551,13 +551,22 @@ def test_streamed_tool_call_has_no_extra_empty_chunks(engine, vproxy):
     assert len(span["response_token_ids"]) == len(span["response_logprobs"]) >= 20
 
 
-@pytest.mark.xfail(strict=True, reason="cosmetic: a Responses answer through the proxy says top_logprobs 0 (plain "
-                   "vLLM: null) and its output_text parts logprobs [] (plain vLLM: null)")
 def test_responses_echo_fields_as_plain_vllm(engine, vproxy):
+    """A Responses answer through the proxy said top_logprobs 0 and its output_text parts logprobs []
+    (plain vLLM: null and null); a stream's events say what plain vLLM's say."""
     _, plain = _post(engine.base_url + RESP, R)
     _, got = _via(vproxy, "resp-echo", RESP, R)
     assert plain["top_logprobs"] is None and plain["output"][0]["content"][0]["logprobs"] is None
     assert (got["top_logprobs"], got["output"][0]["content"][0]["logprobs"]) == (None, None)
+    _, plain_events = _post(engine.base_url + RESP, {**R, "stream": True}, stream=True)
+    _, got_events = _via(vproxy, "resp-echo-stream", RESP, {**R, "stream": True}, stream=True)
+
+    def shapes(events):  # what each event says of logprobs, wherever it says it
+        return [(e.get("type"), e.get("logprobs"), (e.get("part") or {}).get("logprobs"),
+                 [p.get("logprobs") for p in (e.get("item") or {}).get("content") or []],
+                 (e.get("response") or {}).get("top_logprobs")) for e in events if isinstance(e, dict)]
+
+    assert shapes(got_events) == shapes(plain_events)
 
 
 def test_drift_check_finds_no_drift_in_an_exact_completion(vproxy):

@@ -249,7 +249,8 @@ def test_responses_stripper_hides_exactly_what_was_injected():
     assert "input_messages" not in obj and "output_messages" not in obj
     assert obj["output"][0]["content"][0]["logprobs"]  # not injected: kept
     obj = make_responses_stripper(token_ids=False, logprobs=True)(obj)
-    assert obj["output"][0]["content"][0]["logprobs"] == []
+    assert obj["output"][0]["content"][0]["logprobs"] is None  # as plain vLLM says without the include
+    assert original["top_logprobs"] == 0 and obj["top_logprobs"] is None
     assert json.dumps(original) == as_recorded  # filters return copies: the span's object is untouched
     strip = make_responses_stripper(token_ids=True, logprobs=True)
     restore = make_model_restorer("gpt-4o")
