@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from lightning_harness.process import StartupError, direct_env, free_port, start_in_session, stop_group, wait_ready
+from lightning_harness.proxy.sampling import sampling_settings
 
 CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 # The logprobs the engine returns (and the proxy records as the behaviour policy mu) are those of the
@@ -87,6 +88,22 @@ def server_command(model_dir: str | Path, served_name: str, port: int, *, host: 
     if temperature is not None and not any(str(a).startswith("--override-generation-config") for a in extra_args):
         cmd += ["--override-generation-config", json.dumps({"temperature": temperature})]
     return cmd + list(extra_args)
+
+
+def _generation_defaults(folder: Any) -> dict[str, Any] | None:
+    """The sampling defaults vLLM takes from a model folder's ``generation_config.json`` (the values
+    that differ from transformers' own defaults); None when the folder is not here."""
+    path = Path(str(folder)) if folder else None
+    if path is None or not path.is_dir():
+        return None
+    if not (path / "generation_config.json").exists():
+        return {}
+    try:
+        from transformers import GenerationConfig
+
+        return GenerationConfig.from_pretrained(path).to_diff_dict()
+    except Exception:  # (unreadable: not known)
+        return None
 
 
 class VLLMEngine:
@@ -211,14 +228,19 @@ class VLLMEngine:
         """The server's ``--logprobs-mode``, or None where it does not say."""
         return self.server_setting("logprobs_mode")
 
-    def default_temperature(self) -> float | None:
-        """What the server samples a request that gives no temperature at: 1, or what it was
-        started with; None where it does not say or takes the model's generation_config.json."""
-        if self.server_setting("generation_config") != GENERATION_CONFIG:
-            return None
+    def default_sampling(self) -> dict[str, Any] | None:
+        """What the server applies to a call that gives no sampling setting, normalised as spans
+        record settings (proxy/sampling.py; ``{}``: vLLM's neutral defaults): its
+        ``--override-generation-config`` over vLLM's neutral defaults, or over the model's
+        ``generation_config.json`` (read as vLLM reads it) when it takes them. None where that
+        cannot be told (no dev-mode ``/server_info``, a model folder not on this machine)."""
+        source = self.server_setting("generation_config")
         override = self.server_setting("override_generation_config") or {}
-        t = override.get("temperature", 1.0) if isinstance(override, dict) else None
-        return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+        if source is None or not isinstance(override, dict):
+            return None
+        base = {} if source == GENERATION_CONFIG else _generation_defaults(
+            self.server_setting("model") if source == "auto" else source)
+        return None if base is None else sampling_settings({**base, **override})
 
     def server_setting(self, name: str) -> Any:
         """A setting of the server's model config (dev mode's ``/server_info``), or None where it does not say."""

@@ -19,6 +19,7 @@ trainer renders it with the chat template where a span has no token ids).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from .anthropic import MESSAGES, MessageAssembler, message_token_fields, stream_error, to_chat
@@ -323,6 +324,8 @@ def _engine_float(value: Any) -> float | None:
     """A number as vLLM reads it (``"0"``, ``false`` and ``0`` are all 0.0), or None."""
     try:
         return float(value.strip() if isinstance(value, str) else value) if value is not None else None
+    except OverflowError:  # an integer of 309 digits or more: beyond every float
+        return math.inf if value > 0 else -math.inf
     except (TypeError, ValueError):
         return None
 
@@ -336,7 +339,8 @@ def behaviour_logprobs(request: Any, endpoint: str | None, lps: list[float] | No
     missing logprob was padded as if it were the last: none are kept (the update recomputes them)."""
     if lps is None or not isinstance(request, dict):
         return lps
-    if _engine_float(request.get("temperature")) == 0.0 or engine_flag(request.get("use_beam_search")):
+    beam = endpoint != RESPONSES and engine_flag(request.get("use_beam_search"))  # (Responses has no such field)
+    if _engine_float(request.get("temperature")) == 0.0 or beam:
         return [0.0] * len(lps)
     if endpoint == RESPONSES and engine_flag(request.get("ignore_eos")) and any(x != x for x in lps):
         return None

@@ -24,7 +24,8 @@ from . import fastjson
 EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r|\n\r")
 # What a chat chunk is after stripping when it carried nothing but the injected token id and logprob:
 # with a tool or reasoning parser, vLLM sends no chunk for a token that makes no delta unless ids or
-# logprobs are asked for (28 of a 30-token tool call). Such chunks are dropped, as vLLM would have.
+# logprobs are asked for (28 of a 30-token tool call). Such chunks are dropped, as vLLM would have
+# (a few parsers, e.g. mistral's once its calls are complete, do send an empty delta: harmless).
 _EMPTIED_CHUNK = re.compile(rb'"delta":\{\}(?:,"logprobs":null)?(?:,"finish_reason":null)?'
                             rb'(?:,"stop_reason":null)?\}\]\}\Z')
 _CHOICE_KEYS = frozenset(("index", "delta", "logprobs", "finish_reason", "stop_reason"))
@@ -255,10 +256,11 @@ class SSERelay:
 
 def _emptied(sent: dict, new: dict) -> bool:
     """``new`` (``sent`` stripped of injected fields) is a chat chunk left with nothing for the
-    harness: every choice has no delta, finish or stop reason or logprobs, and there is no usage. The bytes
+    harness: every choice has no delta, finish or stop reason or logprobs. The bytes
     path's test is ``_EMPTIED_CHUNK``."""
-    choices = new.get("choices")
-    return new is not sent and new.get("object") == "chat.completion.chunk" and not new.get("usage") \
+    choices = new.get("choices")  # (usage aside: with continuous usage stats every chunk has it, and vLLM
+    # still sends none for such a token; the next chunk's usage counts it)
+    return new is not sent and new.get("object") == "chat.completion.chunk" \
         and isinstance(choices, list) and bool(choices) and all(
             type(c) is dict and not c.get("delta") and c.get("finish_reason") is None and c.get("stop_reason") is None
             and c.get("logprobs") is None and c.keys() <= _CHOICE_KEYS for c in choices)

@@ -63,10 +63,12 @@ SPANS = _schema(
         _f("prompt_tokens", pa.int32(), "usage.prompt_tokens reported by upstream."),
         _f("completion_tokens", pa.int32(), "usage.completion_tokens reported by upstream."),
         _f("sampling_json", pa.string(),
-           "What the request set that shapes the distribution its tokens were drawn from, as JSON (proxy/sampling.py): "
-           "its temperature whenever given, and only where not neutral top_p, top_k, min_p, the penalties, min_tokens, "
-           "the sizes of logit_bias/allowed_token_ids/bad_words, use_beam_search, and the kind of output constraint "
-           "(response_format, tool_choice 'required' or named, guided decoding); null: none (the engine's defaults)."),
+           "What the request set that shapes the distribution its tokens were drawn from, as JSON (proxy/sampling.py), "
+           "read as vLLM reads the endpoint's request: every numeric setting given (temperature, top_p, top_k, "
+           "min_p, the penalties, min_tokens), the sizes of logit_bias/allowed_token_ids/bad_words, use_beam_search, "
+           "and the kind of output constraint ('constraint': a response_format or text.format type, "
+           "structured_outputs, tool_choice 'required' or named, strict tools, parallel_tool_calls false); "
+           "null: none (the engine's defaults)."),
         _f("token_ids_injected", pa.bool_(),
            "True when the proxy added return_token_ids/logprobs the harness did not ask for."),
         _f("error_kind", pa.string(),

@@ -148,7 +148,7 @@ def test_one_step_swaps_served_weights_and_holds_requests_during_the_pause(tmp_p
     assert rep["update/samples_used"] > 0 and rep["update/grad_norm"] > 0
     assert rep["proxy/held"] >= 1 and rep["time/pause_s"] > 0
     # the harness samples as the update computes (an attached engine: a call giving no temperature gets 1)
-    assert rep["samples/calls_other_sampling"] == 0 and run.default_temperature == 1.0
+    assert rep["samples/calls_other_sampling"] == 0 and run.engine_defaults == {}
     p2, r2, lp_after = probe(engine)
     assert (r2 != r_ids) or max(abs(a - b) for a, b in zip(lp_before, lp_after)) > 1e-3
     # ...and they are the checkpoint the loop wrote (vLLM's logprobs match HF on the checkpoint)

@@ -187,9 +187,11 @@ def _carried_only_injected(chunk: dict) -> bool:
 
 
 def test_an_emptied_chunk_is_dropped_only_where_injection_emptied_it():
-    """Dropped: a chunk stripped to nothing (both paths, and a last event without its blank line).
+    """Dropped: a chunk stripped to nothing (both paths, and a last event without its blank line),
+    with usage too (continuous usage stats put it in every chunk; the next one counts the token).
     Kept: the same chunk when nothing was stripped (no filters, or the harness asked for logprobs
-    itself), one with a finish reason, usage, a role, or a member this rule does not know."""
+    itself), one with a finish reason, a role, content or a member this rule does not know, and the
+    usage-only chunk that ends a stream."""
     base = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
     injected = {**base, "choices": [{"index": 0, "delta": {}, "logprobs": {"content": [
         {"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}]}, "finish_reason": None,
@@ -209,8 +211,11 @@ def test_an_emptied_chunk_is_dropped_only_where_injection_emptied_it():
                   {"extra": 1}):
         kept = {**injected, "choices": [{**injected["choices"][0], **other}]}
         assert SSERelay(lambda e: None, [STRIP])(b"data: " + _dump(kept, False) + b"\n\n") != [], other
-    usage = {**injected, "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
-    assert SSERelay(lambda e: None, [STRIP])(b"data: " + _dump(usage, False) + b"\n\n") != []
+    usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    for filters in ([STRIP], [lambda o: STRIP(o)]):
+        assert SSERelay(lambda e: None, filters)(b"data: " + _dump({**injected, "usage": usage}, False) + b"\n\n") == []
+        last = {**base, "choices": [], "usage": usage}
+        assert SSERelay(lambda e: None, filters)(b"data: " + _dump(last, False) + b"\n\n") != []
 
 
 def test_a_malformed_chunk_the_cut_took_is_reported_when_the_span_reads_it():

@@ -25,27 +25,44 @@ MSG = [{"role": "user", "content": "What is 12 plus 9?"}]
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}]
 
 
-@pytest.mark.parametrize("request_body, recorded", [
-    ({}, None),
-    ({"temperature": 1, "top_p": 1, "top_k": -1, "min_p": 0, "repetition_penalty": 1, "logit_bias": {}},
-     {"temperature": 1.0}),  # neutral settings are no news; a temperature always is
-    ({"temperature": "0.7", "top_k": "20", "presence_penalty": 0.5}, {"temperature": 0.7, "top_k": 20.0,
-                                                                      "presence_penalty": 0.5}),
-    ({"top_k": 0, "min_tokens": 3, "bad_words": ["x"], "allowed_token_ids": [1, 2]},
+STRICT = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+
+
+@pytest.mark.parametrize("endpoint, request_body, recorded", [
+    ("chat.completions", {}, None),
+    ("chat.completions", {"temperature": 1, "top_p": 1, "top_k": -1, "min_p": 0, "logit_bias": {}},
+     {"temperature": 1.0, "top_p": 1.0, "top_k": -1.0, "min_p": 0.0}),  # a value given overrides the engine's
+    ("chat.completions", {"temperature": "0.7", "top_k": "20", "presence_penalty": 0.5},
+     {"temperature": 0.7, "top_k": 20.0, "presence_penalty": 0.5}),
+    ("completions", {"min_tokens": 3, "bad_words": ["x"], "allowed_token_ids": [1, 2]},
      {"min_tokens": 3.0, "bad_words": 1, "allowed_token_ids": 2}),
-    ({"temperature": float("nan"), "top_p": "1e400"}, {"temperature": "nan", "top_p": "inf"}),
-    ({"temperature": False, "use_beam_search": "true"}, {"temperature": 0.0, "use_beam_search": True}),
-    ({"tool_choice": "auto", "response_format": {"type": "text"}}, None),
-    ({"tool_choice": {"type": "function", "function": {"name": "calc"}}}, {"constraint": "tool_choice"}),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "sk-secret-in-a-schema"}}},
+    ("chat.completions", {"temperature": float("nan"), "top_p": "1e400"}, {"temperature": "nan", "top_p": "inf"}),
+    ("chat.completions", {"top_k": 10 ** 400, "min_p": -(10 ** 309)}, {"top_k": "inf", "min_p": "-inf"}),
+    ("chat.completions", {"temperature": False, "use_beam_search": "true"},
+     {"temperature": 0.0, "use_beam_search": True}),
+    ("chat.completions", {"tools": TOOLS, "tool_choice": "auto", "response_format": {"type": "text"}}, None),
+    ("chat.completions", {"tool_choice": {"type": "function", "function": {"name": "calc"}}},
+     {"constraint": "tool_choice"}),
+    ("responses", {"tools": TOOLS, "tool_choice": {"type": "custom", "name": "calc"}}, {"constraint": "tool_choice"}),
+    # a grammar vLLM puts on tool_choice "auto" with a strict tool or one call at most (hermes and others)
+    ("chat.completions", {"tools": STRICT}, {"constraint": "strict_tools"}),
+    ("chat.completions", {"tools": TOOLS, "parallel_tool_calls": "false"}, {"constraint": "single_tool_call"}),
+    ("chat.completions", {"tools": STRICT, "tool_choice": "none"}, None),
+    ("chat.completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "sk-secret"}}},
      {"constraint": "json_schema"}),  # the kind, never the harness's text
-    ({"text": {"format": {"type": "made-up</script>"}}}, {"constraint": "other"}),
-    ({"guided_regex": "a+"}, {"constraint": "guided_regex"}),
-    ({"temperature": [0.7], "top_p": {"x": 1}}, None),  # vLLM refuses these: an error span, never trained
-    ("not a body", None),
+    ("responses", {"text": {"format": {"type": "made-up</script>"}}}, {"constraint": "other"}),
+    ("chat.completions", {"structured_outputs": {"regex": "a+"}}, {"constraint": "structured_outputs"}),
+    # what an endpoint's request has no field for, vLLM ignores (guided_* are gone in vLLM 0.32)
+    ("chat.completions", {"guided_regex": "a+", "text": {"format": {"type": "json_schema"}}}, None),
+    ("responses", {"min_tokens": 5, "bad_words": ["x"], "use_beam_search": True, "response_format":
+                   {"type": "json_object"}, "top_p": 0.9}, {"top_p": 0.9}),
+    ("completions", {"tools": STRICT, "tool_choice": "required"}, None),
+    ("messages", {"temperature": 0.5, "top_k": 3, "min_p": 0.1}, {"temperature": 0.5, "top_k": 3.0}),  # hosted
+    ("chat.completions", {"temperature": [0.7], "top_p": {"x": 1}}, None),  # vLLM refuses these: an error span
+    ("chat.completions", "not a body", None),
 ])
-def test_what_a_request_set_is_read_as_vllm_reads_it(request_body, recorded):
-    text = sampling_json(request_body)
+def test_what_a_request_set_is_read_as_vllm_reads_it(endpoint, request_body, recorded):
+    text = sampling_json(request_body, endpoint)
     assert (json.loads(text) if text else None) == recorded
 
 
@@ -56,6 +73,17 @@ def test_calls_unlike_the_update_name_the_settings_that_differ():
     assert unlike_update(sampling_settings({"temperature": "0.7000000001", "top_p": 0.9}), 0.7) == ["top_p"]
     assert unlike_update({"temperature": "nan", "constraint": "tool_choice"}, 1.0) == ["temperature", "constraint"]
     assert unlike_update({"temperature": 0.0}, 1.0) == ["temperature"]  # greedy
+    # what the engine applies to a call that gives none: a setting given overrides it, even a neutral one
+    qwen = sampling_settings({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05})
+    assert unlike_update({}, 0.7, qwen) == ["top_p", "top_k", "repetition_penalty"]
+    assert unlike_update({"top_p": 1.0, "top_k": -1.0, "repetition_penalty": 1.0}, 0.7, qwen) == []
+    assert unlike_update({}, 1.0, {"temperature": 0.0}) == ["temperature"]  # an engine greedy by default
+    # not known: a call that leaves any setting to the engine is named for it
+    assert unlike_update({}, 1.0, None) == ["engine_defaults"]
+    assert unlike_update(dict.fromkeys(("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                        "frequency_penalty", "min_tokens"), 0.0) | {"temperature": 1.0, "top_p": 1.0,
+                                                                                   "repetition_penalty": 1.0,
+                                                                                   "top_k": 0.0}, 1.0, None) == []
 
 
 def test_the_proxy_records_how_each_call_asked_to_sample(make_proxy, openai_from_env):
@@ -67,12 +95,18 @@ def test_the_proxy_records_how_each_call_asked_to_sample(make_proxy, openai_from
     client.completions.create(model="gpt-4o", prompt="2+2=", max_tokens=3, temperature=0, logit_bias={"16": 5})
     with client.chat.completions.stream(model="gpt-4o", messages=MSG, max_tokens=3, temperature=1.3) as s:
         s.until_done()
-    # a harness's lax values, as vLLM reads them
-    httpx.post(p.env_for("samp-1")["OPENAI_BASE_URL"] + "/chat/completions", timeout=30,
-               json={"model": "gpt-4o", "messages": MSG, "max_tokens": 2, "temperature": "0.5", "top_p": "1"})
+    # a harness's lax values, as vLLM reads them; an integer float() cannot hold loses nothing
+    url = p.env_for("samp-1")["OPENAI_BASE_URL"] + "/chat/completions"
+    httpx.post(url, timeout=30, json={"model": "gpt-4o", "messages": MSG, "max_tokens": 2, "temperature": "0.5",
+                                      "top_p": "1"})
+    r = httpx.post(url, timeout=30, headers={"content-type": "application/json"}, content=(
+        '{"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_k": 1'
+        + "0" * 400 + "}").encode())
+    assert r.status_code == 200
     got = [json.loads(r["sampling_json"]) if r["sampling_json"] else None for r in read_spans(p)]
     assert got == [None, {"temperature": 0.7, "top_p": 0.9, "top_k": 20.0, "constraint": "tool_choice"},
-                   {"temperature": 0.0, "logit_bias": 1}, {"temperature": 1.3}, {"temperature": 0.5}]
+                   {"temperature": 0.0, "logit_bias": 1}, {"temperature": 1.3}, {"temperature": 0.5, "top_p": 1.0},
+                   {"top_k": "inf"}]
 
 
 def _traces(root, values):
@@ -100,12 +134,15 @@ def test_the_samples_builder_counts_the_calls_the_update_does_not_reproduce(tmp_
     _, alike = build_samples(_traces(tmp_path / "u", [None, '{"temperature":1}']))
     assert alike["calls_other_sampling"] == 0 and "sampled otherwise" not in caplog.text
     # an engine started at the rollout temperature samples a call that gives none at it
-    _, warm = build_samples(traces, temperature=0.7, default_temperature=0.7)
+    _, warm = build_samples(traces, temperature=0.7, engine_defaults={"temperature": 0.7})
     assert warm["other_sampling"] == {"constraint": 1, "temperature": 1, "top_p": 1, "unreadable": 1}
+    # an engine whose defaults are not known: every call that leaves a setting to it is counted
+    _, unknown = build_samples(traces, engine_defaults=None)
+    assert unknown["calls_other_sampling"] == 7 and unknown["other_sampling"]["engine_defaults"] == 7
     with pytest.raises(ValueError, match="temperature must be positive"):
         build_samples(traces, temperature=0)
-    with pytest.raises(ValueError, match="default_temperature must be >= 0"):
-        build_samples(traces, default_temperature=-1)
+    with pytest.raises(ValueError, match="engine_defaults must be a mapping"):
+        build_samples(traces, engine_defaults=0.7)
 
 
 def test_a_store_written_before_the_column_reads_as_sampled_by_default(tmp_path):
@@ -144,7 +181,7 @@ def test_a_request_that_sets_nothing_is_sampled_at_the_rollout_temperature_not_t
     engine = VLLMEngine.start(model, "calc-tiny", max_model_len=512, log_path=tmp_path / "vllm.log", temperature=0.5)
     try:
         assert engine.server_setting("generation_config") == GENERATION_CONFIG
-        assert engine.default_temperature() == 0.5
+        assert engine.default_sampling() == {"temperature": 0.5}
         with caplog.at_level(logging.WARNING, logger="lightning.engine"):
             VLLMEngine.attach(engine.url, served_name="calc-tiny")
         assert "generation-config" not in caplog.text

@@ -50,7 +50,7 @@ class TrainingRun:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.logs = self.run_dir / "logs"
         self.engine = self.proxy = self.service = self.runner = self.updater = self.metrics = self.progress = None
-        self.default_temperature = 1.0  # the engine's for a call that gives none (set when it is up)
+        self.engine_defaults: dict | None = {}  # what the engine applies to a call that gives none (once it is up)
         self.schedule = Schedule.from_rollout(cfg.rollout)
         self.scheduler: Scheduler | None = None
         self.state: dict[str, Any] = {}
@@ -207,7 +207,7 @@ class TrainingRun:
             self.traces, mode=s.mode, advantage=s.advantage, weight_mode=s.weight_mode, where="split = 'train'",
             include_secret_spans=s.include_secret_spans, rollouts=[r.rollout_id for g in groups for r in g.rollouts],
             **{**(s.extra or {}), "temperature": cfg.update.temperature or 1.0,
-               "default_temperature": self.default_temperature}), lambda: None)
+               "engine_defaults": self.engine_defaults}), lambda: None)
         rep.update({f"samples/{k}": v for k,
                     v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         table, st = staleness_filter(table, version, self.schedule.max_staleness, self.schedule.staleness_mode)
@@ -435,7 +435,7 @@ class TrainingRun:
                 log_path=self.logs / "vllm.log", startup_timeout=e.startup_timeout_s,
                 temperature=self.cfg.rollout.temperature or None,  # a harness that gives none: on-policy
             )
-        self.default_temperature = self.engine.default_temperature() or 1.0  # (unknown: as vLLM's default)
+        self.engine_defaults = self.engine.default_sampling()  # None: not known (calls leaving it one are counted)
         self._record_children()  # a trainer killed from here on leaves nothing unaccounted for
         self.progress.print(f"vLLM ready at {self.engine.url} in {time.monotonic() - t0:.0f}s "
                             f"(serving {e.served_model_name}, {self.device})")

@@ -55,8 +55,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import duckdb
@@ -107,13 +107,15 @@ class SampleOptions:
     include_secret_spans: bool = False
     rollouts: Iterable[str] | None = None
     temperature: float = 1.0  # the update's; calls sampled otherwise are counted (``calls_other_sampling``)
-    default_temperature: float = 1.0  # the engine's for a call that gives none (VLLMEngine.default_temperature)
+    # what the engine applies to a call that gives no sampling setting (VLLMEngine.default_sampling;
+    # None: not known)
+    engine_defaults: Mapping[str, Any] | None = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
-        if not self.default_temperature >= 0:  # (0: the engine samples greedily by default)
-            raise ValueError(f"default_temperature must be >= 0, got {self.default_temperature}")
+        if self.engine_defaults is not None and not isinstance(self.engine_defaults, Mapping):
+            raise ValueError(f"engine_defaults must be a mapping or None, got {self.engine_defaults!r}")
         for name, value, known in (("mode", self.mode, MODES), ("weight mode", self.weight_mode, w_mod.MODES),
                                    ("advantage estimator", self.advantage, adv_mod.ESTIMATORS),
                                    ("failed policy", self.failed_policy, adv_mod.FAILED_POLICIES)):
@@ -417,7 +419,7 @@ def _count_other_sampling(calls: pa.Table, opts: SampleOptions, stats: dict) -> 
         value, count = entry["values"], entry["counts"]
         # a call that set nothing was sampled at the engine's defaults (its temperature, nothing else)
         off[value] = unlike_update(_settings(value) if value is not None else {}, opts.temperature,
-                                   opts.default_temperature)
+                                   opts.engine_defaults)
         n += count if off[value] else 0
         for name in off[value]:
             by_setting[name] = by_setting.get(name, 0) + count

@@ -140,11 +140,12 @@ class LauncherRollout:
     ``build_samples`` exactly as in a local run. The proxy starts on first use; proxy and harness
     processes run where verl's TaskRunner runs (the manager lives there)."""
 
-    def __init__(self, settings: dict, *, max_prompt_len: int, max_response_len: int, temperature: float = 1.0) -> None:
+    def __init__(self, settings: dict, *, max_prompt_len: int, max_response_len: int, temperature: float = 1.0,
+                 engine_defaults: dict | None = None) -> None:
         self.s, self.max_prompt_len, self.max_response_len = settings, max_prompt_len, max_response_len
         # verl's actor computes the policy at the rollout temperature, and its vLLM servers sample a
-        # request that gives none at it (override_generation_config)
-        self.temperature = temperature
+        # request that gives none at the rollout's temperature, top_k and top_p (override_generation_config)
+        self.temperature, self.engine_defaults = temperature, engine_defaults or {"temperature": temperature}
         self.proxy = None
 
     def __call__(self, tasks: list[dict], step: int, upstreams: list[str]):
@@ -166,7 +167,7 @@ class LauncherRollout:
         options = {k: s[k] for k in SAMPLE_KEYS if k in s}
         table, _ = build_samples(s["traces"], rollouts=[r.rollout_id for r in results], **options,
                                  max_prompt_len=self.max_prompt_len, max_response_len=self.max_response_len,
-                                 temperature=self.temperature, default_temperature=self.temperature)
+                                 temperature=self.temperature, engine_defaults=self.engine_defaults)
         return table
 
     def close(self) -> None:
@@ -229,10 +230,19 @@ class LightningAgentLoopManager:
             raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={agg}: the folded weights need token-mean")
         self.max_prompt_len = int(config.data.max_prompt_length)
         self.max_response_len = int(config.data.max_response_length)
-        self.rollout_fn = rollout_fn or LauncherRollout(
-            self.settings, max_prompt_len=self.max_prompt_len, max_response_len=self.max_response_len,
-            temperature=float(config.actor_rollout_ref.rollout.get("temperature", 1.0) or 1.0))
+        self.rollout_fn = rollout_fn or self._launcher_rollout(config.actor_rollout_ref.rollout)
         self.upstreams = upstreams
+
+    def _launcher_rollout(self, rollout) -> LauncherRollout:
+        """Our launcher as verl's rollout; the update computes at verl's rollout temperature, and
+        verl's servers apply its temperature, top_k and top_p to a call that gives none."""
+        from lightning_harness.proxy.sampling import sampling_settings
+
+        t = float(rollout.get("temperature", 1.0) or 1.0)
+        defaults = sampling_settings({"temperature": t, "top_k": rollout.get("top_k", -1),
+                                      "top_p": rollout.get("top_p", 1.0), "repetition_penalty": 1.0})
+        return LauncherRollout(self.settings, max_prompt_len=self.max_prompt_len,
+                               max_response_len=self.max_response_len, temperature=t, engine_defaults=defaults)
 
     @classmethod
     def create(cls, *args, **kwargs) -> LightningAgentLoopManager:

@@ -374,7 +374,7 @@ class Capture:
             "stream": call.stream,
             "request_json": call.request_text,
             "response_json": response_json,
-            "sampling_json": sampling_json(call.request_obj),
+            "sampling_json": sampling_json(call.request_obj, call.endpoint),
             "token_ids_injected": call.injected_token_ids or call.injected_logprobs,
             "error_kind": kind,
             "error": err,
