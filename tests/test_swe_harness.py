@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -303,26 +304,33 @@ def test_a_task_file_cannot_write_or_read_outside_its_folder(tmp_path):
 
 # ---------------------------------------------------------------- the teacher
 
+def _edit_both_ways(i: int, task: dict, root: Path) -> int:
+    """Edits one task's module to its solution and to a wrong version, both edit forms; returns how
+    many edits were unaddressed."""
+    mod, unaddressed = solver.module_name(task), 0
+    # the first wrong edit the visible tests catch (each check is a subprocess: stop at the first)
+    wrong = next((w for w in solver.wrong_edits(task, task["files"][mod]) if solver.fails_visible_tests(task, w)), None)
+    for j, target in enumerate([task["solution"], *([wrong] if wrong is not None else [])]):
+        for addressed in (True, False):
+            d = root / f"{i}-{j}-{addressed}"
+            d.mkdir()
+            (d / mod).write_text(task["files"][mod])
+            cmd = solver.edit_command(mod, task["files"][mod], target, addressed)
+            assert not (addressed and cmd.startswith("sed -i 's/")), cmd  # the default keeps the line number
+            unaddressed += cmd.startswith("sed -i 's/")
+            subprocess.run(["bash", "-c", cmd], cwd=d, check=True)
+            assert (d / mod).read_text() == target, cmd
+        # a wrong edit that hangs the hidden tests scores 0 at the timeout: 10 s, not the scorer's 60
+        assert target == task["solution"] or reward.score(task, d, timeout=10)[0] == 0.0
+    return unaddressed
+
+
 def test_solver_edits_turn_every_buggy_module_into_its_solution_and_wrong_edits_do_not(tmp_path):
     """Both edit forms (line-addressed, and unaddressed where the span is on one line only) give the
-    target module exactly."""
-    unaddressed = 0
-    for i, task in enumerate(TASKS[::7]):
-        mod = solver.module_name(task)
-        # the first wrong edit the visible tests catch (each check is a subprocess: stop at the first)
-        wrong = next((w for w in solver.wrong_edits(task, task["files"][mod]) if solver.fails_visible_tests(task, w)),
-                     None)
-        for j, target in enumerate([task["solution"], *([wrong] if wrong is not None else [])]):
-            for addressed in (True, False):
-                d = tmp_path / f"{i}-{j}-{addressed}"
-                d.mkdir()
-                (d / mod).write_text(task["files"][mod])
-                cmd = solver.edit_command(mod, task["files"][mod], target, addressed)
-                assert not (addressed and cmd.startswith("sed -i 's/")), cmd  # the default keeps the line number
-                unaddressed += cmd.startswith("sed -i 's/")
-                subprocess.run(["bash", "-c", cmd], cwd=d, check=True)
-                assert (d / mod).read_text() == target, cmd
-            assert target == task["solution"] or reward.score(task, d)[0] == 0.0
+    target module exactly. Tasks run in threads: each is subprocesses (bash, the visible tests, the
+    sandboxed scorer), so the suite's time is not one core's."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        unaddressed = sum(pool.map(_edit_both_ways, *zip(*enumerate(TASKS[::7])), [tmp_path] * len(TASKS[::7])))
     assert unaddressed > 0
 
 
