@@ -38,6 +38,18 @@ def _without(obj: dict, keys: tuple[str, ...]) -> dict:
     return out
 
 
+def _dropped(obj: dict, keys: tuple[str, ...], as_null: bool) -> dict:
+    """``obj`` without ``keys`` (``as_null``: with each present one set to null, as an answer whose
+    request did not ask for it says it: vLLM writes a JSON answer's unset fields as null, and leaves
+    them out of a stream's chunks)."""
+    if not as_null:
+        return _without(obj, keys)
+    for k in keys:
+        if obj.get(k) is not None:
+            obj = _with(obj, k, None)
+    return obj
+
+
 def _mapped(items: list, fn: Callable[[Any], Any]) -> list:
     """``fn`` of each item: ``items`` itself if no item changed, else a new list."""
     out = None
@@ -50,16 +62,17 @@ def _mapped(items: list, fn: Callable[[Any], Any]) -> list:
     return items if out is None else out
 
 
-def make_stripper(token_ids: bool, logprobs: bool):
+def make_stripper(token_ids: bool, logprobs: bool, as_null: bool = False):
     """A function returning a completion object or chunk without the injected fields (it runs for
-    every streamed token: plain loops in the helpers above, no generator). When both were injected,
-    its ``cut`` attribute strips a vLLM chat chunk's bytes without parsing them (:func:`cut_chat_chunk`)."""
+    every streamed token: plain loops in the helpers above, no generator); ``as_null`` for a JSON
+    answer (see :func:`_dropped`). When both were injected, its ``cut`` attribute strips a vLLM chat
+    chunk's bytes without parsing them (:func:`cut_chat_chunk`)."""
     dropped = ("token_ids", "prompt_token_ids") if token_ids else ()
 
     def strip_choice(ch: Any) -> Any:
         if not isinstance(ch, dict):
             return ch
-        out = _without(ch, dropped)
+        out = _dropped(ch, dropped, as_null)
         if logprobs and out.get("logprobs") is not None:
             if out is ch:
                 out = dict(ch)
@@ -68,7 +81,7 @@ def make_stripper(token_ids: bool, logprobs: bool):
 
     def strip(obj: dict) -> dict:
         if token_ids:
-            obj = _without(obj, ("prompt_token_ids",))
+            obj = _dropped(obj, ("prompt_token_ids",), as_null)
         choices = obj.get("choices")
         return _with(obj, "choices", _mapped(choices, strip_choice)) if isinstance(choices, list) else obj
 
@@ -148,7 +161,7 @@ def cut_chat_chunk(payload: bytes) -> bytes | None:
     return payload[:start] + b"null" + payload[end:k] + b"}]}"
 
 
-def make_responses_stripper(token_ids: bool, logprobs: bool):
+def make_responses_stripper(token_ids: bool, logprobs: bool, as_null: bool = False):
     """The same for Responses API objects and stream events (whose ``response`` is the object).
     Without the logprobs ``include``, vLLM says ``top_logprobs: null`` in the response object,
     ``logprobs: null`` in an output text part (the response's, a ``.done`` event's) and ``[]`` in a
@@ -165,7 +178,7 @@ def make_responses_stripper(token_ids: bool, logprobs: bool):
 
     def strip_response(resp: dict) -> dict:
         if token_ids:
-            resp = _without(resp, ("input_messages", "output_messages"))
+            resp = _dropped(resp, ("input_messages", "output_messages"), as_null)
         if not logprobs:
             return resp
         if resp.get("top_logprobs") is not None and resp.get("object") == "response":

@@ -160,15 +160,23 @@ def _client_events(body: bytes) -> list[dict]:
     return events
 
 
-def _without_injected(obj: dict, token_ids: bool, logprobs: bool) -> dict:
-    """What plain upstream sends a client that did not ask for these fields."""
+def _without_injected(obj: dict, token_ids: bool, logprobs: bool, as_null: bool = False) -> dict:
+    """What plain upstream sends a client that did not ask for these fields: none in a stream's
+    chunks, null in a JSON answer (``as_null``), as vLLM writes them."""
     obj = json.loads(json.dumps(obj))
+
+    def drop(o: dict, key: str) -> None:
+        if as_null and key in o:
+            o[key] = None
+        else:
+            o.pop(key, None)
+
     if token_ids:
-        obj.pop("prompt_token_ids", None)
+        drop(obj, "prompt_token_ids")
     for ch in obj.get("choices") or ():
         if token_ids:
-            ch.pop("token_ids", None)
-            ch.pop("prompt_token_ids", None)
+            drop(ch, "token_ids")
+            drop(ch, "prompt_token_ids")
         if logprobs and ch.get("logprobs") is not None:
             ch["logprobs"] = None
     return obj
@@ -286,7 +294,7 @@ def test_a_json_answer_with_several_choices_records_choice_0(cproxy, upstream):
               "prompt_logprobs": None, "prompt_token_ids": PROMPT}
     upstream.json(answer)
     r = _post(cproxy, "json-n2", {**REQ, "stream": False, "n": 2})
-    assert r.json() == _without_injected(answer, True, True)
+    assert r.json() == _without_injected(answer, True, True, as_null=True)
     span = _span(cproxy, "json-n2")
     _assert_choice0(span, [11, 12, 13], "stop")
     assert span["n_choices"] == 2 and span["completion_tokens"] == 5

@@ -180,24 +180,12 @@ def _injected(path: str, body: dict) -> dict:
 VOLATILE = {"id", "created", "created_at", "call_id", "cached_tokens"}
 
 
-def _normal(x, responses: bool = False):
-    """A harness-side answer without what differs between any two calls (ids, times) and without the
-    fields the proxy documents it strips (vLLM's ``token_ids``/``prompt_token_ids``/
-    ``input_messages``/``output_messages``, which plain vLLM returns as null)."""
+def _normal(x):
+    """A harness-side answer without what differs between any two calls (ids, times)."""
     if isinstance(x, dict):
-        out = {}
-        for k, v in x.items():
-            if k in VOLATILE or v is None and k in ("token_ids", "prompt_token_ids", "input_messages",
-                                                    "output_messages"):
-                continue
-            if responses and k == "top_logprobs" and v in (None, 0):  # (cosmetic: see the xfail test below)
-                continue
-            if responses and k == "logprobs" and v in (None, []):
-                continue
-            out[k] = _normal(v, responses)
-        return out
+        return {k: _normal(v) for k, v in x.items() if k not in VOLATILE}
     if isinstance(x, list):
-        return [_normal(v, responses) for v in x]
+        return [_normal(v) for v in x]
     return x
 
 
@@ -215,12 +203,12 @@ def _harness_view(path: str, answer, stream: bool) -> dict:
     """What a harness makes of an answer: the JSON body, or the streamed answer put together (chunk
     boundaries are the engine's timing, not the proxy's)."""
     if not stream:
-        return _normal(answer, path == RESP)
+        return _normal(answer)
     if path == RESP:
         final = [e for e in answer if isinstance(e, dict) and e.get("type") == "response.completed"]
         deltas = "".join(e.get("delta", "") for e in answer
                          if isinstance(e, dict) and e.get("type") == "response.output_text.delta")
-        return {"final": _normal(final[-1]["response"], True) if final else None, "deltas": deltas}
+        return {"final": _normal(final[-1]["response"]) if final else None, "deltas": deltas}
     return _normal(_assembled(path, answer))
 
 

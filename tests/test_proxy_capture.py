@@ -18,10 +18,10 @@ def test_reverse_mode_json_with_token_ids(proxy, openai_from_env, stub_server):
     client = openai_from_env(proxy.env_for("rev-1", 2))
     r = client.chat.completions.create(model="policy", messages=MSG, max_tokens=5)
     assert r.choices[0].message.content == "w0 w1 w2 w3 w4 "
-    # the harness did not ask for token ids or logprobs: it must not see them
-    raw = r.model_dump()
+    # the harness did not ask for token ids or logprobs: it must not see them (null, as plain vLLM says)
+    raw = json.loads(r.model_dump_json())
     assert raw["choices"][0]["logprobs"] is None
-    assert "prompt_token_ids" not in json.dumps(raw) and "token_ids" not in raw["choices"][0]
+    assert raw["prompt_token_ids"] is None and raw["choices"][0]["token_ids"] is None
     # the upstream was asked for them
     sent = stub_server.requests()[-1]
     assert sent["return_token_ids"] is True and sent["logprobs"] is True
@@ -48,7 +48,7 @@ def test_harness_that_asks_for_logprobs_keeps_them(proxy, openai_from_env):
     client = openai_from_env(proxy.env_for("rev-lp"))
     r = client.chat.completions.create(model="policy", messages=MSG, max_tokens=3, logprobs=True)
     assert [c.logprob for c in r.choices[0].logprobs.content] == pytest.approx([-0.01, -0.02, -0.03])
-    assert "token_ids" not in r.model_dump()["choices"][0]  # not asked: stripped
+    assert r.model_dump()["choices"][0]["token_ids"] is None  # not asked: null, as plain vLLM says
     (span,) = read_spans(proxy)
     assert span["response_token_ids"] == [100, 101, 102]
 

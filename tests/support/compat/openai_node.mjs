@@ -33,6 +33,7 @@ if (how === "stream") {
   out.finish_reason = r.choices[0].finish_reason;
   out.logprobs = r.choices[0].logprobs ?? null;
   out.keys = Object.keys(r).concat(Object.keys(r.choices[0]));
+  out.token_ids = [r.prompt_token_ids, r.choices[0].token_ids];  // undefined (left out) or null
   out.usage = r.usage;
 }
 console.log(JSON.stringify(out));
