@@ -59,6 +59,7 @@ class Call:
     # routing
     upstream: Upstream | None = None  # training upstream replica (None: not routed to the pool)
     upstream_display: str | None = None
+    hosted: bool = False  # sent to a hosted API's host (a route host), served by the pool
     served_model: str | None = None
     inject: bool = False
     injected_token_ids: bool = False

@@ -76,9 +76,10 @@ class Rewrite:
             flow.request.content = fastjson.dumps_exact(obj, call.request_fast)
         if call.injected_token_ids or call.injected_logprobs:
             make = make_responses_stripper if call.endpoint == RESPONSES else make_stripper
-            # vLLM writes fields not asked for as null in a JSON answer and in a Responses stream's
-            # response objects, and leaves them out of chat and completions chunks
-            as_null = call.endpoint == RESPONSES or not engine_flag(obj.get("stream"))
+            # the answer the harness would have had from what it addressed: vLLM writes fields not asked
+            # for as null in a JSON answer and in a Responses stream's response objects, and leaves them
+            # out of chat and completions chunks; a hosted API has no such fields
+            as_null = not call.hosted and (call.endpoint == RESPONSES or not engine_flag(obj.get("stream")))
             call.event_filters.append(make(call.injected_token_ids, call.injected_logprobs, as_null))
         if served != model and isinstance(model, str):
             call.event_filters.append(make_model_restorer(model))

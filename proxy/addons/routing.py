@@ -64,6 +64,7 @@ class Routing:
                 return
         elif cfg.upstreams and self.routes(req.host, req.port):
             target = self.state.replica_for(call.rollout_id)
+            call.hosted = (req.host, req.port) not in self.pool_addrs
         else:
             call.upstream_display = f"{req.scheme}://{req.host}:{req.port}"
             return
