@@ -117,6 +117,40 @@ def test_client_disconnect_mid_stream(tmp_path, make_proxy):
         slow.stop()
 
 
+def test_a_stream_closed_by_the_client_after_its_final_event_is_not_an_error(tmp_path, make_proxy):
+    """A harness may stop reading once the final event is in and close the connection (HTTP/1.1) or
+    reset the stream (HTTP/2: Codex does so after ``response.completed``) before upstream ends it:
+    it had the whole answer, so the span is a call like any other (it was an error span, lost to
+    training). A close before the final event stays a client disconnect (the test above)."""
+    from fixtures_compat import client_env, python_client, run_client
+
+    slow = StubServer(tmp_path, args=["--chunk-delay", "0.3"])  # the close lands before [DONE]
+    try:
+        p = make_proxy(upstreams=[slow.url])
+        url = p.env_for("h1")["OPENAI_BASE_URL"] + "/chat/completions"
+        with httpx.Client(trust_env=False, timeout=60) as c:
+            with c.stream("POST", url, json={**BODY, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if '"finish_reason":"length"' in line.replace(" ", ""):
+                        break
+        out = run_client(python_client("httpx_h2_client.py", "https://api.openai.com/v1/chat/completions",
+                                       "--stop-at-finish"), client_env(p.env_for("h2")))
+        assert (out["http_version"], out["content"]) == ("HTTP/2", "w0 w1 w2 ")
+        out = run_client(python_client("httpx_h2_client.py", "https://api.openai.com/v1/chat/completions",
+                                       "--stop-at-first"), client_env(p.env_for("h2-gone")))
+        assert (out["http_version"], out["content"]) == ("HTTP/2", "w0 ")
+        spans = {s["rollout_id"]: s for s in _poll_spans(p, 3)}
+        assert set(spans) == {"h1", "h2", "h2-gone"}
+        gone = spans.pop("h2-gone")  # reset before the final event: the client's doing, not upstream's
+        assert gone["error_kind"] == "client_disconnect", gone["error"]
+        for span in spans.values():
+            assert (span["error_kind"], span["error"], span["status_code"]) == (None, None, 200), span["error"]
+            assert span["response_token_ids"] == [100, 101, 102] and span["finish_reason"] == "length"
+        assert p.control.state()["in_flight"] == 0
+    finally:
+        slow.stop()
+
+
 def test_hung_upstream_times_out(tmp_path, make_proxy):
     slow = StubServer(tmp_path, args=["--delay", "30"])
     try:

@@ -20,6 +20,7 @@ import uuid
 from datetime import UTC, datetime
 
 from mitmproxy import http
+from mitmproxy.connection import ConnectionState
 
 from .. import fastjson
 from ..assemble import RESPONSES, assembler_for, behaviour_logprobs, engine_flag, token_fields, unfinished_response
@@ -221,13 +222,18 @@ class Capture:
             return response_json, "too_large", call.response_error
         if call.response_error or asm.error:
             return response_json, "malformed_response", call.response_error or asm.error
-        # a Responses stream is whole only with its final event ([DONE] alone: the client got no response)
-        whole = asm.finished if call.endpoint == RESPONSES else (relay.done or asm.finished)
-        if status < 400 and not whole:
+        if status < 400 and not self._whole(call):
             return response_json, "truncated", (
                 f"event stream ended without its final event ([DONE], a finish_reason or response.completed) "
                 f"after {relay.events} events ({relay.bytes} bytes): the answer is incomplete")
         return response_json, None, None
+
+    @staticmethod
+    def _whole(call: Call) -> bool:
+        """Whether the stream so far holds its final event (a Responses stream only with
+        ``response.completed`` or the like: ``[DONE]`` alone gave the client no response)."""
+        relay, asm = call.sse
+        return asm.finished if call.endpoint == RESPONSES else (relay.done or asm.finished)
 
     def _body_result(self, call: Call, resp: http.Response) -> tuple[str | None, str | None, str | None]:
         if resp.raw_content is None:
@@ -265,6 +271,11 @@ class Capture:
         msg = flow.error.msg if flow.error else "unknown error"
         response_json = self._streamed_json(call) if call.sse is not None else None
         refused = flow.metadata.get(REFUSED)
+        if refused is None and call.seq is not None and call.sse is not None and flow.response is not None \
+                and self._whole(call):
+            # the harness read the final event, then closed the connection or reset the stream (an
+            # HTTP/2 client such as Codex resets it then): the answer is whole, the call is not an error
+            return self.response(flow)
         if refused is not None and call.seq is None:  # cut off by the limits addon, body never read
             self._start(call)
             kind, msg, status = refused
@@ -283,10 +294,14 @@ class Capture:
         idle = self.state.config.idle_timeout
         last_chunk = call.sse[0].last_chunk if call.sse is not None else None
         last_activity = last_chunk or call.first_byte or call.started or call.received
-        if "client disconnected" in low and time.time() - last_activity >= idle * 0.95:
+        # the client is gone when the proxy can no longer write to it: over HTTP/2 its leaving reads
+        # "peer closed connection" or "stream reset by client", which an upstream failure can read too
+        client_gone = not flow.client_conn.state & ConnectionState.CAN_WRITE or "client disconnected" in low \
+            or "client closed" in low or "reset by client" in low
+        if client_gone and time.time() - last_activity >= idle * 0.95:
             # mitmproxy's inactivity watchdog closes the client side: it reads as a disconnect
             return "timeout", None, f"no bytes from upstream for {idle:g} s (idle timeout); connection closed: {msg}"
-        if "client disconnected" in low or "client closed" in low:
+        if client_gone:
             return "client_disconnect", None, f"client disconnected before the response finished: {msg}"
         if "timed out" in low or "timeout" in low:
             return "timeout", None if flow.response else 504, f"upstream timed out: {msg}"
