@@ -9,14 +9,20 @@ stream ``message_start``, ``content_block_start/delta/stop``..., ``message_delta
 
 The mapping (one definition, shared by the proxy and by the samples builder, which renders these
 calls through the chat template from the recorded Messages request):
-- ``system`` (text or text blocks) -> a leading system message;
-- user/assistant ``text`` blocks -> the message's text (blocks joined with ``"\\n"``);
-  ``image`` blocks -> ``image_url`` parts;
+- ``system`` (text or text blocks) -> a leading system message (blocks joined with nothing, empty
+  ones and Claude Code's ``x-anthropic-billing-header`` block left out, as vLLM's own
+  ``/v1/messages`` does);
+- user/assistant ``text`` blocks -> the message's text (non-empty blocks joined with ``"\\n"``, as
+  vLLM renders a list of text parts for a template that takes text; a user turn with no content
+  is left out); ``image`` blocks -> ``image_url`` parts;
 - assistant ``tool_use`` -> ``tool_calls`` (arguments = ``json.dumps(input)``);
-- user ``tool_result`` -> ``tool`` messages (before the user's remaining text);
+- user ``tool_result`` -> ``tool`` messages (before the user's remaining text); the images of a
+  result -> a user message of ``image_url`` parts after it;
 - a last ``assistant`` message (a prefill) -> ``continue_final_message`` (the answer continues it);
 - ``tools`` -> functions (``input_schema`` -> ``parameters``); ``tool_choice`` auto/any/tool/none ->
-  auto/required/named/none; ``stop_sequences`` -> ``stop``; ``thinking`` blocks are dropped;
+  auto/required/named/none; ``stop_sequences`` -> ``stop``; ``output_config`` ``format`` ->
+  ``response_format`` (JSON schema) and ``effort`` -> ``reasoning_effort``; ``thinking`` blocks and
+  the ``thinking`` setting are dropped;
 - other fields that are not Messages fields (vLLM extensions sent as extra body) pass through.
 A body that breaks the Messages rules gets :class:`MessagesError` (the proxy answers 400 in the
 Anthropic error shape), never a guess.
@@ -47,7 +53,9 @@ _PASSED = ("temperature", "top_p", "top_k")  # sampling parameters with the same
 _MESSAGES_FIELDS = frozenset({
     "model", "max_tokens", "messages", "system", "stop_sequences", "tools", "tool_choice", "stream", *_PASSED,
     "metadata", "thinking", "service_tier", "container", "mcp_servers", "context_management", "betas",
+    "output_config",
 })
+BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's first system block (a per-request hash)
 
 
 class MessagesError(ValueError):
@@ -55,18 +63,20 @@ class MessagesError(ValueError):
 
 
 # -- request --------------------------------------------------------------------------------
-def _text(value: Any, where: str) -> str:
-    """A ``text`` value or a list of text blocks as one string."""
+def _system(value: Any) -> str:
+    """The ``system`` value as one string: vLLM's ``/v1/messages`` joins the blocks with nothing and
+    leaves out empty ones and the billing header (its chat renderer would drop that line too)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise MessagesError(f"{where}: expected a string or a list of text blocks")
+        raise MessagesError("system: expected a string or a list of text blocks")
     parts = []
     for i, block in enumerate(value):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise MessagesError(f"{where}[{i}]: expected a text block")
-        parts.append(block["text"])
-    return "\n".join(parts)
+            raise MessagesError(f"system[{i}]: expected a text block")
+        if block["text"] and not block["text"].startswith(BILLING_HEADER):
+            parts.append(block["text"])
+    return "".join(parts)
 
 
 def _image_part(block: dict, where: str) -> dict:
@@ -90,11 +100,27 @@ def _tool_call(block: dict, where: str) -> dict:
             "function": {"name": block["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
-def _tool_message(block: dict, where: str) -> dict:
+def _tool_messages(block: dict, where: str) -> list[dict]:
+    """A ``tool_result`` as a ``tool`` message (its texts joined with newlines) and, if it holds
+    images (a screenshot), a user message of them after it, as vLLM's ``/v1/messages`` renders it."""
     if not isinstance(block.get("tool_use_id"), str):
         raise MessagesError(f"{where}: tool_result needs a string tool_use_id")
     content = block.get("content", "")
-    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": _text(content, f"{where}.content")}
+    if isinstance(content, str):
+        return [{"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}]
+    if not isinstance(content, list):
+        raise MessagesError(f"{where}.content: expected a string or a list of text and image blocks")
+    texts, images = [], []
+    for k, item in enumerate(content):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "text" and isinstance(item.get("text"), str):
+            texts.append(item["text"])
+        elif kind == "image":
+            images.append(_image_part(item, f"{where}.content[{k}]"))
+        else:
+            raise MessagesError(f"{where}.content[{k}]: expected a text or image block")
+    out = [{"role": "tool", "tool_call_id": block["tool_use_id"], "content": "\n".join(texts)}]
+    return out + ([{"role": "user", "content": images}] if images else [])
 
 
 def _message(msg: Any, i: int) -> list[dict]:
@@ -112,20 +138,21 @@ def _message(msg: Any, i: int) -> list[dict]:
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            parts.append({"type": "text", "text": block["text"]})
+            if block["text"]:  # an empty block adds nothing (vLLM leaves it out)
+                parts.append({"type": "text", "text": block["text"]})
         elif kind == "image":
             parts.append(_image_part(block, at))
             images = True
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_call(block, at))
         elif kind == "tool_result" and role == "user":
-            tools.append(_tool_message(block, at))
+            tools.extend(_tool_messages(block, at))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # not rendered back into the prompt
         else:
             raise MessagesError(f"{at}: content block of type {kind!r} is not supported here")
     out = list(tools)
-    if parts or calls or not tools:
+    if parts or calls or (role == "assistant" and not tools):  # a user turn with nothing in it is left out
         # chat content: one string (texts joined), or the list of parts when there are images
         chat = {"role": role, "content": parts if images else "\n".join(p["text"] for p in parts)}
         if calls:
@@ -161,6 +188,25 @@ def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
     raise MessagesError("tool_choice: expected {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}")
 
 
+def _output_config(config: Any) -> dict:
+    """The chat fields of ``output_config``: a JSON schema ``format`` constrains the answer
+    (``response_format``), ``effort`` is the reasoning effort, as vLLM's ``/v1/messages`` reads them."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise MessagesError("output_config: expected an object")
+    out: dict[str, Any] = {}
+    fmt = config.get("format")
+    if fmt is not None:
+        schema = fmt.get("schema") if isinstance(fmt, dict) else None
+        if not isinstance(schema, dict) or fmt.get("type") != "json_schema":
+            raise MessagesError("output_config.format: expected {'type': 'json_schema', 'schema': {...}}")
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
+    if config.get("effort") is not None:
+        out["reasoning_effort"] = config["effort"]
+    return out
+
+
 def to_chat(req: Any) -> dict:
     """The chat-completions request equivalent to a Messages request (see the module doc)."""
     if not isinstance(req, dict):
@@ -174,7 +220,7 @@ def to_chat(req: Any) -> dict:
         raise MessagesError("messages: a list is required")
     messages = []
     if req.get("system") is not None:
-        messages.append({"role": "system", "content": _text(req["system"], "system")})
+        messages.append({"role": "system", "content": _system(req["system"])})
     for i, msg in enumerate(req["messages"]):
         messages.extend(_message(msg, i))
     chat: dict[str, Any] = {k: v for k, v in req.items() if k not in _MESSAGES_FIELDS}
@@ -198,6 +244,7 @@ def to_chat(req: Any) -> dict:
         chat["tool_choice"], parallel = _tool_choice(req["tool_choice"])
         if parallel is not None:
             chat["parallel_tool_calls"] = parallel
+    chat.update(_output_config(req.get("output_config")))
     if req.get("stream"):
         chat["stream"] = True
         # usage on every chunk: message_start can then say how long the prompt is
@@ -216,16 +263,31 @@ def _input(arguments: Any) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def stop_reason(choice: dict, stop: Any) -> tuple[str | None, str | None]:
-    """(``stop_reason``, ``stop_sequence``) of a chat choice; vLLM's ``stop_reason`` names the stop
-    string that ended the answer."""
+def stop_reason(choice: dict, stop: Any, tool_used: bool = False, tool_complete: bool = False
+                ) -> tuple[str | None, str | None]:
+    """(``stop_reason``, ``stop_sequence``) of a chat choice, as vLLM's ``/v1/messages`` gives them:
+    ``max_tokens`` first; then ``tool_use`` for a complete tool call (``tool_complete``: its
+    arguments parse), which a named tool choice ends with ``finish_reason: "stop"``; then the stop
+    string that ended the answer (vLLM's ``stop_reason``); then ``tool_use`` for any call made."""
     finish = choice.get("finish_reason")
     matched = choice.get("stop_reason")
-    if finish == "stop" and isinstance(matched, str) and isinstance(stop, list) and matched in stop:
-        return "stop_sequence", matched
     if finish is None:
         return None, None
+    if finish in ("stop", "tool_calls") and tool_complete:
+        return "tool_use", None
+    if finish == "stop" and isinstance(matched, str) and isinstance(stop, list) and matched in stop:
+        return "stop_sequence", matched
+    if finish == "stop" and tool_used:
+        return "tool_use", None
     return STOP_REASONS.get(finish, "end_turn") if isinstance(finish, str) else "end_turn", None
+
+
+def _is_json(text: Any) -> bool:
+    try:
+        json.loads(text) if isinstance(text, str) else None
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(text, str)
 
 
 def _count(value: Any) -> int:
@@ -273,11 +335,16 @@ def to_message(chat: dict, model: str | None, stop: Any = None) -> dict:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     if isinstance(msg.get("content"), str) and msg["content"]:
         content.append({"type": "text", "text": msg["content"]})
+    args = None
     for tc in _list(msg.get("tool_calls")):
         if isinstance(tc, dict):
             fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
-            content.append({**_tool_block(tc), "input": _input(fn.get("arguments"))})
-    reason, sequence = stop_reason(choice, stop)
+            args = fn.get("arguments")
+            content.append({**_tool_block(tc), "input": _input(args)})
+    if not content:  # vLLM's (and Anthropic's) empty answer: one empty text block, not []
+        content.append({"type": "text", "text": ""})
+    used = any(block["type"] == "tool_use" for block in content)
+    reason, sequence = stop_reason(choice, stop, tool_used=used, tool_complete=used and _is_json(args))
     return {"id": message_id(chat.get("id")), "type": "message", "role": "assistant",
             "model": model or _str(chat.get("model")), "content": content, "stop_reason": reason,
             "stop_sequence": sequence, "usage": _usage(chat.get("usage"))}
@@ -331,6 +398,7 @@ class EventTranslator:
         self.on_error = on_error
         self.started = self.finished = False
         self.block: tuple[str, int] | None = None  # ('text', -1) or ('tool', call index) now open
+        self.tool_args: list[str] | None = None  # the last tool call's argument pieces (None: no call)
         self.index = -1  # content block index
         self.choice: dict = {}
         self.usage: dict = {}
@@ -377,7 +445,9 @@ class EventTranslator:
         fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
         if self.block != ("tool", k):
             yield from self._open(("tool", k), {**_tool_block(tc), "input": {}})
+            self.tool_args = []
         if isinstance(fn.get("arguments"), str) and fn["arguments"]:
+            self.tool_args.append(fn["arguments"])
             yield self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
 
     def _open(self, block: tuple[str, int], content_block: dict) -> Iterator[bytes]:
@@ -404,7 +474,9 @@ class EventTranslator:
             yield from self._start({})
         yield from self._close()
         self.finished = True
-        reason, sequence = stop_reason(self.choice, self.stop)
+        used = self.tool_args is not None
+        reason, sequence = stop_reason(self.choice, self.stop, tool_used=used,
+                                       tool_complete=used and _is_json("".join(self.tool_args)))
         usage = _usage(self.usage)
         yield sse_event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason or "end_turn",
                                                                               "stop_sequence": sequence},

@@ -35,7 +35,7 @@ def test_request_translation():
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
                                                 "content": [{"type": "text", "text": "r"}]}]}]))
     assert chat["messages"] == [
-        {"role": "system", "content": "a\nb"}, {"role": "user", "content": "x\ny"},
+        {"role": "system", "content": "ab"}, {"role": "user", "content": "x\ny"},
         {"role": "assistant", "content": "ok", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "t", "arguments": '{"é": 1}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "r"}]
@@ -45,6 +45,75 @@ def test_request_translation():
     # extensions pass, Messages-only fields do not
     assert chat["seed"] == 3 and "metadata" not in chat and "thinking" not in chat
     assert chat["stream"] is True and chat["stream_options"]["include_usage"] is True
+
+
+def test_request_translation_renders_as_vllms_own_messages_endpoint():
+    """Where vLLM's ``/v1/messages`` (0.32) builds another prompt than a plain translation would: system
+    blocks joined with nothing, without empty ones or Claude Code's billing-header block; empty text
+    blocks and empty user turns left out; a tool result's images in a user message after it; a
+    JSON-schema ``output_config`` constrains the answer."""
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
+    chat = to_chat(_req(
+        system=[{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cc_entrypoint=cli;"},
+                {"type": "text", "text": "You are"}, {"type": "text", "text": ""}, {"type": "text", "text": " terse."}],
+        output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "low"},
+        messages=[{"role": "user", "content": []},
+                  {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""},
+                                               {"type": "text", "text": "b"}]},
+                  {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "shot", "input": {}}]},
+                  {"role": "user", "content": [
+                      {"type": "tool_result", "tool_use_id": "c1", "content": [
+                          {"type": "text", "text": "1"}, {"type": "image", "source": {"type": "url", "url": "u"}},
+                          {"type": "text", "text": "2"}]},
+                      {"type": "text", "text": "next"}]}]))
+    assert chat["messages"] == [
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1\n2"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
+        {"role": "user", "content": "next"}]
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
+    assert chat["reasoning_effort"] == "low" and "output_config" not in chat
+    with pytest.raises(MessagesError, match="output_config.format"):
+        to_chat(_req(output_config={"format": {"type": "json_schema"}}))
+
+
+def _chat_answer(finish, stop_reason=None, args=None):
+    msg = {"role": "assistant", "content": None if args is not None else ""}
+    if args is not None:
+        msg["tool_calls"] = [{"id": "c", "function": {"name": "t", "arguments": args}}]
+    return {"id": "x", "choices": [{"finish_reason": finish, "stop_reason": stop_reason, "message": msg}]}
+
+
+def _chunks(finish, stop_reason=None, args=None):
+    delta = {"tool_calls": [{"index": 0, "id": "c", "function": {"name": "t", "arguments": args}}]} \
+        if args is not None else {}
+    return [{"id": "x", "choices": [{"index": 0, "delta": delta}]},
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": finish, "stop_reason": stop_reason}]}]
+
+
+@pytest.mark.parametrize("finish, matched, args, want", [
+    ("stop", None, '{"a": 1}', ("tool_use", None)),  # a named tool choice ends a whole call with "stop"
+    ("stop", "}}", '{"a": {}}', ("tool_use", None)),  # a whole call cut by a stop string still runs
+    ("stop", "}}", '{"a": {', ("stop_sequence", "}}")),  # one cut short does not
+    ("length", None, '{"a": 1}', ("max_tokens", None)),
+    ("tool_calls", None, '{"a": ', ("tool_use", None)),
+    ("stop", None, None, ("end_turn", None)),
+])
+def test_stop_reason_as_vllms_messages_endpoint_gives_it(finish, matched, args, want):
+    msg = to_message(_chat_answer(finish, matched, args), "m", ["}}"])
+    assert (msg["stop_reason"], msg["stop_sequence"]) == want
+    translator = EventTranslator("m", ["}}"])
+    raw = b"".join(b"".join(translator.chunk(c)) for c in _chunks(finish, matched, args))
+    raw += b"".join(translator.finish())
+    (delta,) = [d for e, d in _parse(raw) if e == "message_delta"]
+    assert (delta["delta"]["stop_reason"], delta["delta"]["stop_sequence"]) == want
+
+
+def test_an_empty_answer_is_one_empty_text_block():
+    """As vLLM and Anthropic give it: a client may read ``content[0].text`` (the SDK raised IndexError)."""
+    assert to_message(_chat_answer("stop"), "m")["content"] == [{"type": "text", "text": ""}]
 
 
 @pytest.mark.parametrize("bad, rule", [

@@ -147,3 +147,37 @@ def test_messages_not_routed_to_the_pool_are_recorded_natively(make_proxy, vllm_
     assert span["completion_tokens"] == msg.usage.output_tokens and span["finish_reason"] == msg.stop_reason
     recorded = json.loads(span["response_json"])
     assert recorded["content"] == [b.model_dump(exclude_none=True) for b in msg.content]
+
+
+BILLING = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.1c9; cc_entrypoint=sdk-cli;"}
+PARITY = {  # request shapes whose prompt vLLM's own /v1/messages builds otherwise than a plain translation
+    "system_blocks": {"system": [BILLING, {"type": "text", "text": "You are"}, {"type": "text", "text": ""},
+                                 {"type": "text", "text": " a calculator."}],
+                      "messages": [{"role": "user", "content": "2+3="}]},
+    "empty_blocks": {"messages": [{"role": "user", "content": []}, {"role": "user", "content": [
+        {"type": "text", "text": "2+"}, {"type": "text", "text": ""}, {"type": "text", "text": "3="}]}]},
+    "json_schema": {"messages": [{"role": "user", "content": "2+3="}], "output_config": {"format": {
+        "type": "json_schema", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                          "required": ["a"]}}}},
+}
+
+
+@pytest.mark.parametrize("case", list(PARITY))
+def test_a_messages_call_through_the_proxy_is_answered_as_by_vllms_own_endpoint(vllm_proxy, vllm_engine, case):
+    """The same greedy Messages call through the proxy (translated to chat, token ids recorded) and
+    straight to vLLM's /v1/messages: the same prompt length, answer and stop reason. Before, Claude
+    Code's system blocks reached the model joined by newlines with the billing header in them, an
+    empty user turn was rendered, and a JSON schema was dropped (the answer unconstrained)."""
+    import httpx
+
+    body = {"model": vllm_engine.served_name, "max_tokens": 12, "temperature": 0, **PARITY[case]}
+    direct = httpx.Client(trust_env=False, timeout=120)
+    native = direct.post(vllm_engine.url + "/v1/messages", json=body).json()
+    proxied = direct.post(vllm_proxy.env_for(case)["ANTHROPIC_BASE_URL"] + "/v1/messages", json=body).json()
+    assert native["usage"]["input_tokens"] == proxied["usage"]["input_tokens"], (native, proxied)
+    assert (proxied["content"], proxied["stop_reason"]) == (native["content"], native["stop_reason"])
+    if case == "json_schema":
+        assert native["content"][0]["text"].startswith("{")
+    (span,) = read_spans(vllm_proxy)
+    assert span["error_kind"] is None and len(span["prompt_token_ids"]) == native["usage"]["input_tokens"]
+    assert case != "json_schema" or json.loads(span["sampling_json"])["constraint"] == "json_schema"

@@ -127,3 +127,42 @@ def test_real_chat_responses_and_messages_rollouts_follow_the_merge_rule(make_pr
     print("merge on real spans of three APIs:",
           {k: stats[k] for k in ("samples", "calls_continuing_history", "breaks")})
     assert stats["calls_used"] == 10 and stats["calls_continuing_history"] >= 3 and stats["breaks"]["other"] >= 1
+
+
+def test_the_rebuilt_prompt_leaves_out_the_billing_header_line_as_vllm_does(make_proxy, vllm_engine, tiny_model_dir,
+                                                                            openai_from_env, tmp_path):
+    """vLLM's chat renderer drops the first line of a system text that starts with Claude Code's
+    ``x-anthropic-billing-header`` (as a gateway translating Claude Code's calls sends it); the samples
+    builder's rebuilt prompt must too, or every such call counts as drifted (it did: 4 of 4 calls of
+    a Claude Code session). An OpenAI chat harness; the first call's system has the header, the second's not."""
+    traces = tmp_path / "traces"
+    p = make_proxy(traces_dir=traces, upstreams=[vllm_engine.url], served_model=vllm_engine.served_name)
+    client = openai_from_env(p.env_for("billing"))
+    header = "x-anthropic-billing-header: cc_version=2.1.332.1c9; cc_entrypoint=sdk-cli;"
+    for system in (f"{header}\nYou add.", "You add."):
+        client.chat.completions.create(model="policy", max_tokens=3, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "2+3="}])
+    p.control.reward("billing", 0, 1.0)
+    p.control.flush()
+    from lightning_harness.trainer.samples import build_samples
+
+    _, stats = build_samples(traces, tokenizer=str(tiny_model_dir), group_by="'all'")
+    assert (stats["drift_checked"], stats["drift_prompt"]) == (2, 0)
+
+
+@pytest.mark.parametrize("tool", [
+    {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}, "description": "d"}},
+    {"function": {"name": "a", "description": "x", "strict": True, "extra": 1}, "other": 2},
+    {"type": "function", "function": {"parameters": {}, "name": "b", "defer_loading": None}, "defer_loading": False},
+])
+def test_the_rebuilt_prompt_shows_tools_as_vllm_hands_them_to_the_template(tool):
+    """A template that writes the tools as JSON shows vLLM's dump of its request model (key order,
+    nulls): the rebuilt prompt must see the same (a Claude Code session's tools, translated from
+    Messages with the description after the parameters, drifted on every call)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+
+    from lightning_harness.trainer.samples import _tool_as_engine_reads
+
+    want = ChatCompletionToolsParam.model_validate(tool).model_dump()
+    got = _tool_as_engine_reads(tool)
+    assert got == want and list(got["function"]) == list(want["function"])

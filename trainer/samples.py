@@ -64,6 +64,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..proxy.anthropic import BILLING_HEADER
 from ..proxy.assemble import CHAT, as_chat, token_fields
 from ..proxy.sampling import unlike_update
 from ..schemas import SAMPLES
@@ -156,8 +157,52 @@ def _template_kwargs(req: dict) -> dict[str, Any]:
     kw = {k: v for k, v in extra.items() if isinstance(k, str) and k not in _RENDER_KEYS} \
         if isinstance(extra, dict) else {}
     if req.get("tools"):
-        kw["tools"] = req["tools"]
+        kw["tools"] = [_tool_as_engine_reads(t) for t in req["tools"]] if isinstance(req["tools"], list) \
+            else req["tools"]
     return kw
+
+
+def _tool_as_engine_reads(tool: Any) -> Any:
+    """A chat tool as vLLM (0.32) hands it to the template, its request model's dump: the function's
+    ``name``, ``description`` and ``parameters`` in that order (null when absent), ``strict`` and
+    ``defer_loading`` where set, nothing else. A template that writes the tools as JSON shows
+    exactly that (the Messages translation, for one, puts the description after the parameters)."""
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(fn, dict):
+        return tool
+    defer = tool.get("defer_loading")
+    out = {"name": fn.get("name"), "description": fn.get("description"), "parameters": fn.get("parameters")}
+    own = fn.get("defer_loading")
+    for key, value in (("strict", fn.get("strict")), ("defer_loading", defer if own is None else own)):
+        if value is not None:
+            out[key] = value
+    return {"type": "function", "function": out, **({"defer_loading": defer} if defer is not None else {})}
+
+
+def _as_engine_reads(messages: Any) -> Any:
+    """``messages`` as vLLM's chat renderer (0.32) hands them to the template: a system text (or text
+    part) starting with Claude Code's billing header loses that first line (a per-request hash)."""
+    if not isinstance(messages, list):
+        return messages
+    return [{**m, "content": _without_billing_header(m.get("content"))}
+            if isinstance(m, dict) and m.get("role") == "system" else m for m in messages]
+
+
+def _without_billing_header(content: Any) -> Any:
+    def strip(text: Any) -> Any:
+        return text.partition("\n")[2] if isinstance(text, str) and text.startswith(BILLING_HEADER) else text
+
+    if not isinstance(content, list):
+        return strip(content)
+    out = []
+    for part in content:
+        text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else part
+        rest = strip(text)
+        if rest is text:
+            out.append(part)
+        elif rest:  # a part that was the header line alone is left out
+            out.append({**part, "text": rest} if isinstance(part, dict) else rest)
+    return out
 
 
 _RENDER_KEYS = frozenset({"conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message",
@@ -188,7 +233,7 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     if "messages" in req:
         if req.get("include_reasoning") is False:  # the engine generated reasoning the answer does not show
             raise ValueError("include_reasoning: false hides tokens the model generated; its answer cannot be rebuilt")
-        messages = req["messages"]
+        messages = _as_engine_reads(req["messages"])
         kw = _template_kwargs(req)
         last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
         # a prefill (an Anthropic call's last assistant message): the answer continues it, in its turn
