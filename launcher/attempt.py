@@ -71,6 +71,7 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel,
     """Prepare, run and judge one attempt; returns its row and the reward (if any)."""
     work = attempt_dir(s.batch.traces_dir, spec, attempt)
     (work / "out").mkdir(parents=True, exist_ok=True)
+    os.chmod(work, 0o700)  # what a harness leaves there (a setuid binary, its files) is no other user's to reach
     task_file, log_path = work / "task.json", work / "harness.log"
     fields, seen = spec.task.public, spec.task.public_json()  # private fields are the reward's alone
     write_task_file(task_file, seen)

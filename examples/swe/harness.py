@@ -7,7 +7,8 @@ through its public Python API: ``DefaultAgent(LitellmModel(...), BubblewrapEnvir
 configured by ``mini.yaml``. The model is reached through litellm (``openai/<name>``) at
 ``OPENAI_BASE_URL`` with ``OPENAI_API_KEY`` (the launcher hands both, pointing at this rollout's
 proxy URL). Every command the model writes runs in the sandbox of ``sandbox.py``: no network, no
-inherited environment, uid 65534, only the task folder writable, time and memory limits.
+inherited environment, uid 65534 (never host root: a root harness starts bubblewrap as an unprivileged
+host user and hands it the task folder), only the task folder writable, time and memory limits.
 
 It prints one JSON line (exit status, model calls) and leaves ``trajectory.json`` next to the repo.
 It never scores itself: the reward is the hidden tests on the final folder, run by the launcher's
@@ -281,7 +282,8 @@ def kill_commands(workdir: str) -> int:
     the cgroup-joining shell about to become it; its sandbox dies with it): a cancelled episode's command
     must not run on to its timeout, writing into a folder whose attempt has ended. A pidfd opened before
     the check makes sure the process checked is the one signalled. Returns how many were signalled."""
-    me, needle, killed = os.getpid(), f"\0--bind\0{workdir}\0{workdir}\0".encode(), 0
+    # (``--bind SOURCE workdir --chdir workdir``: the source is a staging folder when the caller is root)
+    me, needle, killed = os.getpid(), f"\0{workdir}\0--chdir\0{workdir}\0".encode(), 0
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or _parent(entry.path) != me:
             continue

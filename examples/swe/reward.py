@@ -9,8 +9,9 @@ model-written code, so it is treated as hostile:
   symlink, and only when it is a regular file of at most 256 KiB; visible tests, ``conftest.py``,
   ``sitecustomize.py``, ``.pth`` files or a reward file in the folder are never read;
 * the hidden tests come from the task record, never from the folder;
+* no setuid/setgid bit is left in the folder (``sandbox.settle``): it stays with the traces;
 * the module and the tests run in two processes, each with ``python -I -S -B`` in its own
-  bubblewrap sandbox (``sandbox.py``: no network, empty environment, uid 65534, everything
+  bubblewrap sandbox (``sandbox.py``: no network, empty environment, uid 65534 and never host root, everything
   read-only, time and memory limits): the tests' process never imports the module, and values
   cross between them as plain data (``remote.py``). So a module that reads the runner's secrets,
   prints a pass line, exits 0, patches the runner or returns an object equal to everything does not
@@ -70,6 +71,7 @@ def score(task: dict, folder: str | Path, timeout: float = TIMEOUT_S) -> tuple[f
     project = task["project"]
     if not isinstance(project, str) or not project.isidentifier():
         raise ScoreError(f"the task's project {project!r} is not a module name")
+    sandbox.settle(folder)  # no setuid/setgid bit stays in what the agent left (it is kept with the traces)
     source = read_module(Path(folder), f"{project}.py")
     if source is None:
         return 0.0, f"{project}.py missing, not a regular file, or over {MAX_MODULE_BYTES} bytes"
@@ -82,7 +84,11 @@ def score(task: dict, folder: str | Path, timeout: float = TIMEOUT_S) -> tuple[f
         halves = REMOTE.read_bytes()
         for d in (serve_dir, drive_dir):
             (d / "remote.py").write_bytes(halves)
-        os.chmod(tmp, 0o755)
+        for path in (serve_dir, serve_dir / "module", drive_dir):  # (read by the sandbox's unprivileged user;
+            os.chmod(path, 0o755)                                 # tmp itself stays 0700: launch stages it)
+            for f in path.iterdir():
+                if f.is_file():
+                    os.chmod(f, 0o644)
         python = [sandbox.interpreter(), "-I", "-S", "-B", "/score/remote.py"]
         code, log = _run_halves(sandbox.argv(python + ["serve", "/score/module", project], serve_dir,
                                              writable=False, bind_at="/score"),
@@ -100,12 +106,10 @@ def _run_halves(serve_argv: list[str], drive_argv: list[str], tmp: Path, timeout
     to_serve, to_drive = os.pipe(), os.pipe()
     procs = []
     with (open(tmp / "serve.log", "wb") as serve_log, open(tmp / "drive.log", "wb") as drive_log,
-          sandbox.confined() as serve_join, sandbox.confined() as drive_join):  # (each half its own cgroups)
+          sandbox.launch(serve_argv) as serve_full, sandbox.launch(drive_argv) as drive_full):  # (each its cgroups)
         try:
-            procs.append(subprocess.Popen(serve_join + serve_argv, stdin=to_serve[0], stdout=to_drive[1],
-                                          stderr=serve_log))
-            procs.append(subprocess.Popen(drive_join + drive_argv, stdin=to_drive[0], stdout=to_serve[1],
-                                          stderr=drive_log))
+            procs.append(subprocess.Popen(serve_full, stdin=to_serve[0], stdout=to_drive[1], stderr=serve_log))
+            procs.append(subprocess.Popen(drive_full, stdin=to_drive[0], stdout=to_serve[1], stderr=drive_log))
         finally:
             for fd in (*to_serve, *to_drive):
                 os.close(fd)

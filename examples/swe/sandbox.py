@@ -6,13 +6,23 @@ the argument list that closes both, handed to that environment through its publi
 (`executable`, `wrapper_args`, `cwd`, `timeout`, `env`): nothing in the package is patched.
 
 What a command in the sandbox gets:
+* never host root: when the caller is root, bubblewrap itself is started as an unprivileged host user
+  (``host_ids``: 65534, nobody, unless ``LIGHTNING_SANDBOX_UID`` names another; ``setpriv``, after
+  joining the cgroups). Run as root, bubblewrap maps the sandbox user to host uid 0: without
+  capabilities, but the kernel's uid checks (``/proc/sys`` writes, files it creates: a setuid-root
+  binary left in the work folder) then see root. The folders it binds are first bound, as root, in a
+  private mount namespace of its own under a staging folder it can reach (``launch``), so a work folder
+  or a Python installation below a root-only folder (``/root``, pytest's tmp folders, 0700 attempt
+  folders) still works; the writable folder is handed over to that user (``settle``);
 * no network: a network namespace of its own with only a private loopback (`--unshare-all`), so
   neither the capture proxy nor any other host port is reachable;
 * no inherited environment: bubblewrap itself is started through `env -i` (its pid 1 inside the
   namespace would otherwise expose the harness's variables in `/proc/1/environ`), and the command
   gets `--clearenv` plus PATH/HOME/LANG only;
 * its own pid, ipc, uts and user namespaces, running as uid/gid 65534 (nobody) inside, with no
-  capabilities; `/proc` shows only its own processes;
+  capabilities; `/proc` shows only its own processes and `/proc/sys` is read-only; no further user
+  namespace (`--disable-userns`: one would let it mount its own tmpfs past the bounds below, or a
+  cgroup2 tree in which to kill other rollouts' processes);
 * a read-only view of `/usr` and of the Python installation that runs the tests, an empty private
   `/tmp` of at most `TMP_BYTES`, and exactly one writable folder: the private copy of the task
   (bound by the caller);
@@ -24,10 +34,17 @@ What a command in the sandbox gets:
   is a bounded tmpfs (without this, a command parked gigabytes in memory past the `/tmp` bound);
 * the whole command tree's processes and memory (tmpfs pages included) in a cgroup of its own
   (`confined`) where one is writable: per-process rlimits bound neither a fork bomb nor many
-  processes of 1 GiB each, and `RLIMIT_NPROC` is never enforced for host uid 0, which a harness
-  run as root maps the sandbox user to;
-* the work folder's growth (`run_capped(..., workdir=)`: bytes and entries, polled while the command
-  runs): `--fsize` bounds one file, not how many a command writes to the host disk.
+  processes of 1 GiB each;
+* the work folder's growth (`run_capped(..., workdir=)`: bytes and entries, polled every
+  `WATCH_INTERVAL_S` while the command runs): `--fsize` bounds one file, not how many a command
+  writes to the host disk. A command is killed once the folder passes `WORK_BYTES` or `WORK_FILES`,
+  and no further command runs in a folder over them (or holding a folder the caller cannot list):
+  the agent is told so instead. What is left: between two polls a command may still add up to
+  ``DEFAULT_FILE_BYTES`` per file times the files it makes in that time (``fallocate`` makes them in
+  about a millisecond each), so the folder's bytes on disk are bounded by the bounds plus that one
+  overshoot, not by a quota; a hard bound needs a filesystem quota on the traces;
+* no setuid or setgid bit survives a command in the work folder (``settle``, also run by the
+  scorer): the files are the unprivileged user's anyway, but no bit is left for anyone to use.
 """
 
 from __future__ import annotations
@@ -38,24 +55,27 @@ import itertools
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-SANDBOX_UID = 65534
+SANDBOX_UID = 65534                 # the command's uid and gid inside the sandbox
+HOST_UID = 65534                    # bubblewrap's host uid/gid for a root caller (LIGHTNING_SANDBOX_UID=UID[:GID])
 DEFAULT_MEMORY_BYTES = 1 << 30      # address space per command
-DEFAULT_FILE_BYTES = 64 << 20       # largest file a command may write
+DEFAULT_FILE_BYTES = 16 << 20       # largest file a command may write
 DEFAULT_OPEN_FILES = 256
 TMP_BYTES = 256 << 20           # the private /tmp (memory-backed) holds at most this
 MAX_OUTPUT_BYTES = 1 << 20      # of a command's output kept (observation and trajectory)
 SHM_BYTES = 64 << 20            # the private /dev/shm (memory-backed) holds at most this
 DEFAULT_PROCESSES = 512         # tasks (processes and threads) of one command tree (cgroup pids.max)
 TOTAL_MEMORY_BYTES = 2 << 30    # memory of one command tree, its tmpfs pages included (cgroup memory)
-WORK_BYTES = 256 << 20          # the work folder may grow to this many bytes during a command ...
-WORK_FILES = 20_000             # ... and to this many entries
+WORK_BYTES = 256 << 20          # the work folder may hold this many bytes (polled; see the docstring) ...
+WORK_FILES = 20_000             # ... and this many entries
 WATCH_INTERVAL_S = 0.2          # how often run_capped looks at the work folder
+REFUSED = 126                   # run_capped's exit status for a command it did not run (its folder is over them)
 # after every mount (the work folder's bind included): bubblewrap's root tmpfs, writable by the
 # sandbox user and as large as half the RAM, becomes read-only
 SEAL = ["--remount-ro", "/"]
@@ -113,10 +133,11 @@ def bwrap_prefix(python: str | None = None, memory_bytes: int = DEFAULT_MEMORY_B
     argv = [_tool("env"), "-i", _tool("prlimit"), f"--as={memory_bytes}", f"--fsize={file_bytes}",
             f"--nofile={DEFAULT_OPEN_FILES}", "--", _tool("bwrap"),
             "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-            "--die-with-parent", "--new-session", "--clearenv",
+            "--disable-userns", "--die-with-parent", "--new-session", "--clearenv",
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
             "--symlink", "usr/lib64", "/lib64", "--ro-bind-try", "/etc/alternatives", "/etc/alternatives",
-            "--proc", "/proc", "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm",
+            "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
+            "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm",
             "--remount-ro", "/dev", "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
     for root in python_roots(str(exe)):
         argv += ["--ro-bind", root, root]
@@ -149,9 +170,9 @@ def run(command: list[str], workdir: str | Path, timeout: float, python: str | N
     """Run command in the sandbox (see argv), in cgroups of its own where possible (``confined``).
     Raises TimeoutExpired (bubblewrap and all inside are killed)."""
     # (errors="replace": what the model or its module prints need not be UTF-8)
-    with confined() as join:
-        return subprocess.run(join + argv(command, workdir, python, memory_bytes, writable, bind_at), input=stdin,
-                              capture_output=True, text=True, errors="replace", timeout=timeout, check=False)
+    with launch(argv(command, workdir, python, memory_bytes, writable, bind_at)) as full:
+        return subprocess.run(full, input=stdin, capture_output=True, text=True, errors="replace", timeout=timeout,
+                              check=False)
 
 
 def run_capped(argv: list[str], timeout: float, max_bytes: int = MAX_OUTPUT_BYTES,
@@ -161,27 +182,31 @@ def run_capped(argv: list[str], timeout: float, max_bytes: int = MAX_OUTPUT_BYTE
     The output goes to a temporary file, not to memory, and only its first ``max_bytes`` are read:
     a command that prints gigabytes costs the harness what a megabyte does (the sandbox's file-size
     limit ends it at ``DEFAULT_FILE_BYTES``), and neither the observation nor the saved trajectory
-    carries more. Stdin is empty. The command runs in cgroups of its own where possible
-    (``confined``); with ``workdir`` (the writable folder) it is killed once that folder grows past
-    ``WORK_BYTES`` or ``WORK_FILES`` (a note says so in the output)."""
-    with tempfile.TemporaryFile() as out, confined() as join:
-        proc = subprocess.Popen(join + argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    carries more. Stdin is empty. The command runs through ``launch`` (its own cgroups, never as host
+    root); with ``workdir`` (the writable folder) it is killed once that folder grows past
+    ``WORK_BYTES`` or ``WORK_FILES`` (a note says so in the output), and it is not run at all while
+    the folder is already past them, or holds a folder this process cannot list (exit status
+    ``REFUSED``, the output says why)."""
+    if workdir is not None and (over := _over(workdir)):
+        return (f"[not run: {over}; no further command runs in this folder]\n", REFUSED)
+    with tempfile.TemporaryFile() as out, launch(argv) as full:
+        proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         code, over = _wait_watching(proc, timeout, workdir)
         size = out.tell()
         out.seek(0)
         text = out.read(max_bytes).decode("utf-8", errors="replace")
     if size > max_bytes:
         text += f"\n[output cut: {size - max_bytes} more bytes of {size} not shown]\n"
-    if over:
-        text += f"\n[killed: {over}]\n"
+    if over:  # (killed by the watch, or past the bounds by its end, before the next poll)
+        text += f"\n[killed: {over}]\n" if code == -signal.SIGKILL else f"\n[{over}: no further command runs]\n"
     return text, code
 
 
 def _wait_watching(proc: subprocess.Popen, timeout: float, workdir: str | Path | None) -> tuple[int | None, str]:
     """(exit status or None past timeout, why it was killed for its folder or ""), killing proc (bubblewrap:
-    its pid namespace goes with it) on timeout or when workdir grew past its bounds."""
+    its pid namespace goes with it) on timeout or when workdir grew past its bounds. The bounds are fixed
+    (``WORK_BYTES``, ``WORK_FILES``): a folder's own size never raises them."""
     deadline = time.monotonic() + timeout
-    allowed = _allowance(workdir) if workdir is not None else None
     over = ""
     while True:
         try:
@@ -189,39 +214,45 @@ def _wait_watching(proc: subprocess.Popen, timeout: float, workdir: str | Path |
             break
         except subprocess.TimeoutExpired:
             pass
-        if allowed is not None:
-            over = _over(workdir, *allowed)
+        if workdir is not None:
+            over = _over(workdir)
         if over or time.monotonic() >= deadline:
             proc.kill()
             proc.wait()
             code = None if not over else -signal.SIGKILL
             break
-    if allowed is not None and not over:
-        over = _over(workdir, *allowed)
+    if workdir is not None and not over:
+        over = _over(workdir)
     return code, over
 
 
-def _allowance(workdir: str | Path) -> tuple[int, int]:
-    """(bytes, entries) the folder may reach: the bounds, or what it already holds when that is more
-    (a folder over them may still be cleaned up by the next command)."""
-    used, entries = folder_usage(workdir, WORK_FILES + 1)
-    return max(WORK_BYTES, used), max(WORK_FILES, entries)
-
-
-def _over(workdir: str | Path, max_bytes: int, max_entries: int) -> str:
-    used, entries = folder_usage(workdir, max_entries + 1)
-    if used > max_bytes or entries > max_entries:
-        return (f"the work folder grew past {max_bytes} bytes or {max_entries} entries "
+def _over(workdir: str | Path) -> str:
+    """Why the folder is past its bounds (``WORK_BYTES``, ``WORK_FILES``), or "". A folder inside it that
+    this process cannot list (the sandbox user's ``chmod 300``, where the caller is that user) counts
+    as past them: what it holds cannot be counted."""
+    used, entries, hidden = _usage(workdir, WORK_FILES + 1)
+    if hidden:
+        return f"the work folder holds a folder that cannot be listed ({hidden}), so its size cannot be checked"
+    if used > WORK_BYTES or entries > WORK_FILES:
+        return (f"the work folder grew past {WORK_BYTES} bytes or {WORK_FILES} entries "
                 f"(it holds {used} bytes in {entries} entries)")
     return ""
 
 
 def folder_usage(folder: str | Path, max_entries: int) -> tuple[int, int]:
-    """(bytes allocated, entries) under folder, following no symlink; the walk stops after max_entries."""
-    used, entries, stack = 0, 0, [str(folder)]
+    """(bytes allocated, entries) under folder, following no symlink; the walk stops after max_entries.
+    A folder that cannot be listed counts as ``max_entries + 1`` entries (see ``_usage``)."""
+    used, entries, hidden = _usage(folder, max_entries)
+    return used, max(entries, max_entries + 1) if hidden else entries
+
+
+def _usage(folder: str | Path, max_entries: int) -> tuple[int, int, str]:
+    """(bytes allocated, entries, the first folder that could not be listed or "") under folder."""
+    used, entries, stack, hidden = 0, 0, [str(folder)], ""
     while stack and entries <= max_entries:
+        path = stack.pop()
         try:
-            with os.scandir(stack.pop()) as it:
+            with os.scandir(path) as it:
                 for entry in it:
                     entries += 1
                     try:
@@ -232,9 +263,114 @@ def folder_usage(folder: str | Path, max_entries: int) -> tuple[int, int]:
                         continue
                     if entries > max_entries:
                         break
-        except OSError:
+        except FileNotFoundError:  # gone meanwhile
             continue
-    return used, entries
+        except OSError:
+            hidden = hidden or os.path.relpath(path, folder)
+    return used, entries, hidden
+
+
+# -- never host root: the unprivileged host user, its staged folders -----------------------------------
+_STAGE = ('while [ "$1" != -- ]; do mount -n --bind "$1" "$2" || { echo "sandbox: cannot stage $1" >&2; '
+          'exit 125; }; shift 2; done; shift; exec "$@"')
+_UNSTAGED = ("/usr", "/proc/sys")  # bound as they are: readable by every user
+# bubblewrap's options as bwrap_prefix, argv and the harness use them: name -> how many arguments follow
+_BWRAP_ARITY = {"--bind": 2, "--ro-bind": 2, "--ro-bind-try": 2, "--symlink": 2, "--setenv": 2, "--uid": 1,
+                "--gid": 1, "--proc": 1, "--dev": 1, "--size": 1, "--tmpfs": 1, "--remount-ro": 1, "--chdir": 1,
+                "--unshare-all": 0, "--unshare-user": 0, "--disable-userns": 0, "--die-with-parent": 0,
+                "--new-session": 0, "--clearenv": 0}
+
+
+def host_ids() -> tuple[int, int] | None:
+    """(uid, gid) bubblewrap runs as on the host when this process is root, else None (it then runs as
+    this process's user, never root). ``LIGHTNING_SANDBOX_UID=UID[:GID]`` picks them (default 65534)."""
+    if os.geteuid() != 0:
+        return None
+    raw = os.environ.get("LIGHTNING_SANDBOX_UID", "").strip()
+    try:
+        uid, _, gid = raw.partition(":") if raw else (str(HOST_UID), "", str(HOST_UID))
+        ids = int(uid), int(gid or uid)
+    except ValueError:
+        raise SandboxUnavailable(f"LIGHTNING_SANDBOX_UID={raw!r} is not UID or UID:GID") from None
+    if 0 in ids:
+        raise SandboxUnavailable("LIGHTNING_SANDBOX_UID must name an unprivileged uid and gid, not 0")
+    return ids
+
+
+def _binds(argv: list[str]) -> list[tuple[int, str]]:
+    """(index of the source, option) of each bind of bubblewrap's own options in argv."""
+    start = next(i for i, a in enumerate(argv) if Path(a).name == "bwrap") + 1
+    found, i = [], start
+    while i < len(argv) and argv[i] != "--" and argv[i].startswith("-"):  # (the command: after -- or the first word)
+        if argv[i] not in _BWRAP_ARITY:
+            raise ValueError(f"sandbox: bubblewrap option {argv[i]!r} is not known to the launcher (_BWRAP_ARITY)")
+        if argv[i] in ("--bind", "--ro-bind"):
+            found.append((i + 1, argv[i]))
+        i += 1 + _BWRAP_ARITY[argv[i]]
+    return found
+
+
+@contextlib.contextmanager
+def launch(argv: list[str]):
+    """The full argument list that runs a sandbox argv (``env -i ... bwrap ...``): in fresh cgroups
+    (``confined``) and, when this process is root, as the unprivileged ``host_ids`` user. Its folders
+    are then bound, as root, in a private mount namespace (``unshare``) at a staging folder that user
+    can reach, and bubblewrap binds them from there. Before and after the command, each writable
+    folder it binds is ``settle``d (given to that user; no setuid/setgid bit)."""
+    ids = host_ids()
+    writable = [argv[i] for i, opt in _binds(argv) if opt == "--bind"]
+    stage, pairs, staged = None, [], list(argv)
+    try:
+        for folder in writable:
+            settle(folder, ids)
+        if ids is not None:
+            stage = Path(tempfile.mkdtemp(prefix="lightning-stage-"))
+            os.chmod(stage, 0o711)  # (traversed, never listed; the mounts live only in the private namespace)
+            for i, _ in _binds(argv):
+                if argv[i] not in _UNSTAGED:
+                    point = stage / str(len(pairs) // 2)
+                    point.mkdir()
+                    pairs += [argv[i], str(point)]
+                    staged[i] = str(point)
+        with confined() as join:
+            if ids is None:
+                yield join + staged
+            else:
+                yield [*join, _tool("unshare"), "--mount", "--propagation", "private", "--", _tool("sh"), "-c",
+                       _STAGE, "sandbox-stage", *pairs, "--", _tool("setpriv"), f"--reuid={ids[0]}",
+                       f"--regid={ids[1]}", "--clear-groups", "--", *staged]
+    finally:
+        for folder in writable:
+            settle(folder, ids)
+        if stage is not None:
+            for point in pairs[1::2]:
+                with contextlib.suppress(OSError):
+                    os.rmdir(point)  # (never a recursive removal: a live mount would take its folder)
+            with contextlib.suppress(OSError):
+                stage.rmdir()
+
+
+def settle(folder: str | Path, ids: tuple[int, int] | None = None) -> int:
+    """Give everything under folder (itself included, following no symlink) to ``ids`` (uid, gid) when
+    given, and clear every setuid/setgid bit there; returns how many entries changed. Run on the
+    writable folder before and after each command (``launch``) and by the scorer."""
+    changed, stack = 0, [str(folder)]
+    while stack:
+        path = stack.pop()
+        try:
+            st = os.lstat(path)
+            if ids is not None and (st.st_uid, st.st_gid) != ids:
+                os.chown(path, *ids, follow_symlinks=False)
+                changed += 1
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                os.chmod(path, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+                changed += 1
+            if stat.S_ISDIR(st.st_mode):
+                with os.scandir(path) as it:
+                    stack.extend(entry.path for entry in it)
+        except OSError:  # gone meanwhile
+            continue
+    return changed
 
 
 # -- cgroups: the whole command tree's processes and memory -------------------------------------------
@@ -352,4 +488,7 @@ def check(secrets: tuple[Path, ...] = (Path(__file__).resolve().parent,)) -> Non
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise SandboxUnavailable(f"bubblewrap did not run: {exc}") from exc
         if proc.returncode != 0:
-            raise SandboxUnavailable(f"bubblewrap failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
+            ids = host_ids()
+            hint = (f" (run as root, bubblewrap runs as host uid {ids[0]}: the Python installation must be readable "
+                    "by it, and bubblewrap 0.8 or later is needed for --disable-userns)") if ids else ""
+            raise SandboxUnavailable(f"bubblewrap failed ({proc.returncode}): {proc.stderr.strip()[-400:]}{hint}")
