@@ -11,10 +11,11 @@ Protocol, per day folder of a table, under an exclusive ``flock`` on ``ROOT/<tab
 
 1. *finish*: a compacted part whose inputs are still on disk and that is older than ``grace_s``
    has its inputs removed (the step a crash or the grace period left for later);
-2. temporaries of a compaction that was killed (``.compact-*.tmp``) are removed;
+2. temporaries of a compaction that was killed (``.compact-*.tmp``) are removed, and those of a writer
+   killed mid-write (``.part-*.parquet.tmp``) once older than ``WRITER_TMP_AGE_S`` (5 minutes);
 3. readable parts under ``target_bytes / 2`` (and ``raw_bytes / 2`` in memory) that are neither
-   replaced nor waiting for their own inputs to go, named as a footer may name them (``[A-Za-z0-9_.-]``)
-   and typed like the table, are taken in name (= time) order, in batches of
+   replaced nor waiting for their own inputs to go, named as a footer may name them (``[A-Za-z0-9_.-]``),
+   parts of the table (``parts.not_of_table``) and typed like it, are taken in name (= time) order, in batches of
    about ``target_bytes`` (at most ``raw_bytes`` in memory); each batch
    of two or more becomes one part: rows sorted by ``rollout_id`` (stable, so time order within a
    rollout; row-group statistics then prune a query for a few rollouts), written under a hidden
@@ -24,7 +25,8 @@ Protocol, per day folder of a table, under an exclusive ``flock`` on ``ROOT/<tab
 
 A compacted part gets its inputs' access (common permission bits; their owner when run as root), not
 the compacting process's umask. A part whose data turns out damaged is marked corrupt (readers skip
-it too) and the rest of its batch is compacted.
+it too) and the rest of its batch is compacted. A batch whose rows pyarrow refuses to write as the table
+(ArrowInvalid...) stays as it is, with one warning; the other batches and tables go on.
 
 Readers (``schemas.checked.finished_parts``) leave out a part as soon as a compacted part naming it
 exists, so a row is never seen twice; inputs stay readable for ``grace_s`` for readers that listed
@@ -37,9 +39,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import itertools
 import json
 import logging
 import os
+import re
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -50,7 +54,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .checked import _PART_NAME, COMPACTED_FROM, finished_parts, mark_bad, part_error, replaced_parts
-from .parts import RAW_BYTES, plain_root, write_part
+from .parts import RAW_BYTES, not_of_table, plain_root, write_part
 from .tables import TABLES
 
 log = logging.getLogger("lightning.schemas")
@@ -64,6 +68,14 @@ GRACE_S = 30.0  # seconds replaced inputs stay readable for readers that listed 
 ROW_GROUP_BYTES = 1 << 20  # input bytes per row group: small enough that statistics prune well
 LOCK_NAME = ".compact.lock"
 _TMP_PREFIX = ".compact-"
+# a writer's temporary (``.part-*.parquet.tmp``) this old is a killed writer's: a live one renames its
+# temporary within seconds, and one removed under a live writer only makes it write that part again
+WRITER_TMP_AGE_S = 300.0
+_WRITER_TMP = re.compile(r"\.part-[A-Za-z0-9_.-]+\.parquet\.tmp")
+# a compacted part's suffix: ``-c`` + 13 digits of milliseconds (a writer's tag is 8 hex characters, so
+# ``-c`` + 7 of them never matches), the compacting pid and a counter
+_COMPACTED_SUFFIX = re.compile(r"(-c\d{13}-\d+(-\d+)?)+$")
+_names = itertools.count()
 
 
 @dataclasses.dataclass
@@ -137,7 +149,8 @@ def compact_table(
             rep.skipped = "another compaction holds the lock"
             return rep
         rep.files_before = len(finished_parts(root, table)[0])
-        for folder in sorted({p.parent for p in base.glob("**/*.parquet")}):
+        folders = {p.parent for p in base.glob("**/*") if p.name.endswith(".parquet") or _WRITER_TMP.fullmatch(p.name)}
+        for folder in sorted(folders):
             _compact_folder(folder, table, rep, (target_bytes, raw_bytes), grace_s, fsync, step)
         rep.files_after = len(finished_parts(root, table)[0])
     rep.seconds = round(time.monotonic() - t0, 4)
@@ -224,6 +237,7 @@ def _compact_folder(folder: Path, table: str, rep: CompactReport, budget: tuple[
                     fsync: bool, step) -> None:
     for tmp in folder.glob(f"{_TMP_PREFIX}*.tmp"):  # a killed compaction's leftovers (we hold the lock)
         tmp.unlink(missing_ok=True)
+    _remove_writer_leftovers(folder)
     pending = _remove_replaced(folder, grace_s, rep, fsync, step)
     replaced = {folder / n for p in pending for n in replaced_parts(p)}
     # only names a compacted part's footer may list: one named otherwise ("part (1).parquet", a copy) made
@@ -234,8 +248,40 @@ def _compact_folder(folder: Path, table: str, rep: CompactReport, budget: tuple[
              if n < budget[0] // 2 and 0 <= (raw := _raw_size(p, table)) < budget[1] // 2]
     for batch in _batches(small, *budget):
         if len(batch) >= 2:
-            _write_compacted(folder, table, batch, rep, fsync, step)
+            try:
+                _write_compacted(folder, table, batch, rep, fsync, step)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+                # rows the table's schema cannot hold (nulls in a non-nullable column...): this batch stays
+                # as it is (its temporary removed by write_part); the other batches and tables go on
+                _warn_once(("batch", str(batch[0]), str(exc)), "not compacting %d %s parts from %s on: %s: %s",
+                           len(batch), table, batch[0], type(exc).__name__, exc)
     _remove_replaced(folder, grace_s, rep, fsync, step)
+
+
+_warned: set[tuple[str, ...]] = set()  # warnings already given (one per file or batch, not one a round)
+
+
+def _warn_once(key: tuple[str, ...], msg: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+def _remove_writer_leftovers(folder: Path) -> None:
+    """Remove writer temporaries (``.part-*.parquet.tmp``) older than :data:`WRITER_TMP_AGE_S`: a writer
+    killed mid-write (SIGKILL, OOM) leaves one that nothing renames or removes, and a long run's store
+    gathered them for ever. No row is in them: the rows were never acknowledged as written."""
+    now = time.time()
+    for tmp in folder.glob(".part-*.parquet.tmp"):
+        if not _WRITER_TMP.fullmatch(tmp.name):
+            continue
+        try:
+            age = now - tmp.lstat().st_mtime
+            if age > WRITER_TMP_AGE_S:
+                tmp.unlink()
+                log.warning("removed %s: a writer's temporary untouched for %.0f s (a killed writer's)", tmp, age)
+        except OSError:  # gone meanwhile, or not ours to remove: left
+            continue
 
 
 def _batches(parts: list[tuple[Path, tuple[int, int]]], target_bytes: int, raw_bytes: int) -> list[list[Path]]:
@@ -259,7 +305,11 @@ def _raw_size(part: Path, table: str) -> int:
     """The part's rows in memory, as its writer recorded them (never less than its uncompressed column
     data, which counts a repeated dictionary value once); -1 when it cannot join a batch: a column typed
     unlike the table's (another version, another tool) failed the whole batch every round, so none of
-    its parts was ever compacted. Such a part stays as it is (readers read it), with one warning."""
+    its parts was ever compacted. Such a part stays as it is (readers read it), with one warning. A file
+    that is no part of the table (``parts.not_of_table``: no column in common, or lacking one the table
+    never leaves null) stopped every later table's compaction (ArrowInvalid); it stays too, unread."""
+    if not_of_table(part, table):  # warned once there
+        return -1
     md, schema = pq.read_metadata(part), TABLES[table]
     odd = [f.name for f in md.schema.to_arrow_schema()
            if f.name in schema.names and f.type != schema.field(f.name).type]
@@ -317,9 +367,12 @@ def _write_compacted(folder: Path, table: str, batch: list[Path], rep: CompactRe
     expected = sum(pq.read_metadata(p).num_rows for p in batch)
     in_bytes = sum(p.stat().st_size for p in batch)
     rows_per_group = max(256, int(data.num_rows * ROW_GROUP_BYTES / max(in_bytes, 1)))
-    # the first input's name (without an earlier compaction's suffix) keeps the folder in time
-    # order; the suffix makes it unique
-    name = f"{batch[0].stem.split('-c', 1)[0]}-c{int(time.time() * 1000)}-{os.getpid()}.parquet"
+    # the first input's name (without an earlier compaction's suffix) keeps the folder in time order and
+    # is unique among the inputs (a writer's name holds its tag and counter: cutting at the first "-c" cut a
+    # tag starting with "c" with them, so two batches compacted in one millisecond shared a name); the suffix
+    # makes it unique among compactions
+    base = _COMPACTED_SUFFIX.sub("", batch[0].stem) or batch[0].stem
+    name = f"{base}-c{int(time.time() * 1000):013d}-{os.getpid()}-{next(_names)}.parquet"
 
     def check(tmp: Path) -> None:
         written = pq.read_metadata(tmp).num_rows

@@ -386,13 +386,59 @@ def listed_parts(root: str | os.PathLike, table: str, *, attempts: int = 20) -> 
 
     Why: a compaction that commits its part and removes the inputs while a listing runs (grace 0) can
     leave that listing with the inputs gone (skipped) and the compacted part not yet seen: a reader
-    silently missed their rows. A vanished part means the folder changed under the listing.
+    silently missed their rows. A vanished part means the folder changed under the listing. A Parquet
+    file that is not a part of ``table`` (:func:`not_of_table`) is skipped too.
     """
     for _ in range(attempts):
         good, bad = finished_parts(root, table)
         if all(os.path.lexists(p) for p in bad):
             break
+    foreign = [p for p in good if not_of_table(p, table)]  # another table's or tool's file: its rows are not ours
+    if foreign:
+        left_out = set(foreign)
+        good, bad = [p for p in good if p not in left_out], bad + foreign
     return good, bad
+
+
+# path -> (size, mtime_ns, why the file is not a part of its table or None)
+_foreign: dict[str, tuple[int, int, str | None]] = {}
+_foreign_lock = threading.Lock()
+
+
+def not_of_table(part: str | os.PathLike, table: str) -> str | None:
+    """Why the Parquet file ``part`` is not a part of ``table`` (None when it is, or when its footer does not
+    read: :mod:`.checked` says why then): it shares no column with the table, or lacks a column the table
+    never leaves null (``span_id``, ``reward_id``...). Cached by (path, size, mtime); one warning per file.
+
+    Why: such a file in a table's folder (a query result saved with ``lightning-sql -o``, another tool's
+    export) was read as rows of the table with every column NULL, and compacting it raised ArrowInvalid
+    (a non-nullable column holding nulls) every round, which stopped the compaction of every later table
+    and the training step that compacts before each update. It is left out and left in place.
+    """
+    key = str(part)
+    try:
+        st = os.stat(key)
+        with _foreign_lock:
+            hit = _foreign.get(key)
+        if hit is not None and hit[:2] == (st.st_size, st.st_mtime_ns):
+            return hit[2]
+        names = set(pq.read_schema(key).names)
+    except Exception:  # gone, or unreadable: the footer check (checked.part_error) decides about it
+        return None
+    schema = TABLES[table]
+    missing = [f.name for f in schema if not f.nullable and f.name not in names]
+    why = None
+    if not names & set(schema.names):
+        why = f"no column in common with the {table} table"
+    elif missing:
+        why = f"lacks column(s) {', '.join(missing)} that every {table} row has"
+    if why:
+        log.warning("leaving out Parquet file %s: not a %s part (%s); left in place", key, table, why)
+    with _foreign_lock:
+        if len(_foreign) > 1_000_000:
+            _foreign.clear()
+        _foreign[key] = (st.st_size, st.st_mtime_ns, why)
+    return why
 
 
 def read_table(root: str | os.PathLike, table: str, *, attempts: int = 20) -> pa.Table:

@@ -32,8 +32,12 @@ def compact_command(traces_dir, tables, target_mb, grace_s) -> None:
     """
     if target_mb <= 0 or grace_s < 0:
         raise click.UsageError("--target-mb must be positive and --grace-s not negative")
-    reports = compact_store(traces_dir, tables or None, target_bytes=int(target_mb * (1 << 20)),
-                            grace_s=grace_s, wait=True)
+    try:
+        reports = compact_store(traces_dir, tables or None, target_bytes=int(target_mb * (1 << 20)),
+                                grace_s=grace_s, wait=True)
+    except OSError as exc:  # disk full, permissions: what was written stays readable; no row is lost
+        raise click.ClickException(f"compaction stopped: {exc} (the store stays readable as it is; "
+                                   "a later run goes on from there)") from exc
     for name, r in reports.items():
         if r.skipped:
             click.echo(f"{name}: skipped ({r.skipped})")

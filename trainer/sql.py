@@ -247,9 +247,7 @@ def shell(con: duckdb.DuckDBPyConnection, traces_dir: str, fmt: str = "table", m
             if cmd == ".help":
                 out.write(SHELL_HELP.format(views=", ".join(VIEW_NAMES)) + "\n")
             elif cmd == ".tables":
-                define_views(con, traces_dir)
-                counts = [con.sql(f"SELECT count(*) FROM {quote_identifier(v)}").fetchall()[0][0] for v in VIEW_NAMES]
-                render(pa.table({"view": list(VIEW_NAMES), "rows": counts}), fmt, out=out)
+                _shell_tables(con, traces_dir, fmt, out)
             elif cmd == ".schema" and args:
                 _shell_exec(con, f"DESCRIBE {quote_identifier(args[0].rstrip(';'))}", fmt, max_rows, out)
             elif cmd == ".queries":
@@ -268,6 +266,22 @@ def shell(con: duckdb.DuckDBPyConnection, traces_dir: str, fmt: str = "table", m
         if stripped.endswith(";"):
             _shell_exec(con, "\n".join(buf), fmt, max_rows, out, traces_dir)
             buf = []
+
+
+def _shell_tables(con: duckdb.DuckDBPyConnection, traces_dir: str, fmt: str, out) -> None:
+    """``.tables``: every view's row count, past damaged parts like any statement (one bad part made it
+    end the shell with a traceback); an error is printed as one."""
+
+    def counts() -> list[int]:
+        return [con.sql(f"SELECT count(*) FROM {quote_identifier(v)}").fetchall()[0][0] for v in VIEW_NAMES]
+
+    try:
+        define_views(con, traces_dir)
+        rows = past_damaged_parts(counts, lambda: define_views(con, traces_dir))
+    except duckdb.Error as exc:
+        out.write(f"error: {_printable(str(exc))}\n")
+        return
+    render(pa.table({"view": list(VIEW_NAMES), "rows": rows}), fmt, out=out)
 
 
 def _shell_exec(con, sql: str, fmt: str, max_rows: int, out, traces_dir: str | None = None) -> None:

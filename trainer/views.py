@@ -24,7 +24,8 @@ bound later would read both. A long-lived connection calls ``define_views`` agai
 (``lightning-sql``'s shell does before every statement); replaced parts stay on disk for a grace
 period, and :func:`past_damaged_parts` redefines and retries once a listed part is gone.
 A corrupt part file (truncated, damaged footer) is skipped with one warning line naming it
-(``schemas.checked``: checks cached by path, size and mtime).
+(``schemas.checked``: checks cached by path, size and mtime), and so is a Parquet file that is no part
+of its table (``schemas.parts.not_of_table``: a saved query result, another tool's export).
 
 ``connect(TRACES, rollouts=IDS)`` restricts ``spans``, ``rewards`` and ``rollouts_raw`` (and so
 ``calls`` and ``rollouts``) to those rollout ids: the filter reaches the Parquet scans, whose
@@ -42,9 +43,10 @@ from typing import TypeVar
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from ..schemas import TABLES
-from ..schemas.checked import mark_bad
+from ..schemas.checked import mark_bad, part_error
 from ..schemas.parts import listed_parts, plain_root
 from ..schemas.rewards import VERIFIER, precedence_sql, rank_sql
 from ..schemas.states import NO_REWARD, SUCCEEDED
@@ -85,7 +87,8 @@ ROLLOUT_KEYED = ("spans", "rewards", "rollouts")  # tables with a rollout_id col
 def _create_raw_view(con: duckdb.DuckDBPyConnection, root: Path, table: str, view: str,
                      rollouts: list[str] | None = None) -> None:
     schema: pa.Schema = TABLES[table]
-    good, _bad = listed_parts(root, table)  # corrupt or replaced parts: left out
+    good, _bad = listed_parts(root, table)  # corrupt, replaced or foreign parts: left out
+    _remember_listing(root, table, good)
     sources = []
     for f in good:
         name = _part_source(f)
@@ -265,8 +268,10 @@ def _part_in_error(message: str) -> str | None:
 
 
 def past_damaged_parts(run: Callable[[], T], redefine: Callable[[], object], *, attempts: int = 100) -> T:
-    """``run()``; when DuckDB fails on a part whose footer read fine but whose data is damaged (the
-    error names the file), mark it corrupt (one warning), ``redefine()`` the views and run again.
+    """``run()``; when DuckDB fails on a part whose footer read fine but whose data is damaged, mark it
+    corrupt (one warning), ``redefine()`` the views and run again. The part is the file the error names;
+    an error naming none ("Out of buffer", "dictionary offset out of range") has the parts the views were
+    last defined on read whole with pyarrow (:func:`_damaged_listed_parts`, slow: only then).
 
     Why: :func:`finished_parts` checks footers only (cheap); a damaged data page shows up only
     when a query reads it. Same policy then: skip the file, keep it on disk, go on.
@@ -277,6 +282,12 @@ def past_damaged_parts(run: Callable[[], T], redefine: Callable[[], object], *, 
             return run()
         except duckdb.Error as exc:
             path = _part_in_error(str(exc))
+            if path is None and len(seen) < attempts:
+                found = _damaged_listed_parts(exc)
+                if found:
+                    seen.update(found)
+                    redefine()
+                    continue
             if path is None or path in seen or len(seen) >= attempts:
                 raise
             seen.add(path)
@@ -287,3 +298,71 @@ def past_damaged_parts(run: Callable[[], T], redefine: Callable[[], object], *, 
 
 
 VIEW_NAMES = ("spans", "rewards", "rollouts_raw", "calls", "rollouts", "samples", "metrics")
+
+
+# (root, table) -> the parts its views were last defined on (any connection of this process); bounded
+_listings: dict[tuple[str, str], tuple[Path, ...]] = {}
+_MAX_LISTINGS = 64
+_verified: dict[str, tuple[int, int]] = {}  # parts pyarrow read whole: path -> (size, mtime_ns) then
+# errors of the statement itself, not of the data it read: reading every part would find nothing
+_NOT_DATA = (duckdb.ParserException, duckdb.SyntaxException, duckdb.BinderException, duckdb.CatalogException,
+             duckdb.InterruptException, duckdb.OutOfMemoryException, duckdb.TransactionException,
+             duckdb.ConstraintException, duckdb.PermissionException)
+
+
+def _remember_listing(root: Path, table: str, parts: list[Path]) -> None:
+    key = (str(root), table)
+    _listings.pop(key, None)
+    _listings[key] = tuple(parts)
+    while len(_listings) > _MAX_LISTINGS:
+        _listings.pop(next(iter(_listings)))
+
+
+def _damaged_listed_parts(exc: duckdb.Error) -> list[str]:
+    """The parts the views were last defined on that pyarrow cannot read whole, each marked corrupt (one
+    warning naming it and DuckDB's error). Parts read whole before (same size and mtime) are not read again.
+
+    Why: DuckDB fails on some damaged data pages with an error naming no file ("Out of buffer", "Parquet
+    file is likely corrupted, dictionary offset out of range", "don't know what type"), so the part could
+    not be skipped and one damaged file failed every query and sample build of the store.
+    """
+    if isinstance(exc, _NOT_DATA):
+        return []
+    found = []
+    for parts in list(_listings.values()):
+        for part in parts:
+            key = str(part)
+            try:
+                st = os.stat(key)
+            except OSError:  # gone since (compaction): the retry lists again
+                continue
+            if _verified.get(key) == (st.st_size, st.st_mtime_ns) or part_error(key):
+                continue
+            why = _read_whole(key)
+            if why is None:
+                if len(_verified) > 1_000_000:
+                    _verified.clear()
+                _verified[key] = (st.st_size, st.st_mtime_ns)
+            elif why:  # one line, control characters escaped: the texts quote the damaged bytes
+                text = " ".join(f"{type(exc).__name__}: {str(exc)[:200]}; reading it whole: {why}".split())
+                mark_bad(key, ascii(text)[1:-1])
+                found.append(key)
+    return found
+
+
+def _read_whole(path: str) -> str | None:
+    """Why pyarrow cannot read every row group of ``path`` ('' when the system refused it for now:
+    not the file's fault), None when it reads."""
+    try:
+        with pq.ParquetFile(path) as pf:
+            for i in range(pf.num_row_groups):
+                pf.read_row_group(i)
+    except MemoryError:
+        raise
+    except OSError as exc:
+        if exc.errno is not None:  # EMFILE, EACCES, EIO...: tried again another time
+            return ""
+        return f"{type(exc).__name__}: {exc}"[:300]
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:300]
+    return None
