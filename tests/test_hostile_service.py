@@ -150,8 +150,10 @@ def exit_status(folder: Path) -> str:
 
 
 def commands_in(folder: Path) -> list[int]:
-    """Pids of processes running a sandboxed command bound to folder/repo (bubblewrap's argument list)."""
-    needle = f"\0--bind\0{(folder / 'repo').resolve()}\0".encode()
+    """Pids of processes running a sandboxed command in folder/repo (bubblewrap's ``--bind SOURCE repo
+    --chdir repo``; the source is a staging folder when the harness is root)."""
+    repo = (folder / "repo").resolve()
+    needle = f"\0{repo}\0--chdir\0{repo}\0".encode()
     pids = []
     for entry in os.scandir("/proc"):
         try:
