@@ -283,11 +283,14 @@ def stop_reason(choice: dict, stop: Any, tool_used: bool = False, tool_complete:
 
 
 def _is_json(text: Any) -> bool:
+    """Whether a tool call's arguments are a whole JSON text (a call cut short is not)."""
+    if not isinstance(text, str):
+        return False
     try:
-        json.loads(text) if isinstance(text, str) else None
+        json.loads(text)
     except (ValueError, RecursionError):
         return False
-    return isinstance(text, str)
+    return True
 
 
 def _count(value: Any) -> int:
