@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.dataset  # noqa: F401  (pq.read_table imports it on first use; a proxy that dropped its
 import pyarrow.parquet as pq  # privileges or lost its environment since would take every part for corrupt)
 
-from .checked import finished_parts, mark_bad
+from .checked import UNKNOWN, finished_parts, mark_bad, recall, remember
 from .salvage import encode_rows
 from .tables import SCHEMA_VERSION, TABLES
 
@@ -400,11 +400,6 @@ def listed_parts(root: str | os.PathLike, table: str, *, attempts: int = 20) -> 
     return good, bad
 
 
-# path -> (size, mtime_ns, why the file is not a part of its table or None)
-_foreign: dict[str, tuple[int, int, str | None]] = {}
-_foreign_lock = threading.Lock()
-
-
 def not_of_table(part: str | os.PathLike, table: str) -> str | None:
     """Why the Parquet file ``part`` is not a part of ``table`` (None when it is, or when its footer does not
     read: :mod:`.checked` says why then): it shares no column with the table, or lacks a column the table
@@ -415,13 +410,12 @@ def not_of_table(part: str | os.PathLike, table: str) -> str | None:
     (a non-nullable column holding nulls) every round, which stopped the compaction of every later table
     and the training step that compacts before each update. It is left out and left in place.
     """
-    key = str(part)
+    key, check = str(part), f"part of {table}"
     try:
         st = os.stat(key)
-        with _foreign_lock:
-            hit = _foreign.get(key)
-        if hit is not None and hit[:2] == (st.st_size, st.st_mtime_ns):
-            return hit[2]
+        known = recall(key, st, check)
+        if known is not UNKNOWN:
+            return known
         names = set(pq.read_schema(key).names)
     except Exception:  # gone, or unreadable: the footer check (checked.part_error) decides about it
         return None
@@ -434,11 +428,7 @@ def not_of_table(part: str | os.PathLike, table: str) -> str | None:
         why = f"lacks column(s) {', '.join(missing)} that every {table} row has"
     if why:
         log.warning("leaving out Parquet file %s: not a %s part (%s); left in place", key, table, why)
-    with _foreign_lock:
-        if len(_foreign) > 1_000_000:
-            _foreign.clear()
-        _foreign[key] = (st.st_size, st.st_mtime_ns, why)
-    return why
+    return remember(key, st, check, why)
 
 
 def read_table(root: str | os.PathLike, table: str, *, attempts: int = 20) -> pa.Table:

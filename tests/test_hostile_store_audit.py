@@ -213,6 +213,26 @@ def test_readers_do_not_take_a_foreign_file_for_rows_of_the_table(tmp_path):
     assert tokens in finished_parts(root, "spans")[0]  # the footer reads: a reader leaves it out by its columns
 
 
+def test_a_file_replaced_in_place_is_judged_again_by_every_check(tmp_path):
+    """The readers keep their per-file verdicts (footer, part of the table, read whole) in one cache keyed
+    by size and mtime: a foreign or damaged file replaced by a good part under the same name is read."""
+    from lightning_harness.schemas.parts import listed_parts
+
+    root, tokens, _fix = _foreign_store(tmp_path / "t")
+    bad = _files(root, "spans")[0]
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # truncated: its footer is gone
+    good, skipped = listed_parts(root, "spans")
+    assert len(good) == 2 and set(skipped) == {bad, tokens}
+    for path, rollout_id in ((tokens, "r7"), (bad, "r8")):  # a good part written where each was
+        write_part(pa.Table.from_pylist([span(rollout_id, 0, [1, 2], [3])], schema=TABLES["spans"]), path,
+                   {}, fsync=False)
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # a new version even on a coarse clock
+    good, skipped = listed_parts(root, "spans")
+    assert set(good) >= {tokens, bad} and skipped == []
+    assert sorted(r for (r,) in connect(root).sql("SELECT rollout_id FROM spans").fetchall()) == [
+        "r1", "r2", "r7", "r8"]
+
+
 def test_a_batch_that_cannot_be_written_leaves_its_parts_and_the_rest_goes_on(tmp_path, monkeypatch, caplog):
     """Rows pyarrow refuses to write as the table (ArrowInvalid: before the foreign-file check, nulls in
     a non-nullable column): that batch's parts stay as they are, other folders and tables are compacted."""

@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..schemas import TABLES
-from ..schemas.checked import mark_bad, part_error
+from ..schemas.checked import mark_bad, part_error, recall, remember
 from ..schemas.parts import listed_parts, plain_root
 from ..schemas.rewards import VERIFIER, precedence_sql, rank_sql
 from ..schemas.states import NO_REWARD, SUCCEEDED
@@ -303,7 +303,6 @@ VIEW_NAMES = ("spans", "rewards", "rollouts_raw", "calls", "rollouts", "samples"
 # (root, table) -> the parts its views were last defined on (any connection of this process); bounded
 _listings: dict[tuple[str, str], tuple[Path, ...]] = {}
 _MAX_LISTINGS = 64
-_verified: dict[str, tuple[int, int]] = {}  # parts pyarrow read whole: path -> (size, mtime_ns) then
 # errors of the statement itself, not of the data it read: reading every part would find nothing
 _NOT_DATA = (duckdb.ParserException, duckdb.SyntaxException, duckdb.BinderException, duckdb.CatalogException,
              duckdb.InterruptException, duckdb.OutOfMemoryException, duckdb.TransactionException,
@@ -336,13 +335,11 @@ def _damaged_listed_parts(exc: duckdb.Error) -> list[str]:
                 st = os.stat(key)
             except OSError:  # gone since (compaction): the retry lists again
                 continue
-            if _verified.get(key) == (st.st_size, st.st_mtime_ns) or part_error(key):
+            if recall(key, st, "read whole") is True or part_error(key):
                 continue
             why = _read_whole(key)
             if why is None:
-                if len(_verified) > 1_000_000:
-                    _verified.clear()
-                _verified[key] = (st.st_size, st.st_mtime_ns)
+                remember(key, st, "read whole", True)
             elif why:  # one line, control characters escaped: the texts quote the damaged bytes
                 text = " ".join(f"{type(exc).__name__}: {str(exc)[:200]}; reading it whole: {why}".split())
                 mark_bad(key, ascii(text)[1:-1])
