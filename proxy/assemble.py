@@ -65,8 +65,9 @@ class ResponsesAssembler:
 
     Not a clean answer (``error``): an ``error`` event, any event with a top-level ``error`` (the
     openai client raises on one), a failed response, a final event whose response failed or was
-    cancelled, or one without a response object. After the final event, other events'
-    ``response`` objects do not replace it (the client keeps the final one)."""
+    cancelled, or one without a response object. The first final event ends the answer: what a
+    hostile upstream sends after it (more output, another final event) never changes it, as the
+    client keeps that one (Codex stops reading there); only an error among it still counts."""
 
     def __init__(self) -> None:
         self.response: dict[str, Any] | None = None
@@ -81,13 +82,15 @@ class ResponsesAssembler:
         resp = event.get("response")  # (the relay's own parse: its filters rewrite another copy)
         if kind in ("error", "response.failed") or event.get("error"):
             self._fail(resp if isinstance(resp, dict) else event, event.get("message", kind))
+        if self.finished:
+            return
         if kind in RESPONSE_END:
             self.finished = True
             if not isinstance(resp, dict):
                 self._fail({}, f"{kind} without its response object")
             elif resp.get("status") in FAILED_STATUSES or resp.get("error"):
                 self._fail(resp, f"{kind} with a response whose status is {resp.get('status')!r}")
-        if isinstance(resp, dict) and (kind in RESPONSE_END or not self.finished):
+        if isinstance(resp, dict):
             self.response = resp
         if kind == "response.output_item.done" and isinstance(event.get("item"), dict):
             self.items[int(event.get("output_index") or 0)] = event["item"]
@@ -165,13 +168,19 @@ def _materialize(acc: dict) -> dict:
 
 
 class StreamAssembler:
-    """Folds ``chat.completion.chunk`` / ``text_completion`` chunks into one completion object."""
+    """Folds ``chat.completion.chunk`` / ``text_completion`` chunks into one completion object.
+
+    A choice ends with its ``finish_reason`` chunk, and the usage with the first one given once every
+    choice has ended (that chunk's own, or vLLM's usage-only chunk right after it): what a hostile
+    upstream sends after them (more content or token ids, another final chunk) is no part of the
+    answer the client kept (one may stop reading there), so it changes nothing; an error still counts."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.head: dict[str, Any] = {}
         self.choices: dict[int, dict[str, Any]] = {}
         self.usage: dict | None = None
+        self.usage_final = False  # the usage of the whole answer is in: later ones are ignored
         self.prompt_token_ids: list | None = None
         self.head_missing = ["id", "created", "model", "system_fingerprint"]
         self.chunks = 0
@@ -186,12 +195,13 @@ class StreamAssembler:
                 self.head[key] = chunk[key]
                 self.head_missing.remove(key)
         get = chunk.get
-        if get("usage"):
-            self.usage = chunk["usage"]
         if self.prompt_token_ids is None and get("prompt_token_ids") is not None:
             self.prompt_token_ids = chunk["prompt_token_ids"]
         for ch in get("choices") or ():
             self._add_choice(ch)
+        if get("usage") and not self.usage_final:
+            self.usage = chunk["usage"]
+            self.usage_final = self.finished
 
     def _add_choice(self, ch: dict) -> None:
         get = ch.get
@@ -199,6 +209,8 @@ class StreamAssembler:
         acc = self.choices.get(idx)
         if acc is None:
             acc = self.choices[idx] = {"index": idx}
+        elif "finish_reason" in acc:  # the choice has ended: nothing after its final chunk is part of it
+            return
         if get("finish_reason") is not None:  # (two plain lookups: this runs once per event)
             acc["finish_reason"] = ch["finish_reason"]
         if get("stop_reason") is not None:

@@ -229,6 +229,8 @@ class SSERelay:
             return None
 
     def _hold(self, event: bytes | dict) -> None:
+        if self.done:  # an event after [DONE] is none of the answer's: the clients stop reading there
+            return
         self.pending.append(event)
         if len(self.pending) >= self.SETTLE_EVERY:
             self.settle()

@@ -329,6 +329,30 @@ def test_assemblers_know_a_finished_stream():
     assert resp.finished
 
 
+def test_a_chat_choice_ends_with_its_final_chunk():
+    """What a hostile upstream sends for a choice after its finish_reason chunk (more text and ids,
+    another finish reason) was added to it, and a later usage replaced the answer's; another
+    choice still going, the usage-only chunk vLLM sends after the last final chunk, and an error
+    chunk (the answer is no clean one) still count."""
+    from lightning_harness.proxy.assemble import StreamAssembler, token_fields
+
+    def chunk(i, content, ids, finish=None, **extra):
+        return {"choices": [{"index": i, "delta": {"content": content}, "token_ids": ids, "finish_reason": finish}],
+                **extra}
+
+    asm = StreamAssembler("chat.completions")
+    for c in [chunk(0, "a", [1]), chunk(1, "x", [7]), chunk(0, "b", [2], "stop"), chunk(0, "LATE", [9], "length"),
+              chunk(1, "y", [8], "length"), {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 4}},
+              chunk(0, "AGAIN", [9], usage={"prompt_tokens": 99, "completion_tokens": 99})]:
+        asm.add(c)
+    out = asm.result()
+    assert [(ch["message"]["content"], ch["token_ids"], ch["finish_reason"]) for ch in out["choices"]] == [
+        ("ab", [1, 2], "stop"), ("xy", [7, 8], "length")]
+    assert token_fields(out, "chat.completions")["prompt_tokens"] == 4 and asm.error is None
+    asm.add({"error": {"message": "engine died"}})
+    assert "engine died" in asm.error
+
+
 def test_hostile_answer_fields_do_not_reach_the_columns():
     from lightning_harness.proxy.assemble import StreamAssembler, token_fields
 

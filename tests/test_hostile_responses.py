@@ -101,14 +101,28 @@ def test_a_stream_ended_by_done_without_its_final_event_holds_no_token_ids(rprox
         as_chat("responses", json.loads(got["request_json"]), json.loads(got["response_json"]), strict=True)
 
 
+def _late_response() -> dict:
+    """Another whole answer, with other text and token ids, that a hostile upstream sends after the first."""
+    late = _response()
+    late["output"][0]["content"][0]["text"] = "LATE"
+    late["output_messages"][0]["tokens"] = [999]
+    return late
+
+
 def test_events_after_the_final_event_do_not_replace_its_answer(rproxy, upstream):
     """A ``response.in_progress`` event after ``response.completed`` replaced the recorded answer:
-    the client kept the completed one, the span an empty in-progress object."""
+    the client kept the completed one, the span an empty in-progress object. A second
+    ``response.completed`` (another answer, other token ids) replaced it too."""
     late = _event({"type": "response.in_progress", "response": {"id": "resp_1", "status": "in_progress", "output": []}})
     _, got = _call(rproxy, upstream, "r-late", [*START, _event({"type": "response.completed", "response": _response()}),
                                                 late])
     assert got["error_kind"] is None and got["response_token_ids"] == ANSWER_IDS
     assert json.loads(got["response_json"])["status"] == "completed"
+    first, again = (_event({"type": "response.completed", "response": a}) for a in (_response(), _late_response()))
+    r, got = _call(rproxy, upstream, "r-again", [*START, first, again])
+    assert r.text.count("response.completed") == 4 and "LATE" in r.text  # (relayed as upstream sent them)
+    assert (got["error_kind"], got["response_token_ids"]) == (None, ANSWER_IDS)
+    assert json.loads(got["response_json"]) == _response()
 
 
 # -- token fields of a Responses object -------------------------------------------------------------

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import queue
+import ssl
+import time
+
 import httpx
 import openai
 import pytest
 from conftest import free_port
 from fixtures_proxy import StubServer, read_spans
+from test_hostile_anthropic import ScriptedUpstream
+from test_hostile_responses import ANSWER_IDS, START, _event, _late_response, _response
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -167,3 +174,160 @@ def test_hung_upstream_times_out(tmp_path, make_proxy):
         assert p.control.state()["in_flight"] == 0
     finally:
         slow.stop()
+
+
+# -- an upstream that goes on after its final event ----------------------------------------------------
+TAIL_S = 20  # how long it goes on when nobody stops it
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class TailUpstream(ScriptedUpstream):
+    """A hostile upstream: sends ``events`` (up to its final event), then the ``tail`` events over
+    and over (each one HTTP chunk, right behind the final event) for up to TAIL_S. ``cut`` gets
+    how long it went on before the proxy closed the connection (None: it never did)."""
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+        self.tail: list[bytes] = []
+        self.cut: queue.Queue = queue.Queue()
+        super().__init__()
+
+    def _answer(self, conn) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for event in self.events:
+            conn.sendall(_chunk(event))
+        start = time.monotonic()
+        try:
+            while time.monotonic() - start < TAIL_S:
+                for event in self.tail:
+                    conn.sendall(_chunk(event))
+                time.sleep(0.02)
+            conn.sendall(b"0\r\n\r\n")
+        except OSError:
+            self.cut.put(time.monotonic() - start)
+        else:
+            self.cut.put(None)
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _chat(delta: dict, ids: list[int], finish: str | None = None, **extra) -> bytes:
+    """A vLLM chat chunk with its token ids."""
+    return _sse({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "token_ids": ids}],
+                 **extra})
+
+
+CHAT_ANSWER = [_chat({"role": "assistant", "content": ""}, [], prompt_token_ids=[1, 2, 3]),
+               _chat({"content": "w0 "}, [100]),
+               _chat({"content": "w1"}, [101], "stop", usage={"prompt_tokens": 3, "completion_tokens": 2})]
+CHAT_TAIL = [_chat({"content": " LATE"}, [999]),  # more content, another final event (other usage), [DONE]
+             _chat({"content": " AGAIN"}, [998], "length", usage={"prompt_tokens": 7, "completion_tokens": 9}),
+             b"data: [DONE]\n\n"]
+
+
+RESPONSES_ANSWER = [*START, _event({"type": "response.completed", "response": _response()})]
+RESPONSES_TAIL = [_event({"type": "response.output_text.delta", "delta": " LATE", "output_index": 0,
+                          "content_index": 0}),
+                  _event({"type": "response.completed", "response": _late_response()}), b"data: [DONE]\n\n"]
+
+
+class H2First(ssl.SSLContext):
+    """ALPN with h2 offered first, as Codex (Rust) offers it: mitmproxy takes the client's first choice."""
+
+    def set_alpn_protocols(self, protocols):
+        super().set_alpn_protocols(sorted(protocols, key=lambda p: p != "h2"))
+
+
+def _read_until_final(env: dict, path: str, body: dict, final: str, http2: bool) -> tuple[str, list[str]]:
+    """Stream a call and close it (HTTP/1.1) or reset its stream (HTTP/2) once the data line holding
+    ``final`` is in, as Codex does; returns the HTTP version and the data lines read."""
+    if http2:
+        ctx = H2First(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.load_verify_locations(cafile=env["SSL_CERT_FILE"])
+        client = httpx.Client(http2=True, verify=ctx, proxy=env["HTTPS_PROXY"], trust_env=False, timeout=60)
+        url = "https://api.openai.com/v1" + path
+    else:
+        client, url = httpx.Client(trust_env=False, timeout=60), env["OPENAI_BASE_URL"] + path
+    lines = []
+    with client, client.stream("POST", url, json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                lines.append(line)
+                if final in line.replace(" ", ""):
+                    break
+    return r.http_version, lines
+
+
+def _answer_of(span: dict, api: str) -> tuple:
+    """What a span recorded of the answer: (error, status, token ids, finish reason, usage, text)."""
+    obj = json.loads(span["response_json"])
+    text = obj["choices"][0]["message"]["content"] if api == "chat" else obj["output"][0]["content"][0]["text"]
+    return (span["error_kind"], span["status_code"], span["response_token_ids"], span["finish_reason"],
+            span["prompt_tokens"], span["completion_tokens"], text)
+
+
+FIRST_ANSWER = {"chat": (None, 200, [100, 101], "stop", 3, 2, "w0 w1"),
+                "responses": (None, 200, ANSWER_IDS, "stop", 6, 3, "hi there")}
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["http1", "http2"])
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_client_gone_after_the_final_event_gets_the_first_answer_recorded_once(make_proxy, api, http2):
+    """A hostile upstream sends its final event and goes on streaming right behind it (more content,
+    another final event with other token ids and usage, [DONE]), and the harness leaves once it has
+    the final event (Codex resets its HTTP/2 stream). The span held the answer mixed with what came
+    after (chat: "w0 w1 LATE AGAIN", finish_reason length, the second usage; Responses: the second
+    answer's text and token ids): now the first answer only. The proxy closes the upstream
+    connection (no stream left running, no hang) and records the call once."""
+    up = TailUpstream()
+    try:
+        p = make_proxy(upstreams=[up.url])
+        if api == "chat":
+            up.events, up.tail = CHAT_ANSWER, CHAT_TAIL
+            path, body, final = "/chat/completions", {**BODY, "stream": True}, '"finish_reason":"stop"'
+        else:
+            up.events, up.tail = RESPONSES_ANSWER, RESPONSES_TAIL
+            path, body, final = "/responses", {"model": "m", "input": "hello", "stream": True}, "response.completed"
+        version, lines = _read_until_final(p.env_for(api), path, body, final, http2)
+        assert version == ("HTTP/2" if http2 else "HTTP/1.1") and "LATE" not in "".join(lines)
+        (span,) = _poll_spans(p, 1)
+        assert _answer_of(span, api) == FIRST_ANSWER[api] and span["error"] is None, span["error"]
+        if api == "responses":
+            assert json.loads(span["response_json"]) == _response()
+        cut = up.cut.get(timeout=TAIL_S + 30)
+        assert cut is not None and cut < 10, f"the upstream kept streaming {cut} s after the client left"
+        time.sleep(1)
+        assert len(read_spans(p)) == 1 and p.control.state()["in_flight"] == 0
+    finally:
+        up.close()
+
+
+def test_chat_content_after_the_final_chunk_is_relayed_but_not_recorded(make_proxy):
+    """A client that reads on past the final chunk gets what the upstream sent after it, as sent;
+    the span keeps the answer the final chunk ended (it had the late content, token ids, finish
+    reason and usage mixed in). Content after a ``[DONE]`` that came without a finish reason is
+    no part of the answer either (the openai clients stop reading at ``[DONE]``)."""
+    up = ScriptedUpstream()
+    try:
+        p = make_proxy(upstreams=[up.url])
+        url = p.env_for("stays")["OPENAI_BASE_URL"] + "/chat/completions"
+        up.sse([*CHAT_ANSWER, *CHAT_TAIL])
+        with httpx.Client(trust_env=False, timeout=60) as c:
+            r = c.post(url, json={**BODY, "stream": True})
+        assert r.text.count("finish_reason") == 5 and " LATE" in r.text and " AGAIN" in r.text
+        (span,) = read_spans(p)
+        assert _answer_of(span, "chat") == FIRST_ANSWER["chat"], span["error"]
+        up.sse([*CHAT_ANSWER[:2], b"data: [DONE]\n\n", *CHAT_TAIL])
+        with httpx.Client(trust_env=False, timeout=60) as c:
+            r = c.post(p.env_for("done")["OPENAI_BASE_URL"] + "/chat/completions", json={**BODY, "stream": True})
+        assert " LATE" in r.text
+        (span,) = [s for s in read_spans(p) if s["rollout_id"] == "done"]
+        assert _answer_of(span, "chat") == (None, 200, [100], None, 3, 1, "w0 "), span["error"]
+    finally:
+        up.close()

@@ -231,8 +231,11 @@ class Capture:
     @staticmethod
     def _whole(call: Call) -> bool:
         """Whether the stream so far holds its final event (a Responses stream only with
-        ``response.completed`` or the like: ``[DONE]`` alone gave the client no response)."""
+        ``response.completed`` or the like: ``[DONE]`` alone gave the client no response). Settles
+        the relay (it hands events over in batches), so the error hook can ask before it assembles
+        the answer, and leave that to the response hook for a whole stream (assembled once)."""
         relay, asm = call.sse
+        relay.settle()
         return asm.finished if call.endpoint == RESPONSES else (relay.done or asm.finished)
 
     def _body_result(self, call: Call, resp: http.Response) -> tuple[str | None, str | None, str | None]:
@@ -269,13 +272,13 @@ class Capture:
         if call is None or call.kind != MODEL or call.done:
             return
         msg = flow.error.msg if flow.error else "unknown error"
-        response_json = self._streamed_json(call) if call.sse is not None else None
         refused = flow.metadata.get(REFUSED)
         if refused is None and call.seq is not None and call.sse is not None and flow.response is not None \
                 and self._whole(call):
             # the harness read the final event, then closed the connection or reset the stream (an
             # HTTP/2 client such as Codex resets it then): the answer is whole, the call is not an error
             return self.response(flow)
+        response_json = self._streamed_json(call) if call.sse is not None else None
         if refused is not None and call.seq is None:  # cut off by the limits addon, body never read
             self._start(call)
             kind, msg, status = refused
