@@ -10,19 +10,23 @@ stream ``message_start``, ``content_block_start/delta/stop``..., ``message_delta
 The mapping (one definition, shared by the proxy and by the samples builder, which renders these
 calls through the chat template from the recorded Messages request):
 - ``system`` (text or text blocks) -> a leading system message (blocks joined with nothing, empty
-  ones and Claude Code's ``x-anthropic-billing-header`` block left out, as vLLM's own
-  ``/v1/messages`` does);
-- user/assistant ``text`` blocks -> the message's text (non-empty blocks joined with ``"\\n"``, as
-  vLLM renders a list of text parts for a template that takes text; a user turn with no content
-  is left out); ``image`` blocks -> ``image_url`` parts;
+  ones and Claude Code's ``x-anthropic-billing-header`` block left out, none when nothing is left, as
+  vLLM's own ``/v1/messages`` does); a ``system`` turn in ``messages`` (a vLLM extension) -> a system
+  message in its place;
+- user/assistant blocks -> the message vLLM's ``/v1/messages`` builds: one ``text`` block as the
+  content string, several (or an ``image``, as an ``image_url`` part) as the list of parts (empty
+  text blocks left out; a turn with no part has no content, a user turn like that is left out);
+  ``thinking`` blocks -> ``reasoning`` (joined with nothing; ``redacted_thinking`` left out);
 - assistant ``tool_use`` -> ``tool_calls`` (arguments = ``json.dumps(input)``);
 - user ``tool_result`` -> ``tool`` messages (before the user's remaining text); the images of a
   result -> a user message of ``image_url`` parts after it;
-- a last ``assistant`` message (a prefill) -> ``continue_final_message`` (the answer continues it);
-- ``tools`` -> functions (``input_schema`` -> ``parameters``); ``tool_choice`` auto/any/tool/none ->
-  auto/required/named/none; ``stop_sequences`` -> ``stop``; ``output_config`` ``format`` ->
-  ``response_format`` (JSON schema) and ``effort`` -> ``reasoning_effort``; ``thinking`` blocks and
-  the ``thinking`` setting are dropped;
+- a last ``assistant`` message (a prefill) -> ``continue_final_message`` (the answer continues it,
+  as on Anthropic's API; vLLM's endpoint answers in a new turn after it);
+- ``tools`` -> functions (``input_schema``, required, -> ``parameters``; ``strict``,
+  ``defer_loading`` kept); ``tool_choice`` auto/any/tool/none -> auto/required/named/none;
+  ``stop_sequences`` -> ``stop``; ``output_config`` ``format`` -> ``response_format`` (JSON schema)
+  and ``effort`` -> ``reasoning_effort``; ``thinking`` enabled -> ``thinking_token_budget``,
+  disabled -> ``reasoning_effort: "none"``, adaptive -> nothing;
 - other fields that are not Messages fields (vLLM extensions sent as extra body) pass through.
 A body that breaks the Messages rules gets :class:`MessagesError` (the proxy answers 400 in the
 Anthropic error shape), never a guess.
@@ -63,20 +67,31 @@ class MessagesError(ValueError):
 
 
 # -- request --------------------------------------------------------------------------------
-def _system(value: Any) -> str:
-    """The ``system`` value as one string: vLLM's ``/v1/messages`` joins the blocks with nothing and
-    leaves out empty ones and the billing header (its chat renderer would drop that line too)."""
+def _system(value: Any, where: str = "system") -> str:
+    """A system value as one string: vLLM's ``/v1/messages`` joins the blocks with nothing and leaves
+    out empty ones and the billing header (its chat renderer would drop that line too)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise MessagesError("system: expected a string or a list of text blocks")
+        raise MessagesError(f"{where}: expected a string or a list of text blocks")
     parts = []
     for i, block in enumerate(value):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise MessagesError(f"system[{i}]: expected a text block")
+            raise MessagesError(f"{where}[{i}]: expected a text block")
         if block["text"] and not block["text"].startswith(BILLING_HEADER):
             parts.append(block["text"])
     return "".join(parts)
+
+
+def _system_turn(content: Any, where: str) -> list[dict]:
+    """A ``system`` turn inside ``messages`` (a vLLM extension, for mid-conversation instructions) as
+    a system message in its place, as vLLM's ``/v1/messages`` sends it to a template that takes a
+    system message anywhere (the proxy cannot see whether the engine's template does); left out when
+    it has no text (or is the billing header)."""
+    text = _system(content, f"{where}.content")
+    if isinstance(content, str) and text.startswith(BILLING_HEADER):
+        text = ""  # (a string turn that is the header is left out whole, as vLLM does)
+    return [{"role": "system", "content": text}] if text else []
 
 
 def _image_part(block: dict, where: str) -> dict:
@@ -123,56 +138,97 @@ def _tool_messages(block: dict, where: str) -> list[dict]:
     return out + ([{"role": "user", "content": images}] if images else [])
 
 
+def _block(block: Any, role: str, at: str, out: dict) -> None:
+    """One content block of a user or assistant turn into ``out`` (``parts``, ``reasoning``,
+    ``calls``, ``tools``: the ``tool`` messages that go before the turn)."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind == "text" and isinstance(block.get("text"), str):
+        if block["text"]:  # an empty block adds nothing (vLLM leaves it out)
+            out["parts"].append({"type": "text", "text": block["text"]})
+    elif kind == "image":
+        out["parts"].append(_image_part(block, at))
+    elif kind == "tool_use" and role == "assistant":
+        out["calls"].append(_tool_call(block, at))
+    elif kind == "tool_result" and role == "user":
+        out["tools"].extend(_tool_messages(block, at))
+    elif kind == "thinking" and role == "assistant" and block.get("thinking") is None:
+        return  # nothing to render (vLLM skips it)
+    elif kind == "thinking" and role == "assistant" and isinstance(block["thinking"], str):
+        out["reasoning"].append(block["thinking"])
+    elif kind == "redacted_thinking" and role == "assistant":
+        return  # opaque: not rendered back into the prompt (as vLLM does)
+    else:
+        raise MessagesError(f"{at}: content block of type {kind!r} is not supported here")
+
+
 def _message(msg: Any, i: int) -> list[dict]:
-    """One Messages turn as the chat messages it renders like."""
+    """One Messages turn as the chat messages vLLM's ``/v1/messages`` builds for it: its tool results
+    first, then the turn with ``reasoning`` (its thinking blocks joined), ``tool_calls`` and
+    ``content``: one text block as a string, several blocks (or an image) as the list of parts, which
+    vLLM's chat renderer hands a template that iterates over content parts as they are; no
+    ``content`` when the turn has no block that renders (a user turn like that is left out)."""
     where = f"messages[{i}]"
-    if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
-        raise MessagesError(f"{where}: expected an object with role 'user' or 'assistant'")
+    if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant", "system"):
+        raise MessagesError(f"{where}: expected an object with role 'user', 'assistant' or 'system'")
     role, content = msg["role"], msg.get("content")
+    if role == "system":
+        return _system_turn(content, where)
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise MessagesError(f"{where}.content: expected a string or a list of content blocks")
-    parts, calls, tools, images = [], [], [], False
+    out: dict[str, list] = {"parts": [], "reasoning": [], "calls": [], "tools": []}
     for j, block in enumerate(content):
-        at = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            if block["text"]:  # an empty block adds nothing (vLLM leaves it out)
-                parts.append({"type": "text", "text": block["text"]})
-        elif kind == "image":
-            parts.append(_image_part(block, at))
-            images = True
-        elif kind == "tool_use" and role == "assistant":
-            calls.append(_tool_call(block, at))
-        elif kind == "tool_result" and role == "user":
-            tools.extend(_tool_messages(block, at))
-        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-            continue  # not rendered back into the prompt
-        else:
-            raise MessagesError(f"{at}: content block of type {kind!r} is not supported here")
-    out = list(tools)
-    if parts or calls or (role == "assistant" and not tools):  # a user turn with nothing in it is left out
-        # chat content: one string (texts joined), or the list of parts when there are images
-        chat = {"role": role, "content": parts if images else "\n".join(p["text"] for p in parts)}
-        if calls:
-            chat["tool_calls"] = calls
-        out.append(chat)
-    return out
+        _block(block, role, f"{where}.content[{j}]", out)
+    chat: dict[str, Any] = {"role": role}
+    if out["reasoning"]:
+        chat["reasoning"] = "".join(out["reasoning"])
+    if out["calls"]:
+        chat["tool_calls"] = out["calls"]
+    parts = out["parts"]
+    if parts:
+        chat["content"] = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
+    return out["tools"] + ([chat] if role == "assistant" or "content" in chat else [])
 
 
 def _tools(tools: Any) -> list[dict]:
+    """Custom tools as chat functions, as vLLM's ``/v1/messages`` reads them: ``input_schema`` is
+    required (an object; one without ``type`` gets ``"type": "object"``), ``strict`` and
+    ``defer_loading`` are kept."""
     if not isinstance(tools, list):
         raise MessagesError("tools: expected a list")
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") not in (None, "custom") or not isinstance(t.get("name"), str):
             raise MessagesError(f"tools[{i}]: only custom tools (name, description, input_schema) are supported here")
-        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
-        if isinstance(t.get("description"), str):
-            fn["description"] = t["description"]
+        schema = t.get("input_schema")
+        if not isinstance(schema, dict):
+            raise MessagesError(f"tools[{i}].input_schema: an object (JSON schema) is required")
+        fn = {"name": t["name"], "parameters": schema if "type" in schema else {**schema, "type": "object"}}
+        for key in ("description", "strict", "defer_loading"):
+            if t.get(key) is not None:
+                fn[key] = t[key]
         out.append({"type": "function", "function": fn})
     return out
+
+
+def _thinking(thinking: Any, max_tokens: int) -> dict:
+    """The chat fields of ``thinking``, as vLLM's ``/v1/messages`` sets them: ``enabled`` is a
+    thinking budget (``thinking_token_budget``: the engine ends the reasoning there; it needs a
+    reasoning parser), ``disabled`` the reasoning effort ``none`` (a template's ``enable_thinking``
+    false), ``adaptive`` nothing. Its rules: a budget of at least 1024 tokens, below ``max_tokens``."""
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "adaptive":
+        return {}
+    if kind == "disabled":
+        return {"reasoning_effort": "none"}
+    if kind != "enabled":
+        raise MessagesError("thinking: expected {'type': 'enabled', 'budget_tokens': ...}, 'disabled' or 'adaptive'")
+    budget = thinking.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1024 <= budget < max_tokens:
+        raise MessagesError("thinking.budget_tokens: an integer of at least 1024 and less than max_tokens is required")
+    return {"thinking_token_budget": budget}
+
 
 
 def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
@@ -219,8 +275,9 @@ def to_chat(req: Any) -> dict:
     if not isinstance(req.get("messages"), list):
         raise MessagesError("messages: a list is required")
     messages = []
-    if req.get("system") is not None:
-        messages.append({"role": "system", "content": _system(req["system"])})
+    system = _system(req["system"]) if req.get("system") is not None else ""
+    if system:  # an empty system (or only empty blocks) adds no system message, as in vLLM's endpoint
+        messages.append({"role": "system", "content": system})
     for i, msg in enumerate(req["messages"]):
         messages.extend(_message(msg, i))
     chat: dict[str, Any] = {k: v for k, v in req.items() if k not in _MESSAGES_FIELDS}
@@ -245,6 +302,8 @@ def to_chat(req: Any) -> dict:
         if parallel is not None:
             chat["parallel_tool_calls"] = parallel
     chat.update(_output_config(req.get("output_config")))
+    if req.get("thinking") is not None:  # after the effort: disabled thinking overrides it, as in vLLM
+        chat.update(_thinking(req["thinking"], max_tokens))
     if req.get("stream"):
         chat["stream"] = True
         # usage on every chunk: message_start can then say how long the prompt is

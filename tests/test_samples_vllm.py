@@ -166,3 +166,55 @@ def test_the_rebuilt_prompt_shows_tools_as_vllm_hands_them_to_the_template(tool)
     want = ChatCompletionToolsParam.model_validate(tool).model_dump()
     got = _tool_as_engine_reads(tool)
     assert got == want and list(got["function"]) == list(want["function"])
+
+
+CONTENT_TEMPLATES = {  # (template source, how vLLM 0.32 hands it content)
+    "text": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    "parts": "{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}",
+    "parts_of_a_slice": "{% for m in messages[1:] %}{% for p in m.content | list %}{{ p }}{% endfor %}{% endfor %}",
+    "parts_by_alias": "{% set ms = messages %}{% for m in ms %}{% set content = m.content %}"
+                      "{% for p in content %}{{ p }}{% endfor %}{% endfor %}",
+    "parts_in_a_macro": "{% macro show(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+                        "{% for m in messages %}{{ show(m.content) }}{% endfor %}",
+    "a_macro_not_given_content": "{% macro show(content) %}{% for p in content %}{{ p }}{% endfor %}{% endmacro %}"
+                                 "{% for m in messages %}{{ m.content }}{% endfor %}",
+    "other_loops": "{% for m in messages %}{% for c in m.tool_calls %}{{ c }}{% endfor %}{{ m.content }}{% endfor %}",
+    "generation_tags": "{% for m in messages %}{% generation %}{% for p in m.content %}{{ p.text }}{% endfor %}"
+                       "{% endgeneration %}{% endfor %}",
+    "unparsable": "{% for m in messages %}{{ m.content ",
+}
+
+
+@pytest.mark.parametrize("name", list(CONTENT_TEMPLATES))
+def test_the_rebuilt_prompt_hands_content_to_the_template_as_vllm_does(name):
+    """vLLM hands a template that loops over a message's content the list of parts, any other the
+    texts joined with newlines (a Messages turn of several text blocks now reaches it as parts): the
+    samples builder must read the template the same way, or such calls drift."""
+    from vllm.renderers.hf import _detect_content_format
+
+    from lightning_harness.trainer.samples import _template_content_format
+
+    template = CONTENT_TEMPLATES[name]
+    assert _template_content_format(template) == _detect_content_format(template, default="string")
+
+
+def test_a_chat_call_is_rebuilt_as_vllm_renders_its_messages(make_proxy, vllm_engine, tiny_model_dir, openai_from_env,
+                                                             tmp_path):
+    """A chat harness's history with content parts, an assistant turn with only a tool call (content
+    null) and reasoning: vLLM renders the parts joined with newlines for a template that takes text
+    and a null content as empty; the rebuilt prompt must too (it raised: the calls went unchecked)."""
+    traces = tmp_path / "traces"
+    p = make_proxy(traces_dir=traces, upstreams=[vllm_engine.url], served_model=vllm_engine.served_name)
+    client = openai_from_env(p.env_for("parts"))
+    call = {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"expr":"2+3"}'}}
+    client.chat.completions.create(model="policy", max_tokens=3, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "2+"}, {"type": "text", "text": "3="}]},
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning": "add"},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "5"}]},
+        {"role": "user", "content": "so?"}])
+    p.control.reward("parts", 0, 1.0)
+    p.control.flush()
+    from lightning_harness.trainer.samples import build_samples
+
+    _, stats = build_samples(traces, tokenizer=str(tiny_model_dir), group_by="'all'")
+    assert (stats["drift_checked"], stats["drift_prompt"], stats["drift_response"]) == (1, 0, 0)

@@ -18,7 +18,10 @@ Retokenisation: a span without token ids (an upstream that does not return them)
 ``request_json``/``response_json`` with the tokenizer's chat template when ``tokenizer`` is given
 (flagged ``retokenized``; its logprobs are NaN unless the response carried per-token logprobs of the
 same length: the update must recompute them). Messages and Responses calls are first put in their
-chat form by ``proxy.assemble.as_chat`` (the code that knows those formats). Without a tokenizer
+chat form by ``proxy.assemble.as_chat`` (the code that knows those formats). The messages reach the
+template as vLLM 0.32's chat renderer hands them (``_as_engine_reads``: content as text or as parts,
+by vLLM's reading of the template; reasoning under both names; tool call arguments as objects; the
+reasoning effort), so the rebuilt prompt is the engine's. Without a tokenizer
 such calls are dropped and counted; the next call then usually still merges (its prompt contains
 the dropped exchange, which becomes masked context). Where ids exist and a tokenizer is given,
 ``drift_check`` spans are also retokenised and compared, and the drift is reported (prompt: ids
@@ -51,6 +54,7 @@ measures the whole.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -150,12 +154,17 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def _template_kwargs(req: dict) -> dict[str, Any]:
-    """What the engine rendered the chat template with besides the messages: the tools and the
+    """What the engine rendered the chat template with besides the messages: the tools, the
     request's ``chat_template_kwargs`` (``enable_thinking: false`` changes the prompt), less any that
-    would override how this function renders."""
+    would override how this function renders, and its ``reasoning_effort`` as vLLM 0.32 adds it."""
     extra = req.get("chat_template_kwargs")
     kw = {k: v for k, v in extra.items() if isinstance(k, str) and k not in _RENDER_KEYS} \
         if isinstance(extra, dict) else {}
+    effort = req.get("reasoning_effort")
+    if effort is not None:  # vLLM hands it to the template, and thinking on unless "none" (a Messages
+        kw["reasoning_effort"] = effort  # call's output_config.effort, or thinking disabled)
+        if not (isinstance(extra, dict) and "enable_thinking" in extra):
+            kw["enable_thinking"] = effort != "none"
     if req.get("tools"):
         kw["tools"] = [_tool_as_engine_reads(t) for t in req["tools"]] if isinstance(req["tools"], list) \
             else req["tools"]
@@ -179,13 +188,167 @@ def _tool_as_engine_reads(tool: Any) -> Any:
     return {"type": "function", "function": out, **({"defer_loading": defer} if defer is not None else {})}
 
 
-def _as_engine_reads(messages: Any) -> Any:
-    """``messages`` as vLLM's chat renderer (0.32) hands them to the template: a system text (or text
-    part) starting with Claude Code's billing header loses that first line (a per-request hash)."""
+def _as_engine_reads(messages: Any, content_format: str = "string") -> Any:
+    """``messages`` as vLLM's chat renderer (0.32, ``chat_utils.parse_chat_messages``) hands them to
+    the template: a system text (or text part) starting with Claude Code's billing header loses that
+    first line (a per-request hash); each message goes through :func:`_engine_message`."""
     if not isinstance(messages, list):
         return messages
-    return [{**m, "content": _without_billing_header(m.get("content"))}
-            if isinstance(m, dict) and m.get("role") == "system" else m for m in messages]
+    return [_engine_message({**m, "content": _without_billing_header(m.get("content"))}
+                            if isinstance(m, dict) and m.get("role") == "system" else m, content_format)
+            for m in messages]
+
+
+def _engine_message(message: Any, content_format: str) -> Any:
+    """One chat message as vLLM hands it to the template: its content as :func:`_engine_content`
+    gives it (a tool message's texts always joined: vLLM's templates take a tool result as text), an
+    assistant's ``reasoning`` (or the older ``reasoning_content``) under both names, as a template
+    may read either (a Messages turn's thinking blocks arrive as ``reasoning``), its tool calls'
+    arguments as objects."""
+    if not isinstance(message, dict):
+        return message
+    role = message.get("role")
+    out = {**message, "content": _engine_content(message.get("content"),
+                                                 "string" if role == "tool" else content_format)}
+    if role == "assistant":
+        reasoning = message.get("reasoning")
+        reasoning = message.get("reasoning_content") if reasoning is None else reasoning
+        out.pop("reasoning", None)
+        out.pop("reasoning_content", None)
+        if reasoning is not None:
+            out["reasoning"] = out["reasoning_content"] = reasoning
+        if isinstance(out.get("tool_calls"), list):
+            out["tool_calls"] = [_engine_tool_call(c) for c in out["tool_calls"]]
+            if not out["tool_calls"]:
+                del out["tool_calls"]  # (vLLM drops an empty list: the template's plain assistant path)
+    return out
+
+
+def _engine_tool_call(call: Any) -> Any:
+    """A tool call as vLLM hands it to the template: its arguments a JSON object (``{}`` where they are
+    empty, not JSON or not an object): a template that writes them as JSON shows vLLM's spelling."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict):
+        return call
+    args = fn.get("arguments")
+    if isinstance(args, str) and args:
+        try:
+            args = json.loads(args)
+        except (ValueError, RecursionError):
+            args = None
+    return {**call, "function": {**fn, "arguments": args if isinstance(args, dict) else {}}}
+
+
+def _engine_content(content: Any, content_format: str) -> Any:
+    """A message's content as vLLM's renderer passes it: for a ``string`` template the texts joined
+    with newlines (none: ``""``), for an ``openai`` one (it iterates over the parts) the list of
+    parts (a string is one text part). Content with other parts (images) is left as it is: vLLM
+    puts the model's placeholders there, which only the engine knows."""
+    if content is None:
+        content = []
+    if isinstance(content, str):
+        return content if content_format == "string" else [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        return content
+    parts = [{"type": "text", "text": p} if isinstance(p, str) else p for p in content]
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        return content
+    return "\n".join(p["text"] for p in parts) if content_format == "string" else parts
+
+
+def _content_format(tokenizer: Any, tools: Any) -> str:
+    """How vLLM hands content to this tokenizer's chat template (``--chat-template-content-format
+    auto``): ``openai`` (the list of parts) where the template loops over a message's content, else
+    ``string``. The template is the one the tokenizer picks for these tools, as vLLM picks it."""
+    try:
+        template = tokenizer.get_chat_template(None, tools or None)
+    except Exception:  # no template (apply_chat_template then says so) or an older tokenizer class
+        template = getattr(tokenizer, "chat_template", None)
+    return _template_content_format(template) if isinstance(template, str) else "string"
+
+
+@functools.lru_cache(maxsize=32)
+def _template_content_format(template: str) -> str:
+    """``openai`` or ``string`` for a template's source, by vLLM 0.32's rule (renderers/hf.py
+    ``_detect_content_format``): a ``for`` loop over ``<message>.content`` (a message being a loop
+    variable over ``messages`` or a name set from it), over a name ``content`` outside macros, or, in a
+    macro, over a parameter that a call passes a message's content to. Unparsable: ``string``."""
+    from jinja2 import nodes
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        root = _compile_jinja_template(template).environment.parse(template)
+    except Exception:
+        return "string"
+    messages = _names_bound_to(root, "messages")
+    items = {loop.target.name for loop in root.find_all(nodes.For)
+             if isinstance(loop.target, nodes.Name) and any(_reads(loop.iter, m) for m in messages)}
+    params: dict[int, set[str]] = {}
+    in_macro: set[int] = set()
+    for macro in root.find_all(nodes.Macro):
+        passed = _content_params(root, macro, items)
+        for loop in macro.find_all(nodes.For):
+            in_macro.add(id(loop))
+            if passed:
+                params[id(loop)] = passed
+    for loop in root.find_all(nodes.For):
+        it = loop.iter
+        if any(_reads(it, m, "content") for m in items) or isinstance(it, nodes.Name) and (
+                it.name in params.get(id(loop), ()) or id(loop) not in in_macro and it.name == "content"):
+            return "openai"
+    return "string"
+
+
+def _reads(node: Any, name: str, key: str | None = None) -> bool:
+    """Whether a template expression reads the variable ``name`` (its item ``key`` when given),
+    through filters, tests and slices (``messages[1:]``, ``message.content | list``)."""
+    from jinja2 import nodes
+
+    while isinstance(node, (nodes.Filter, nodes.Test)) or (
+            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)):
+        node = node.node
+    if key is not None:
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == key:
+            node = node.node
+        elif isinstance(node, nodes.Getattr) and node.attr == key:
+            node = node.node
+        else:
+            return False
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+
+
+def _names_bound_to(root: Any, name: str) -> set[str]:
+    """``name`` and every name a template sets from it, or from such a name (``{% set m = messages %}``)."""
+    from jinja2 import nodes
+
+    names, queue = {name}, [name]
+    while queue:
+        current = queue.pop()
+        for assign in root.find_all(nodes.Assign):
+            target = assign.target
+            if isinstance(target, nodes.Name) and target.name not in names and _reads(assign.node, current):
+                names.add(target.name)
+                queue.append(target.name)
+    return names
+
+
+def _content_params(root: Any, macro: Any, items: set[str]) -> set[str]:
+    """The parameters of ``macro`` that a call passes a message's content to (by position or name)."""
+    from jinja2 import nodes
+
+    names = [a.name for a in macro.args]
+    out = set()
+    for call in root.find_all(nodes.Call):
+        if not (isinstance(call.node, nodes.Name) and call.node.name == macro.name):
+            continue
+        for i, arg in enumerate(call.args[:len(names)]):
+            if any(_reads(arg, m, "content") for m in items):
+                out.add(names[i])
+        for kw in call.kwargs:
+            if kw.key in names and any(_reads(kw.value, m, "content") for m in items):
+                out.add(kw.key)
+    return out
 
 
 def _without_billing_header(content: Any) -> Any:
@@ -231,30 +394,7 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     choice = (resp.get("choices") or [{}])[0]
     logprobs = token_fields(resp, CHAT)["response_logprobs"]  # read as the proxy reads an answer
     if "messages" in req:
-        if req.get("include_reasoning") is False:  # the engine generated reasoning the answer does not show
-            raise ValueError("include_reasoning: false hides tokens the model generated; its answer cannot be rebuilt")
-        messages = _as_engine_reads(req["messages"])
-        kw = _template_kwargs(req)
-        last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
-        # a prefill (an Anthropic call's last assistant message): the answer continues it, in its turn
-        prefill = bool(req.get("continue_final_message")) and last.get("role") == "assistant" and isinstance(
-            last.get("content"), str)
-        prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
-                                                    **({"continue_final_message": True} if prefill else {}), **kw)
-        prompt = _encode(tokenizer, prompt_text)
-        msg = {"role": "assistant", **{k: v for k, v in (choice.get("message") or {}).items() if v is not None}}
-        done = messages[:-1] + [{**msg, "content": last["content"] + str(msg.get("content") or "")}] if prefill \
-            else messages + [msg]
-        full_text = tokenizer.apply_chat_template(done, tokenize=False, add_generation_prompt=False, **kw)
-        if full_text.startswith(prompt_text):
-            response = _encode(tokenizer, full_text[len(prompt_text):])
-            eos = tokenizer.eos_token_id
-            if eos is not None and eos in response:  # what follows the end-of-turn token (a
-                response = response[: response.index(eos) + 1]  # newline) the model never generated
-        else:
-            response = _encode(tokenizer, msg.get("content") or "")
-            if tokenizer.eos_token_id is not None:
-                response.append(int(tokenizer.eos_token_id))
+        prompt, response = _rebuild_chat(tokenizer, req, choice)
     else:
         p = req.get("prompt", "")
         if isinstance(p, list) and p and isinstance(p[0], list):
@@ -267,6 +407,58 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     if logprobs is not None and not _spelled_alike(tokenizer, _logprob_tokens(choice), response):
         logprobs = None  # the engine's logprobs belong to other tokens than the rebuilt ones
     return prompt, response, logprobs
+
+
+def _rebuild_chat(tokenizer: Any, req: dict, choice: dict) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids) of a chat call: the messages rendered as vLLM rendered them (see
+    :func:`_as_engine_reads`), with the generation prompt, and the answer as what the template adds
+    when the assistant message is appended (it ends with the end-of-turn token), or its content's
+    tokens plus EOS when the template cannot be split that way. A request with
+    ``continue_final_message`` (a Messages prefill) is rendered as the engine did: the last
+    assistant message left open, the answer continuing it."""
+    if req.get("include_reasoning") is False:  # the engine generated reasoning the answer does not show
+        raise ValueError("include_reasoning: false hides tokens the model generated; its answer cannot be rebuilt")
+    kw = _template_kwargs(req)
+    content_format = _content_format(tokenizer, kw.get("tools"))
+    messages = _as_engine_reads(req["messages"], content_format)
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    # a prefill (an Anthropic call's last assistant message): the answer continues it, in its turn
+    prefill = bool(req.get("continue_final_message")) and last.get("role") == "assistant" and isinstance(
+        last.get("content"), (str, list))
+    prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
+                                                **({"continue_final_message": True} if prefill else {}), **kw)
+    prompt = _encode(tokenizer, prompt_text)
+    answer = {k: v for k, v in (choice.get("message") or {}).items() if v is not None}
+    # the answer's text as text (not a part a template may decorate): the tokens the model generated
+    msg = _engine_message({"role": "assistant", **answer}, "string")
+    done = messages[:-1] + [_continued(last, msg, str(answer.get("content") or ""))] if prefill \
+        else messages + [msg]
+    full_text = tokenizer.apply_chat_template(done, tokenize=False, add_generation_prompt=False, **kw)
+    if full_text.startswith(prompt_text):
+        response = _encode(tokenizer, full_text[len(prompt_text):])
+        eos = tokenizer.eos_token_id
+        if eos is not None and eos in response:  # what follows the end-of-turn token (a
+            response = response[: response.index(eos) + 1]  # newline) the model never generated
+    else:
+        response = _encode(tokenizer, answer.get("content") or "")
+        if tokenizer.eos_token_id is not None:
+            response.append(int(tokenizer.eos_token_id))
+    return prompt, response
+
+
+def _continued(prefill: dict, answer: dict, text: str) -> dict:
+    """The answer message of a prefilled call: the prefill's content with the answer's text after it
+    (after its last text part, where the content is a list of parts: where the engine continued)."""
+    content = prefill.get("content")
+    if isinstance(content, str):
+        return {**answer, "content": content + text}
+    parts = list(content)
+    texts = [i for i, part in enumerate(parts) if isinstance(part, dict) and part.get("type") == "text"]
+    at = texts[-1] if texts else None
+    if at is None:
+        return {**answer, "content": parts + [{"type": "text", "text": text}]}
+    parts[at] = {**parts[at], "text": str(parts[at].get("text") or "") + text}
+    return {**answer, "content": parts}
 
 
 def _logprob_tokens(choice: dict) -> list | None:
