@@ -8,7 +8,7 @@ doc string per field; every Parquet file carries ``lightning.schema_version`` an
 
 from .checked import finished_parts
 from .compact import CompactReport, compact_store, compact_table
-from .parts import BufferFull, PartWriter, read_table
+from .parts import BufferFull, PartWriter, listed_parts, read_table
 from .tables import (
     METRICS,
     REWARDS,
@@ -35,5 +35,6 @@ __all__ = [
     "PartWriter",
     "describe",
     "finished_parts",
+    "listed_parts",
     "read_table",
 ]

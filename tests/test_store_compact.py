@@ -113,6 +113,21 @@ def test_replaced_parts_stay_for_the_grace_period_but_are_never_read_twice(tmp_p
                               lambda: define_views(stale, root)) == [(36,)]
 
 
+
+def test_a_plain_reader_handed_the_listed_parts_reads_no_row_twice_in_the_grace_period(tmp_path):
+    """docs/SQL.md's recipe for DuckDB, pandas or polars without the views: a glob counts the compacted
+    rows twice while the replaced parts wait out their grace period; the listed parts do not."""
+    import duckdb
+
+    from lightning_harness.schemas import listed_parts
+
+    root = small_store(tmp_path / "t")
+    compact_table(root, "spans", grace_s=60)
+    glob = duckdb.sql(f"SELECT count(*) FROM read_parquet('{root}/spans/**/*.parquet')").fetchall()[0][0]
+    listed = [str(p) for p in listed_parts(root, "spans")[0]]
+    assert glob == 72 and duckdb.sql(f"SELECT count(*) FROM read_parquet({listed})").fetchall()[0][0] == 36
+
+
 @pytest.mark.parametrize("stage", ["written", "committed", "removed"])
 def test_an_injected_failure_at_any_step_loses_and_duplicates_nothing(tmp_path, stage):
     root = small_store(tmp_path / "t")
