@@ -447,11 +447,17 @@ class EventTranslator:
     Reasoning deltas open a ``thinking`` block, text deltas a ``text`` block, each tool call a
     ``tool_use`` block (its argument pieces are ``input_json_delta``); a block is stopped when the
     next kind starts or the answer ends.
-    ``finish()`` (on ``[DONE]``) closes with ``message_delta`` (stop reason, output tokens) and
-    ``message_stop``; a stream that ends without it gets an ``error`` event instead. After an
-    ``error`` event nothing more is sent (the client stops there). ``on_error(text)`` hears of an
-    upstream error event and of a chunk that could not be translated, so the span says the answer
-    failed (its token ids go on past what the client accepted).
+    The answer ends as the span's does (``StreamAssembler``): choice 0 with its ``finish_reason``
+    chunk, the usage with the first one given once every choice has ended (that chunk's own, or
+    vLLM's usage-only chunk after it). Then ``message_delta`` (stop reason, output tokens) and
+    ``message_stop`` go out, and what a hostile upstream sends after them (more deltas, another
+    final chunk or usage) is not translated: the client and the span keep the same answer. Only an
+    error still counts (the span says so too): an ``error`` event. ``finish()`` (on ``[DONE]``)
+    ends an answer still open; ``end()`` (the upstream stream is over) ends one whose choices all
+    ended, and gives any other an ``error`` event. After an ``error`` event nothing more is sent
+    (the client stops there). ``on_error(text)`` hears of an upstream error event and of a chunk
+    that could not be translated, so the span says the answer failed (its token ids go on past
+    what the client accepted).
     """
 
     def __init__(self, model: str | None, stop: Any = None, on_error=None) -> None:
@@ -459,45 +465,67 @@ class EventTranslator:
         self.stop = stop
         self.on_error = on_error
         self.started = self.finished = False
+        self.stopped = False  # message_stop sent: only an error event may follow
         self.block: tuple[str, int] | None = None  # ('text', -1) or ('tool', call index) now open
         self.tool_args: list[str] | None = None  # the last tool call's argument pieces (None: no call)
         self.index = -1  # content block index
         self.choice: dict = {}
-        self.usage: dict = {}
+        self.ended: dict[Any, bool] = {}  # each choice seen: whether its final chunk came
+        self.usage: Any = {}
+        self.usage_final = False  # the usage of the whole answer is in: later ones are ignored
 
     def chunk(self, obj: dict) -> Iterator[bytes]:
         if self.finished:
             return
-        if isinstance(obj.get("error"), dict) or obj.get("object") == "error":
+        if obj.get("error") is not None or obj.get("object") == "error":  # (as the span's assembler reads it)
             message = error_from(500, obj, None)["error"]["message"]
             yield from self.fail(message, report=stream_error(obj, message))
             return
-        if isinstance(obj.get("usage"), dict):
-            self.usage = obj["usage"]
+        if self.stopped:  # the answer has ended: nothing after it is part of it
+            return
         if not self.started:
             yield from self._start(obj)
         for ch in _list(obj.get("choices")):
-            if not isinstance(ch, dict) or ch.get("index", 0) != 0:
-                continue
-            delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if isinstance(reasoning, str) and reasoning:  # as to_message keeps it: a thinking block first
-                yield from self._open(("thinking", -1), {"type": "thinking", "thinking": "", "signature": ""})
-                yield self._delta({"type": "thinking_delta", "thinking": reasoning})
-            if isinstance(delta.get("content"), str) and delta["content"]:
-                yield from self._open(("text", -1), {"type": "text", "text": ""})
-                yield self._delta({"type": "text_delta", "text": delta["content"]})
-            for tc in _list(delta.get("tool_calls")):
-                yield from self._tool_piece(tc)
-            for key in ("finish_reason", "stop_reason"):
-                if ch.get(key) is not None:
-                    self.choice[key] = ch[key]
+            if isinstance(ch, dict):
+                yield from self._choice(ch)
+        if obj.get("usage") and not self.usage_final:
+            self.usage = obj["usage"]
+            self.usage_final = self._all_ended()
+        if self.ended.get(0) and self.usage_final:
+            yield from self._stop()
+
+    def _all_ended(self) -> bool:
+        """Every choice seen has had its final chunk (``StreamAssembler.finished``)."""
+        return bool(self.ended) and all(self.ended.values())
+
+    def _choice(self, ch: dict) -> Iterator[bytes]:
+        """One choice of a chunk: choice 0's deltas as events, up to and with its final chunk; the
+        end of every choice is noted (the usage is the answer's once all have ended)."""
+        idx = ch.get("index", 0)
+        if self.ended.get(idx):  # the choice has ended: nothing after its final chunk is part of it
+            return
+        self.ended[idx] = ch.get("finish_reason") is not None
+        if idx != 0:
+            return
+        delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:  # as to_message keeps it: a thinking block first
+            yield from self._open(("thinking", -1), {"type": "thinking", "thinking": "", "signature": ""})
+            yield self._delta({"type": "thinking_delta", "thinking": reasoning})
+        if isinstance(delta.get("content"), str) and delta["content"]:
+            yield from self._open(("text", -1), {"type": "text", "text": ""})
+            yield self._delta({"type": "text_delta", "text": delta["content"]})
+        for tc in _list(delta.get("tool_calls")):
+            yield from self._tool_piece(tc)
+        for key in ("finish_reason", "stop_reason"):
+            if ch.get(key) is not None:
+                self.choice[key] = ch[key]
 
     def _start(self, obj: dict) -> Iterator[bytes]:
         self.started = True
         message = {"id": message_id(obj.get("id")), "type": "message", "role": "assistant",
                    "model": self.model or _str(obj.get("model")), "content": [], "stop_reason": None,
-                   "stop_sequence": None, "usage": {**_usage(self.usage), "output_tokens": 0}}
+                   "stop_sequence": None, "usage": {**_usage(obj.get("usage")), "output_tokens": 0}}
         yield sse_event("message_start", {"type": "message_start", "message": message})
 
     def _tool_piece(self, tc: Any) -> Iterator[bytes]:
@@ -530,12 +558,28 @@ class EventTranslator:
         return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
 
     def finish(self) -> Iterator[bytes]:
+        """``[DONE]``: the answer ends here if it has not yet (nothing after ``[DONE]`` counts)."""
         if self.finished:
+            return
+        yield from self._stop()
+        self.finished = True
+
+    def end(self) -> Iterator[bytes]:
+        """The upstream stream is over: an answer whose choices all ended is whole (the span says
+        so too, ``[DONE]`` or not); any other was cut short, and gets an ``error`` event."""
+        if self.stopped or self._all_ended():
+            yield from self.finish()
+        else:
+            yield from self.fail("the upstream event stream ended before the answer was complete")
+
+    def _stop(self) -> Iterator[bytes]:
+        """``message_delta`` (stop reason, usage) and ``message_stop``, once."""
+        if self.stopped:
             return
         if not self.started:
             yield from self._start({})
         yield from self._close()
-        self.finished = True
+        self.stopped = True
         used = self.tool_args is not None
         reason, sequence = stop_reason(self.choice, self.stop, tool_used=used,
                                        tool_complete=used and _is_json("".join(self.tool_args)))
@@ -561,7 +605,9 @@ class EventStream:
     Messages events for it: installed around capture's relay as ``flow.response.stream``. Returns a
     list (never ``b""``) while nothing is ready, like the relay. An event longer than ``max_event``
     (the relay's bound, which it then stops parsing at) ends the answer with an ``error`` event, and
-    once the answer has ended nothing more is kept: memory stays bounded as the relay's does."""
+    once the stream has ended (an ``error`` event or ``[DONE]``) nothing more is kept: memory stays
+    bounded as the relay's does. Between ``message_stop`` and then, events are still read, one at a
+    time, for an error among them."""
 
     def __init__(self, inner, translator: EventTranslator, max_event: int | None = None) -> None:
         self.inner = inner
@@ -582,7 +628,7 @@ class EventStream:
             if self.buf.strip():
                 out += self._block(bytes(self.buf))
             self.buf.clear()
-            out += self.translator.fail("the upstream event stream ended before the answer was complete")
+            out += self.translator.end()
         return b"".join(out) if out else []
 
     def _events(self) -> Iterator[bytes]:
@@ -626,7 +672,13 @@ def stream_error(obj: dict, message: Any) -> str:
 
 class MessageAssembler:
     """Folds a Messages event stream from an upstream that speaks it natively (a hosted
-    ``api.anthropic.com`` call not routed to the pool) into the ``message`` object for the span."""
+    ``api.anthropic.com`` call not routed to the pool) into the ``message`` object for the span.
+
+    ``message_stop`` ends the answer, as it ends an Anthropic stream: what a hostile upstream sends
+    after it (more deltas, another ``message_delta`` with another stop reason and usage) is no part
+    of it (a client may stop reading there; the SDKs' ``message_stop`` event holds the message as it
+    was), so it changes nothing, as the first final event of a chat or Responses stream ends its
+    answer; an ``error`` event still counts (the SDKs raise on one wherever it comes)."""
 
     def __init__(self) -> None:
         self.message: dict[str, Any] = {"type": "message", "content": []}
@@ -636,7 +688,13 @@ class MessageAssembler:
 
     def add(self, event: dict) -> None:
         kind = event.get("type")
-        if kind == "message_start" and isinstance(event.get("message"), dict):
+        if kind == "error":
+            self.message["error"] = event.get("error")
+            if self.error is None:
+                self.error = stream_error(event, event.get("error"))
+        elif self.finished:
+            return
+        elif kind == "message_start" and isinstance(event.get("message"), dict):
             self.message.update(json.loads(json.dumps(event["message"])))
         elif kind == "content_block_start" and isinstance(event.get("content_block"), dict):
             self.blocks[int(event.get("index") or 0)] = dict(event["content_block"])
@@ -652,10 +710,6 @@ class MessageAssembler:
                 self.message["usage"] = {**(self.message.get("usage") or {}), **event["usage"]}
         elif kind == "message_stop":
             self.finished = True
-        elif kind == "error":
-            self.message["error"] = event.get("error")
-            if self.error is None:
-                self.error = stream_error(event, event.get("error"))
 
     def result(self) -> dict:
         blocks = []

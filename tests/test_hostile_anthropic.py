@@ -294,5 +294,55 @@ def test_a_stripped_chat_stream_upstream_sent_with_content_length_reaches_the_cl
     with httpx.Client(trust_env=False, timeout=20) as c:
         r = c.post(aproxy.env_for("c-len")["OPENAI_BASE_URL"] + "/chat/completions",
                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
-    assert r.status_code == 200 and "[DONE]" in r.text and " world" in r.text and "token_ids" not in r.text
+    assert r.status_code == 200 and "[DONE]" in r.text and " world" in r.text and '"token_ids":[' not in r.text
     assert _span(aproxy, "c-len")["error_kind"] is None
+
+
+def _client_answer(events: list[tuple[str, dict]]) -> tuple[str, str, int]:
+    """(text, stop reason, output tokens) of a Messages stream as a client reads it."""
+    text = "".join(d["delta"].get("text", "") for e, d in events if e == "content_block_delta")
+    (delta,) = [d for e, d in events if e == "message_delta"]
+    return text, delta["delta"]["stop_reason"], delta["usage"]["output_tokens"]
+
+
+def test_a_translated_stream_ends_with_its_final_chunk(aproxy, upstream):
+    """An upstream that streams on after choice 0's final chunk (more text, another finish reason
+    and usage, then [DONE]): the Messages client got "w0 w1 LATE AGAIN", max_tokens, 9 tokens,
+    while the span recorded "w0 w1", stop, 2 tokens. Both now hold the answer the final chunk ended."""
+    upstream.sse(_done([_chunk({"role": "assistant", "content": "w0 "}),
+                        _chunk({"content": "w1"}, "stop", usage={"prompt_tokens": 3, "completion_tokens": 2}),
+                        _chunk({"content": " LATE"}),
+                        _chunk({"content": " AGAIN"}, "length", usage={"prompt_tokens": 7, "completion_tokens": 9})]))
+    r = _post(aproxy, "a-late", {**REQ, "stream": True})
+    events = _events(r.text)
+    assert _client_answer(events) == ("w0 w1", "end_turn", 2) and events[-1][0] == "message_stop"
+    span = _span(aproxy, "a-late")
+    choice = json.loads(span["response_json"])["choices"][0]
+    assert (span["error_kind"], choice["message"]["content"], span["finish_reason"], span["completion_tokens"]) == (
+        None, "w0 w1", "stop", 2)
+
+
+NATIVE_ANSWER = [
+    _named("message_start", {"message": {"id": "msg_1", "type": "message", "role": "assistant", "content": [],
+                                         "usage": {"input_tokens": 3, "output_tokens": 0}}}),
+    _named("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+    _named("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "hi"}}),
+    _named("content_block_stop", {"index": 0}),
+    _named("message_delta", {"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 2}}),
+    _named("message_stop", {})]
+NATIVE_LATE = [_named("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": " LATE"}}),
+               _named("message_delta", {"delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 9}}),
+               _named("message_stop", {})]
+
+
+def test_a_native_stream_ends_with_message_stop(aproxy):
+    """A hosted upstream that streams on after message_stop (more text, another stop reason and
+    usage): the span recorded "hi LATE", max_tokens, 9 output tokens; now the message message_stop
+    ended. An error event after it still makes the span an error (the SDKs raise on it)."""
+    span = _native_span(aproxy, "m-late", "/v1/messages", NATIVE_ANSWER + NATIVE_LATE, {**REQ, "stream": True})
+    msg = json.loads(span["response_json"])
+    assert (span["error_kind"], msg["content"], span["finish_reason"], span["completion_tokens"]) == (
+        None, [{"type": "text", "text": "hi"}], "end_turn", 2)
+    error = _named("error", {"error": {"type": "overloaded_error", "message": "overloaded"}})
+    span = _native_span(aproxy, "m-late-err", "/v1/messages", [*NATIVE_ANSWER, error], {**REQ, "stream": True})
+    assert span["error_kind"] == "malformed_response" and "overloaded" in span["error"]

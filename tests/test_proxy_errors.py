@@ -80,15 +80,23 @@ def test_malformed_sse_event(proxy):
 
 
 def test_upstream_drops_mid_stream(proxy):
+    """The span's status is the one the harness got (it was null): a stream's head went out with
+    upstream's 200 before the drop; of a buffered answer nothing had, and mitmproxy answers 502."""
     url = proxy.env_for("drop")["OPENAI_BASE_URL"] + "/chat/completions"
     with httpx.Client(trust_env=False, timeout=60) as c:
         with pytest.raises(httpx.HTTPError):
             with c.stream("POST", url, json={**BODY, "stream": True}, headers={"X-Stub-Drop": "1"}) as r:
+                assert r.status_code == 200
                 for _ in r.iter_raw():
                     pass
-    spans = _poll_spans(proxy, 1)
-    (span,) = spans
-    assert span["error_kind"] == "upstream_unreachable" and "mid-response" in span["error"]
+        buffered = c.post(proxy.env_for("drop-json")["OPENAI_BASE_URL"] + "/chat/completions", json=BODY,
+                          headers={"X-Stub-Drop": "1"})
+    assert buffered.status_code == 502
+    spans = {s["rollout_id"]: s for s in _poll_spans(proxy, 2)}
+    for rollout, status in (("drop", 200), ("drop-json", 502)):
+        span = spans[rollout]
+        assert span["error_kind"] == "upstream_unreachable" and "mid-response" in span["error"]
+        assert span["status_code"] == status, rollout
     _still_serves(proxy)
 
 
@@ -104,11 +112,15 @@ def _poll_spans(p, n, timeout=30):
     return read_spans(p)
 
 
-def test_client_disconnect_mid_stream(tmp_path, make_proxy):
+@pytest.mark.parametrize("path", ["/chat/completions", "/messages"])
+def test_client_disconnect_mid_stream(tmp_path, make_proxy, path):
+    """The harness got the head of the answer (upstream's 200, relayed; a Messages stream too) and
+    some events before it left: the span's status is that 200 (it was null, which says no status
+    was returned)."""
     slow = StubServer(tmp_path, args=["--chunk-delay", "0.5"])
     try:
         p = make_proxy(upstreams=[slow.url])
-        url = p.env_for("gone")["OPENAI_BASE_URL"] + "/chat/completions"
+        url = p.env_for("gone")["OPENAI_BASE_URL"] + path
         with httpx.Client(trust_env=False, timeout=60) as c:
             with c.stream("POST", url, json={**BODY, "max_tokens": 20, "stream": True}) as r:
                 for line in r.iter_lines():
@@ -116,7 +128,7 @@ def test_client_disconnect_mid_stream(tmp_path, make_proxy):
                         break  # the harness gives up after the first token
         spans = _poll_spans(p, 1)
         (span,) = spans
-        assert span["error_kind"] == "client_disconnect" and span["status_code"] is None
+        assert span["error_kind"] == "client_disconnect" and span["status_code"] == r.status_code == 200
         assert span["response_token_ids"][:1] == [100]  # what had arrived is kept
         assert p.control.state()["in_flight"] == 0
         _still_serves(p)
@@ -172,6 +184,40 @@ def test_hung_upstream_times_out(tmp_path, make_proxy):
         (span,) = _poll_spans(p, 1)
         assert span["error_kind"] == "timeout", span["error"]
         assert p.control.state()["in_flight"] == 0
+    finally:
+        slow.stop()
+
+
+def _stream_until(p, rollout: str, stop_at: str | None = None) -> int:
+    """Stream a chat call until the proxy ends it (or stop the proxy once ``stop_at`` is in);
+    returns the status the harness got."""
+    url = p.env_for(rollout)["OPENAI_BASE_URL"] + "/chat/completions"
+    with httpx.Client(trust_env=False, timeout=60) as c, c.stream("POST", url, json={**BODY, "stream": True}) as r:
+        try:
+            for line in r.iter_lines():
+                if stop_at is not None and stop_at in line:
+                    assert p.stop() == 0  # the proxy stops with the stream in flight
+        except httpx.HTTPError:
+            pass  # the proxy closed the stream
+    return r.status_code
+
+
+def test_a_stream_cut_short_after_its_head_keeps_the_status_the_harness_got(tmp_path, make_proxy):
+    """A stream that stalls after upstream's 200 went out (the idle timeout closes it), and one still
+    running when the proxy stops: their spans said status null (none returned), while the harness
+    had the 200 and some events."""
+    from lightning_harness.schemas import read_table
+
+    slow = StubServer(tmp_path, args=["--chunk-delay", "0.5"])
+    try:
+        p = make_proxy(upstreams=[slow.url], extra_args=["--idle-timeout", "2", "--shutdown-grace", "1"])
+        slow.post("/_stub/config", {"chunk_delay": 4})  # longer than the idle timeout
+        assert _stream_until(p, "stalled") == 200
+        slow.post("/_stub/config", {})
+        assert _stream_until(p, "stopped", stop_at="w0") == 200
+        rows = {r["rollout_id"]: r for r in read_table(p.traces_dir, "spans").to_pylist()}
+        assert [(rows[r]["error_kind"], rows[r]["status_code"]) for r in ("stalled", "stopped")] == [
+            ("timeout", 200), ("shutdown", 200)], [rows[r]["error"] for r in rows]
     finally:
         slow.stop()
 
@@ -267,30 +313,45 @@ def _read_until_final(env: dict, path: str, body: dict, final: str, http2: bool)
 def _answer_of(span: dict, api: str) -> tuple:
     """What a span recorded of the answer: (error, status, token ids, finish reason, usage, text)."""
     obj = json.loads(span["response_json"])
-    text = obj["choices"][0]["message"]["content"] if api == "chat" else obj["output"][0]["content"][0]["text"]
+    text = obj["output"][0]["content"][0]["text"] if api == "responses" else obj["choices"][0]["message"]["content"]
     return (span["error_kind"], span["status_code"], span["response_token_ids"], span["finish_reason"],
             span["prompt_tokens"], span["completion_tokens"], text)
 
 
 FIRST_ANSWER = {"chat": (None, 200, [100, 101], "stop", 3, 2, "w0 w1"),
                 "responses": (None, 200, ANSWER_IDS, "stop", 6, 3, "hi there")}
+FIRST_ANSWER["messages"] = FIRST_ANSWER["chat"]  # (the span holds the chat answer upstream sent)
+
+
+def _messages_answer(lines: list[str]) -> tuple[str, str, int]:
+    """(text, stop reason, output tokens) of the Messages events a client read."""
+    events = [json.loads(line[len("data:"):]) for line in lines]
+    text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+    (delta,) = [e for e in events if e["type"] == "message_delta"]
+    return text, delta["delta"]["stop_reason"], delta["usage"]["output_tokens"]
 
 
 @pytest.mark.parametrize("http2", [False, True], ids=["http1", "http2"])
-@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
 def test_a_client_gone_after_the_final_event_gets_the_first_answer_recorded_once(make_proxy, api, http2):
     """A hostile upstream sends its final event and goes on streaming right behind it (more content,
     another final event with other token ids and usage, [DONE]), and the harness leaves once it has
     the final event (Codex resets its HTTP/2 stream). The span held the answer mixed with what came
     after (chat: "w0 w1 LATE AGAIN", finish_reason length, the second usage; Responses: the second
-    answer's text and token ids): now the first answer only. The proxy closes the upstream
-    connection (no stream left running, no hang) and records the call once."""
+    answer's text and token ids): now the first answer only. A Messages client (its call sent
+    upstream as chat) got the late content too ("w0 w1 LATE AGAIN", max_tokens, 9 tokens, its
+    message_stop only at [DONE]); now its stream ends with the final chunk, as the span's answer
+    does. The proxy closes the upstream connection (no stream left running, no hang) and records
+    the call once."""
     up = TailUpstream()
     try:
         p = make_proxy(upstreams=[up.url])
         if api == "chat":
             up.events, up.tail = CHAT_ANSWER, CHAT_TAIL
             path, body, final = "/chat/completions", {**BODY, "stream": True}, '"finish_reason":"stop"'
+        elif api == "messages":  # (OPENAI_BASE_URL + /messages is ANTHROPIC_BASE_URL + /v1/messages)
+            up.events, up.tail = CHAT_ANSWER, CHAT_TAIL
+            path, body, final = "/messages", {**BODY, "stream": True}, "message_stop"
         else:
             up.events, up.tail = RESPONSES_ANSWER, RESPONSES_TAIL
             path, body, final = "/responses", {"model": "m", "input": "hello", "stream": True}, "response.completed"
@@ -300,6 +361,8 @@ def test_a_client_gone_after_the_final_event_gets_the_first_answer_recorded_once
         assert _answer_of(span, api) == FIRST_ANSWER[api] and span["error"] is None, span["error"]
         if api == "responses":
             assert json.loads(span["response_json"]) == _response()
+        if api == "messages":
+            assert _messages_answer(lines) == ("w0 w1", "end_turn", 2)
         cut = up.cut.get(timeout=TAIL_S + 30)
         assert cut is not None and cut < 10, f"the upstream kept streaming {cut} s after the client left"
         time.sleep(1)

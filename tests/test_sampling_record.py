@@ -60,6 +60,14 @@ STRICT = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": Tr
     ("messages", {"temperature": 0.5, "top_k": 3, "min_p": 0.1}, {"temperature": 0.5, "top_k": 3.0}),  # hosted
     ("chat.completions", {"temperature": [0.7], "top_p": {"x": 1}}, None),  # vLLM refuses these: an error span
     ("chat.completions", "not a body", None),
+    # a thinking budget (vLLM forces the end of the reasoning there), read strictly as vLLM reads it
+    ("chat.completions", {"thinking_token_budget": 1024}, {"thinking_token_budget": 1024}),
+    ("completions", {"thinking_token_budget": 0}, {"thinking_token_budget": 0}),
+    ("chat.completions", {"thinking_token_budget": -1}, None),  # unlimited: unset
+    ("chat.completions", {"thinking_token_budget": "1024", "top_k": 5}, {"top_k": 5.0}),  # refused: an error span
+    ("chat.completions", {"thinking_token_budget": 1024.0}, None),
+    ("chat.completions", {"thinking_token_budget": True}, None),
+    ("responses", {"thinking_token_budget": 1024}, None),  # no such field
 ])
 def test_what_a_request_set_is_read_as_vllm_reads_it(endpoint, request_body, recorded):
     text = sampling_json(request_body, endpoint)
@@ -78,6 +86,7 @@ def test_calls_unlike_the_update_name_the_settings_that_differ():
     assert unlike_update({}, 0.7, qwen) == ["top_p", "top_k", "repetition_penalty"]
     assert unlike_update({"top_p": 1.0, "top_k": -1.0, "repetition_penalty": 1.0}, 0.7, qwen) == []
     assert unlike_update({}, 1.0, {"temperature": 0.0}) == ["temperature"]  # an engine greedy by default
+    assert unlike_update({"thinking_token_budget": 1024}, 1.0) == ["thinking_token_budget"]
     # not known: a call that leaves any setting to the engine is named for it
     assert unlike_update({}, 1.0, None) == ["engine_defaults"]
     assert unlike_update(dict.fromkeys(("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -107,6 +116,24 @@ def test_the_proxy_records_how_each_call_asked_to_sample(make_proxy, openai_from
     assert got == [None, {"temperature": 0.7, "top_p": 0.9, "top_k": 20.0, "constraint": "tool_choice"},
                    {"temperature": 0.0, "logit_bias": 1}, {"temperature": 1.3}, {"temperature": 0.5, "top_p": 1.0},
                    {"top_k": "inf"}]
+
+
+def test_a_thinking_budget_is_recorded(make_proxy, tmp_path):
+    """``thinking_token_budget`` (what a Messages call's ``thinking: {type: enabled}`` is sent
+    upstream as, and a chat extension a harness may send itself) was not recorded: the engine forces
+    the end-of-thinking tokens once the reasoning reaches it, so such a call may hold tokens the
+    model did not sample. Recorded, the samples builder counts it with the calls sampled otherwise."""
+    p = make_proxy(route_hosts=["api.anthropic.com"])
+    env = p.env_for("think")
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    httpx.post(env["ANTHROPIC_BASE_URL"] + "/v1/messages", timeout=30, json={
+        "model": "m", "max_tokens": 2048, "messages": MSG, "thinking": thinking}).raise_for_status()
+    httpx.post(env["OPENAI_BASE_URL"] + "/chat/completions", timeout=30, json={
+        "model": "m", "max_tokens": 4, "messages": MSG, "thinking_token_budget": 64}).raise_for_status()
+    assert [r["sampling_json"] for r in read_spans(p)] == ['{"thinking_token_budget":1024}',
+                                                          '{"thinking_token_budget":64}']
+    _, stats = build_samples(_traces(tmp_path / "t", ['{"thinking_token_budget":1024}', None]))
+    assert (stats["calls_other_sampling"], stats["other_sampling"]) == (1, {"thinking_token_budget": 1})
 
 
 def _traces(root, values):

@@ -301,15 +301,28 @@ class Capture:
         # "peer closed connection" or "stream reset by client", which an upstream failure can read too
         client_gone = not flow.client_conn.state & ConnectionState.CAN_WRITE or "client disconnected" in low \
             or "client closed" in low or "reset by client" in low
+        sent = self._status_sent(flow)
         if client_gone and time.time() - last_activity >= idle * 0.95:
             # mitmproxy's inactivity watchdog closes the client side: it reads as a disconnect
-            return "timeout", None, f"no bytes from upstream for {idle:g} s (idle timeout); connection closed: {msg}"
+            return "timeout", sent, f"no bytes from upstream for {idle:g} s (idle timeout); connection closed: {msg}"
         if client_gone:
-            return "client_disconnect", None, f"client disconnected before the response finished: {msg}"
+            return "client_disconnect", sent, f"client disconnected before the response finished: {msg}"
+        # the harness is still there: where no head went out (before answering, or a buffered answer
+        # cut mid-body), mitmproxy answers it 502, the only code it sends for an upstream failure
+        status = 502 if sent is None else sent
         if "timed out" in low or "timeout" in low:
-            return "timeout", None if flow.response else 504, f"upstream timed out: {msg}"
+            return "timeout", status, f"upstream timed out: {msg}"
         where = "mid-response" if flow.response else "before answering"
-        return "upstream_unreachable", None if flow.response else 502, f"upstream failed {where}: {msg}"
+        return "upstream_unreachable", status, f"upstream failed {where}: {msg}"
+
+    @staticmethod
+    def _status_sent(flow: http.HTTPFlow) -> int | None:
+        """The status the harness already got for a call that fails now: a streamed answer's
+        (mitmproxy sends its head as soon as it comes, before the body is relayed; a call cut short
+        after that returned the upstream's status, the schema's null is for none returned); None
+        for an answer that had not begun or is buffered (nothing of it went out yet)."""
+        resp = flow.response
+        return resp.status_code if resp is not None and resp.stream else None
 
     # -- shutdown ---------------------------------------------------------------------------
     def record_shutdown(self, waited: float) -> int:
@@ -323,7 +336,7 @@ class Capture:
             self._start(call)
             response_json = self._streamed_json(call) if call.sse is not None else None
             msg = f"the proxy shut down while the call was in flight (after waiting {waited:.1f} s for it)"
-            self._finish(flow, call, "shutdown", msg, response_json=response_json, status=None)
+            self._finish(flow, call, "shutdown", msg, response_json=response_json, status=self._status_sent(flow))
             n += 1
         return n
 
