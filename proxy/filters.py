@@ -11,11 +11,13 @@ No mitmproxy here, so they are tested alone.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
 
 from .fastjson import dumps_bytes
+from .sse import _EMPTIED_CHUNK, _emptied
 
 
 def _with(obj: dict, key: str, value: Any) -> dict:
@@ -40,8 +42,8 @@ def _without(obj: dict, keys: tuple[str, ...]) -> dict:
 
 def _dropped(obj: dict, keys: tuple[str, ...], as_null: bool) -> dict:
     """``obj`` without ``keys`` (``as_null``: with each present one set to null, as an answer whose
-    request did not ask for it says it: vLLM writes a JSON answer's unset fields as null, and leaves
-    them out of a stream's chunks)."""
+    request did not ask for it says it: vLLM 0.32 writes such a field as null where it writes it at
+    all, in a JSON answer and in a stream's chunks; a hosted API's answers have no such keys)."""
     if not as_null:
         return _without(obj, keys)
     for k in keys:
@@ -64,9 +66,10 @@ def _mapped(items: list, fn: Callable[[Any], Any]) -> list:
 
 def make_stripper(token_ids: bool, logprobs: bool, as_null: bool = False):
     """A function returning a completion object or chunk without the injected fields (it runs for
-    every streamed token: plain loops in the helpers above, no generator); ``as_null`` for a JSON
-    answer (see :func:`_dropped`). When both were injected, its ``cut`` attribute strips a vLLM chat
-    chunk's bytes without parsing them (:func:`cut_chat_chunk`)."""
+    every streamed token: plain loops in the helpers above, no generator); ``as_null``: each one
+    present set to null, as plain vLLM writes a field not asked for (:func:`_dropped`), except in a
+    chunk the relay then drops (:func:`_held_back`). When both were injected, its ``cut`` attribute
+    strips a vLLM chat chunk's bytes without parsing them (:func:`cut_chat_chunk`)."""
     dropped = ("token_ids", "prompt_token_ids") if token_ids else ()
 
     def strip_choice(ch: Any) -> Any:
@@ -83,10 +86,29 @@ def make_stripper(token_ids: bool, logprobs: bool, as_null: bool = False):
         if token_ids:
             obj = _dropped(obj, ("prompt_token_ids",), as_null)
         choices = obj.get("choices")
-        return _with(obj, "choices", _mapped(choices, strip_choice)) if isinstance(choices, list) else obj
+        if not isinstance(choices, list):
+            return obj
+        out = _with(obj, "choices", _mapped(choices, strip_choice))
+        return _held_back(obj, out) if as_null and token_ids and out is not obj else out
 
-    strip.cut = cut_chat_chunk if token_ids and logprobs else None
+    if token_ids and logprobs:
+        strip.cut = functools.partial(cut_chat_chunk, as_null=True) if as_null else cut_chat_chunk
+    else:
+        strip.cut = None
     return strip
+
+
+def _held_back(sent: dict, out: dict) -> dict:
+    """``out`` (``sent`` stripped, its token ids set to null), or, when it is a chat chunk left with
+    nothing for the harness, the same without its choices' ``token_ids``: the relay drops such a chunk
+    (``sse._emptied``: only one whose members it all knows), as vLLM sends none for a token that
+    makes no delta unless token ids or logprobs are asked for."""
+    if out.get("object") != "chat.completion.chunk" or any(
+            type(c) is dict and c.get("delta") for c in out["choices"]):
+        return out
+    bare = _with(out, "choices", _mapped(out["choices"], lambda c: _without(c, ("token_ids",))
+                                         if isinstance(c, dict) else c))
+    return bare if _emptied(sent, bare) else out
 
 
 # The bytes of one vLLM chat chunk (pydantic's compact JSON, its field order) as it streams a token:
@@ -118,9 +140,10 @@ def _members_after(payload: bytes, start: int, k: int) -> int:
     return end + 1 if end >= 0 else k
 
 
-def cut_chat_chunk(payload: bytes) -> bytes | None:
-    """A chat chunk without ``token_ids`` and with ``"logprobs":null``, cut out of its bytes; None
-    when it is not the usual token chunk (the caller then parses and strips it).
+def cut_chat_chunk(payload: bytes, as_null: bool = False) -> bytes | None:
+    """A chat chunk without ``token_ids`` (``as_null``: with ``"token_ids":null``, as plain vLLM
+    writes it, unless the chunk is one the relay drops) and with ``"logprobs":null``, cut out of its
+    bytes; None when it is not the usual token chunk (the caller then parses and strips it).
 
     Why this is right without parsing: in JSON text every ``"`` inside a string is escaped, so
     a comma or brace, a quoted key and a colon in a row occur only as structure, never inside
@@ -153,12 +176,25 @@ def cut_chat_chunk(payload: bytes) -> bytes | None:
     start = i + len(_LOGPROBS)
     if i < 0 or payload.startswith(b"null", start):  # no logprobs value to drop: only token_ids goes,
         end = _members_after(payload, c, k) if i < 0 else start + 4  # if it is the choice's (_TAIL)
-        return payload[:k] + b"}]}" if _TAIL.fullmatch(payload, end, k) else None
+        return _ids_end(payload[:k], as_null) if _TAIL.fullmatch(payload, end, k) else None
     end = _members_after(payload, start, k)
     if payload[start] != 123 or payload[end - 1] != 125 or _NEXT_MEMBER.search(payload, start, end) \
             or not _TAIL.fullmatch(payload, end, k):
         return None  # ({ and }; after logprobs, only finish_reason and stop_reason, spelled as vLLM does)
-    return payload[:start] + b"null" + payload[end:k] + b"}]}"
+    return _ids_end(payload[:start] + b"null" + payload[end:k], as_null)
+
+
+_END, _NULL_IDS_END = b"}]}", b',"token_ids":null}]}'
+
+
+def _ids_end(head: bytes, as_null: bool) -> bytes:
+    """The chunk whose ``token_ids`` was cut away, up to the end of its choice's members before it
+    (``head``), closed; ``as_null``: with ``"token_ids":null`` as plain vLLM ends a chunk's choice,
+    unless the relay drops the chunk (left with nothing, ``sse._EMPTIED_CHUNK``: vLLM sends none for
+    such a token; its delta is ``{}``, looked for first)."""
+    if as_null and (b'"delta":{}' not in head or not _EMPTIED_CHUNK.search(head + _END, max(0, len(head) - 77))):
+        return head + _NULL_IDS_END
+    return head + _END
 
 
 def make_responses_stripper(token_ids: bool, logprobs: bool, as_null: bool = False):

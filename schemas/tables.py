@@ -65,7 +65,8 @@ SPANS = _schema(
         _f("sampling_json", pa.string(),
            "What the request set that shapes the distribution its tokens were drawn from, as JSON (proxy/sampling.py), "
            "read as vLLM reads the endpoint's request: every numeric setting given (temperature, top_p, top_k, "
-           "min_p, the penalties, min_tokens, thinking_token_budget), the sizes of logit_bias/allowed_token_ids/bad_words, use_beam_search, "
+           "min_p, the penalties, min_tokens, thinking_token_budget), the sizes of "
+           "logit_bias/allowed_token_ids/bad_words, use_beam_search, "
            "and the kind of output constraint ('constraint': a response_format or text.format type, "
            "structured_outputs, tool_choice 'required' or named, strict tools, parallel_tool_calls false); "
            "null: none (the engine's defaults)."),

@@ -7,8 +7,9 @@ sampled from (checked against the tiny model's logits from transformers, process
 sampler processes them), or the samples builder leaves the call out and counts it.
 
 The engine here is started with ``--enable-auto-tool-choice --tool-call-parser hermes`` (as the swe
-example runs it: ``tool_choice`` required / named need a tool parser) and
-``--trust-request-chat-template`` (a request's own ``chat_template``); ``LH_TEST_TOOLS_VLLM_URL``
+example runs it: ``tool_choice`` required / named need a tool parser),
+``--trust-request-chat-template`` (a request's own ``chat_template``) and
+``VLLM_ENABLE_RESPONSES_API_STORE=1`` (stored responses, ``background``); ``LH_TEST_TOOLS_VLLM_URL``
 attaches to such a server instead. Tests marked ``xfail(strict=True)`` show defects found by this
 review (each reason says what is wrong); they fail on the current code.
 """
@@ -18,8 +19,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -140,6 +143,16 @@ CASES = {
                                                "store": False, "user": "u", "truncation": "auto"}, "ref"),
     "responses_stream": (RESP, {**R, "stream": True}, "ref"),
     "responses_stream_stop": (RESP, {**R, "stream": True, "stop": ["0"]}, "ref"),
+    # the engine ignores top_logprobs past its limit (20; -1: the vocabulary) without the logprobs include,
+    # and refuses values the proxy would write over, or a body without messages/input (its error counts
+    # the body's fields): through the proxy these were 400, 400, 200, 200 and '<dict of 3 items>'
+    "responses_top_logprobs_21": (RESP, {**R, "top_logprobs": 21}, "ref"),
+    "responses_top_logprobs_minus_1": (RESP, {**R, "top_logprobs": -1}, "ref"),
+    "responses_stream_top_logprobs_21": (RESP, {**R, "stream": True, "top_logprobs": 21}, "ref"),
+    "responses_include_string": (RESP, {**R, "include": "message.output_text.logprobs"}, "ref"),
+    "responses_no_input": (RESP, {"model": "calc-tiny", "max_output_tokens": 8}, "ref"),
+    "logprobs_maybe": (CHAT, {**C, "logprobs": "maybe"}, "ref"),
+    "no_messages": (CHAT, {"model": "calc-tiny"}, "ref"),
 }
 
 
@@ -168,6 +181,8 @@ def _injected(path: str, body: dict) -> dict:
         out["enable_response_messages"] = True
         if "message.output_text.logprobs" not in (out.get("include") or []):
             out["include"] = [*(out.get("include") or []), "message.output_text.logprobs"]
+            if out.get("top_logprobs") not in (None, 0):
+                out["top_logprobs"] = 0  # (the engine checks it only with the include)
     else:
         out["return_token_ids"] = True
         if path == CHAT and not out.get("logprobs"):
@@ -221,7 +236,8 @@ def engine(tiny_model_dir, tmp_path_factory):
         yield VLLMEngine.attach(url, served_name="calc-tiny")
         return
     log = tmp_path_factory.mktemp("vllm-tools") / "vllm.log"
-    eng = VLLMEngine.start(tiny_model_dir, "calc-tiny", max_model_len=512, extra_args=FLAGS, log_path=log)
+    eng = VLLMEngine.start(tiny_model_dir, "calc-tiny", max_model_len=512, extra_args=FLAGS, log_path=log,
+                           env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})  # (stored responses, background)
     try:
         yield eng
     finally:
@@ -555,6 +571,91 @@ def test_responses_echo_fields_as_plain_vllm(engine, vproxy):
                  (e.get("response") or {}).get("top_logprobs")) for e in events if isinstance(e, dict)]
 
     assert shapes(got_events) == shapes(plain_events)
+
+
+_MASK = re.compile(rb'"(?:id|created|created_at|item_id|call_id)":(?:"[^"]*"|\d+)')
+_FLOAT = re.compile(rb"-?\d+(?:\.\d+)?[eE][-+]?\d+|-?\d+\.\d+")
+
+
+def _raw(url: str, method: str = "POST", body: dict | None = None) -> tuple[int, bytes]:
+    """(status, the body's bytes), no proxy in the way."""
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with _DIRECT.open(req, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _seen(path: str, answer: tuple[int, bytes]) -> tuple:
+    """What a harness reads of an answer, whatever the engine's timing made of it: a JSON body's bytes
+    without what differs between two calls (ids, times; numbers in one spelling: a body the proxy
+    rewrites spells ``-1.955e-05`` as ``-0.00001955``, documented); an event stream's answer put
+    together, and every key each kind of event holds, null or not (chunks are cut by timing)."""
+    status, raw = answer
+    if not raw.startswith((b"data:", b"event:")):
+        return status, _FLOAT.sub(lambda m: repr(float(m.group())).encode(), _MASK.sub(b"-", raw))
+    events = [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
+    keys: set = set()
+
+    def walk(x, where: str) -> None:
+        for k, v in x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ():
+            here = where + ("[]" if isinstance(k, int) else "." + k)
+            keys.add((here, v is None))
+            walk(v, here)
+
+    for e in events:
+        walk(e, str(e.get("type") or e.get("object")))
+    return status, _harness_view(path, events, True), keys
+
+
+@pytest.mark.parametrize("path, body", [
+    (CHAT, {**C, "stream": True}),
+    (CHAT, {**C, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    (CHAT, {**C, "max_tokens": 30, "stream": True, "tools": TOOLS, "tool_choice": "required"}),
+    (CMPL, {**P, "stream": True}),
+    (CMPL, {**P, "stream": True, "n": 2, "stream_options": {"include_usage": True}}),
+], ids=["chat", "chat-usage", "chat-tool", "completions", "completions-n2"])
+def test_streamed_chunks_say_null_where_plain_vllm_does(engine, vproxy, path, body):
+    """vLLM writes ``"token_ids":null`` (and ``"prompt_token_ids":null``) in the chunks of a call that
+    did not ask for them; through the proxy the keys were missing (the openai SDK's model_dump
+    differed)."""
+    plain = _seen(path, _raw(engine.base_url + path, body=body))
+    got = _seen(path, _raw(vproxy.env_for("chunk-nulls")["OPENAI_BASE_URL"] + path, body=body))
+    assert plain[0] == 200 and any(k.endswith(".choices[].token_ids") and null for k, null in plain[2])
+    assert got == plain
+
+
+def test_a_stored_response_read_again_is_plain_vllms(engine, vproxy):
+    """``store`` (vLLM's default where the engine stores), ``background`` and its stream read again:
+    ``GET /v1/responses/{id}`` (``?stream=true``), ``cancel`` and ``DELETE`` through the proxy give
+    what they give without it. They held the rendered prompt, its token ids and every output logprob
+    the proxy had asked for (``top_logprobs: 0``); cancel and DELETE got 403."""
+    def read(base: str, rid: str) -> tuple[int, bytes]:
+        for _ in range(100):  # (a background answer is queued, then in progress)
+            status, raw = _raw(f"{base}{RESP}/{rid}", "GET")
+            if b'"status":"queued"' not in raw and b'"status":"in_progress"' not in raw:
+                break
+            time.sleep(0.1)
+        return status, raw
+
+    def run(base: str) -> list:
+        out = []
+        for body in ({**R, "temperature": 0}, {**R, "temperature": 0, "background": True},
+                     {**R, "temperature": 0, "include": ["message.output_text.logprobs"]}):
+            rid = json.loads(_raw(base + RESP, body=body)[1])["id"]
+            out += [read(base, rid), _raw(f"{base}{RESP}/{rid}/cancel"), _raw(f"{base}{RESP}/{rid}", "DELETE")]
+        first = _raw(base + RESP, body={**R, "temperature": 0, "background": True, "stream": True})
+        rid = json.loads(first[1].split(b"data: ", 2)[1].split(b"\n")[0])["response"]["id"]
+        out += [first, _raw(f"{base}{RESP}/{rid}?stream=true&starting_after=1", "GET")]
+        return [_seen(RESP, a) for a in out]
+
+    plain = run(engine.base_url)
+    if plain[0][0] != 200:
+        pytest.skip("the engine does not store responses (VLLM_ENABLE_RESPONSES_API_STORE)")
+    assert b'"input_messages":null' in plain[0][1] and b'"tokens":[' not in b"".join(a[1] for a in plain[:9])
+    assert run(vproxy.env_for("stored")["OPENAI_BASE_URL"]) == plain
 
 
 def test_drift_check_finds_no_drift_in_an_exact_completion(vproxy):

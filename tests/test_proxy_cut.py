@@ -16,6 +16,7 @@ from lightning_harness.proxy.filters import cut_chat_chunk, make_model_restorer,
 from lightning_harness.proxy.sse import SSERelay
 
 STRIP = make_stripper(token_ids=True, logprobs=True)
+STRIP_NULL = make_stripper(token_ids=True, logprobs=True, as_null=True)  # the pool's answers: vLLM's nulls
 NASTY = ['"', "\\", '\\"', "}", "]}]}", '},"finish_reason":', ',"token_ids":[1]}]}', '"index":', ',"logprobs":{',
          '},"', "null", "é", "\u2028", "\x00", "\U0001F600", '{"a":1}', " ", ",", "[", ""]
 
@@ -65,6 +66,35 @@ def test_cut_gives_what_parsing_and_stripping_gives_on_generated_chunks():
         cut += 1
         assert json.loads(got) == STRIP(json.loads(raw)), raw
     assert cut > 4000  # the usual chunk is cut (a token spelling `},"` is declined, for one)
+
+
+def test_null_cut_gives_what_the_null_stripper_gives_and_vllms_bytes():
+    """Answers from the pool say ``"token_ids":null`` where plain vLLM 0.32 does (the choice's last
+    member, in every token chunk); a chunk left with nothing for the harness loses the key instead,
+    so the relay drops it (vLLM sends none). Cut or parsed, the same value; cut, vLLM's own bytes."""
+    rng = random.Random(3)
+    cut = nulled = 0
+    for n in range(5000):
+        obj = _chunk(rng)
+        raw = _dump(obj, ascii_only=n % 2 == 0)
+        got = cut_chat_chunk(raw, as_null=True)
+        if got is None:
+            continue
+        cut += 1
+        assert json.loads(got) == STRIP_NULL(json.loads(raw)), raw
+        if got.endswith(b',"token_ids":null}]}'):
+            nulled += 1
+            plain = {**obj, "choices": [{**obj["choices"][0], "token_ids": None}]}
+            if obj["choices"][0].get("logprobs") is not None:
+                plain["choices"][0]["logprobs"] = None
+            assert got == _dump(plain, ascii_only=n % 2 == 0)  # what vLLM writes when not asked
+        else:
+            assert _carried_only_injected(obj) and b"token_ids" not in got  # (dropped by the relay)
+    assert cut > 4000 and nulled > 3000
+    first = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "prompt_token_ids": [1, 2],
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}]}
+    assert STRIP_NULL(first) == {**first, "prompt_token_ids": None}  # (vLLM's first chunk says null too)
 
 
 def test_model_name_cut_gives_what_the_restorer_gives():
@@ -163,21 +193,26 @@ def test_relay_cutting_gives_the_client_and_the_span_what_parsing_gives():
     model_cut = restore.cut
     restore.cut = lambda p: cut_calls.append(p) or model_cut(p)  # (seen: the byte path is taken)
     runs = []
-    for filters in ([STRIP], [lambda o: STRIP(o)], [STRIP, restore], [lambda o: restore(STRIP(o))]):
+    for filters in ([STRIP], [lambda o: STRIP(o)], [STRIP, restore], [lambda o: restore(STRIP(o))],
+                    [STRIP_NULL], [lambda o: STRIP_NULL(o)]):
         asm, errors = StreamAssembler(CHAT), []  # (a lambda has no ``cut``: the parsing path)
         relay = SSERelay(asm.add, filters, on_error=errors.append)
         out = [relay(e) for e in _stream(chunks)] + [relay(b"")]
         events = [json.loads(o[6:-2]) if o else None for o in out[:-2]]  # None: dropped ([])
         runs.append((events, json.loads(json.dumps(asm.result())), errors, relay.events, relay.done))
-    assert runs[0] == runs[1] and runs[2] == runs[3] and len(cut_calls) > 250
+    assert runs[0] == runs[1] and runs[2] == runs[3] and runs[4] == runs[5] and len(cut_calls) > 250
+    # with vLLM's nulls: the same chunks dropped and sent, the same span; each sent one says null
+    assert [e is None for e in runs[4][0]] == [e is None for e in runs[0][0]] and runs[4][1:] == runs[0][1:]
+    assert all(c["token_ids"] is None for e in runs[4][0][1:] if e for c in e["choices"])
     assert runs[0][3] == 301 and not runs[0][2] and {e["model"] for e in runs[2][0] if e} == {"gpt-4o"}
     # a chunk that carried only the injected token ids and logprobs is not relayed (vLLM sends none
     # for a token that makes no delta unless they are asked for); every other one is, and the span
     # has them all
     emptied = [i for i, c in enumerate(chunks) if _carried_only_injected(json.loads(c))]
     assert len(emptied) > 10 and [i for i, e in enumerate(runs[0][0]) if e is None] == emptied
+    ends = next(i for i, c in enumerate(chunks) if json.loads(c)["choices"][0].get("finish_reason"))
     assert len(runs[0][1]["choices"][0]["token_ids"]) == sum(len(json.loads(c)["choices"][0].get("token_ids", []))
-                                                            for c in chunks)
+                                                            for c in chunks[:ends + 1])  # (its finish ends it)
 
 
 def _carried_only_injected(chunk: dict) -> bool:
@@ -197,7 +232,7 @@ def test_an_emptied_chunk_is_dropped_only_where_injection_emptied_it():
         {"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}]}, "finish_reason": None,
         "token_ids": [7]}]}
     raw = _dump(injected, False)
-    for filters in ([STRIP], [lambda o: STRIP(o)]):
+    for filters in ([STRIP], [lambda o: STRIP(o)], [STRIP_NULL], [lambda o: STRIP_NULL(o)]):
         seen = []
         relay = SSERelay(seen.append, filters)
         assert relay(b"data: " + raw + b"\n\n") == []
@@ -211,8 +246,10 @@ def test_an_emptied_chunk_is_dropped_only_where_injection_emptied_it():
                   {"extra": 1}):
         kept = {**injected, "choices": [{**injected["choices"][0], **other}]}
         assert SSERelay(lambda e: None, [STRIP])(b"data: " + _dump(kept, False) + b"\n\n") != [], other
+        sent = SSERelay(lambda e: None, [STRIP_NULL])(b"data: " + _dump(kept, False) + b"\n\n")
+        assert sent != [] and json.loads(sent[6:])["choices"][0]["token_ids"] is None, other
     usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
-    for filters in ([STRIP], [lambda o: STRIP(o)]):
+    for filters in ([STRIP], [lambda o: STRIP(o)], [STRIP_NULL], [lambda o: STRIP_NULL(o)]):
         assert SSERelay(lambda e: None, filters)(b"data: " + _dump({**injected, "usage": usage}, False) + b"\n\n") == []
         last = {**base, "choices": [], "usage": usage}
         assert SSERelay(lambda e: None, filters)(b"data: " + _dump(last, False) + b"\n\n") != []
@@ -257,4 +294,4 @@ def test_a_last_event_without_its_blank_line_is_stripped_too():
         rest = b"".join(r if isinstance(r, bytes) else b"".join(r) for r in sent)
         assert rest.endswith(tail) and rest.startswith(b"data: ") and rest == first[:len(first) - 2] + tail
         assert b"token_ids" not in rest and b'"policy"' not in rest
-        assert relay.events == 2 and asm.result()["choices"][0]["token_ids"] == [42, 42]
+        assert relay.events == 2 and asm.result()["choices"][0]["token_ids"] == [42]  # (the first finish ends it)

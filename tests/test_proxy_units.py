@@ -274,6 +274,33 @@ def test_chat_stripper_returns_a_copy_without_what_was_injected():
     assert make_stripper(token_ids=True, logprobs=True)({"choices": 1}) == {"choices": 1}  # odd shapes pass
 
 
+def test_streamed_chunks_from_the_pool_say_null_as_plain_vllm_does():
+    """vLLM 0.32 writes ``"token_ids":null`` in every chat token chunk and ``"prompt_token_ids":null``
+    in the first, both per choice in a completions chunk, when they are not asked for: the pool's
+    stripped chunks say the same (they lost the keys: the openai SDK's model_dump differed). A chunk
+    left with nothing loses them (the relay drops it: vLLM sends none); a hosted API has no such keys."""
+    strip = make_stripper(token_ids=True, logprobs=True, as_null=True)
+    first = {"id": "c", "object": "chat.completion.chunk", "model": "m", "prompt_token_ids": [1, 2],
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}]}
+    assert strip(first) == {**first, "prompt_token_ids": None}
+    token = {"id": "c", "object": "chat.completion.chunk", "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "hi"}, "logprobs": {"content": []},
+                          "finish_reason": None, "token_ids": [7]}]}
+    assert strip(token)["choices"] == [{"index": 0, "delta": {"content": "hi"}, "logprobs": None,
+                                        "finish_reason": None, "token_ids": None}]
+    empty = {**token, "choices": [{**token["choices"][0], "delta": {}}]}
+    assert "token_ids" not in strip(empty)["choices"][0]
+    assert SSERelay(lambda e: None, [lambda o: strip(o)])(b"data: " + json.dumps(empty).encode() + b"\n\n") == []
+    cmpl = {"id": "x", "object": "text_completion", "model": "m",
+            "choices": [{"index": 0, "text": "", "logprobs": {"tokens": ["a"]}, "finish_reason": None,
+                         "stop_reason": None, "prompt_token_ids": [1, 2], "token_ids": [7]}]}
+    assert strip(cmpl)["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": None,
+                                       "stop_reason": None, "prompt_token_ids": None, "token_ids": None}]
+    hosted = make_stripper(token_ids=True, logprobs=True)(cmpl)["choices"][0]
+    assert "token_ids" not in hosted and "prompt_token_ids" not in hosted
+
+
 def test_responses_stream_relayed_with_stripping_still_records_token_ids():
     """The capture path: the relay feeds each event to the assembler, then strips it for the harness."""
     asm = assembler_for(RESPONSES)

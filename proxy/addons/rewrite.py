@@ -8,16 +8,37 @@ exactly what was injected, so the harness sees what it expects. A mapped model n
 back in the response (``model`` of the body or of every chunk): a harness that asked for
 ``gpt-4o`` gets ``gpt-4o`` back (some check it, some key caches and cost tables on it).
 Runs after capture: the span keeps the request as sent and the response with its token ids.
+
+A Responses answer the engine stores (``store``, its default) is handed out again, as the engine
+made it (with what the proxy asked for), by ``GET .../responses/{id}`` (JSON, or the events of a
+``background`` stream with ``?stream=true``) and ``POST .../responses/{id}/cancel``. Those answers
+are cut as the call that made it was, by what its harness asked: the proxy remembers that per
+response id (:class:`StoredAnswers`, the newest ``STORED_IDS``). An id it does not know (made
+through another proxy process, or before a restart) loses what the proxy injects by default: a
+harness that asked for token ids or logprobs itself is the rarer one.
 """
 
 from __future__ import annotations
 
+import collections
+
 from mitmproxy import http
 
 from .. import fastjson
-from ..assemble import CHAT, LOGPROBS_INCLUDE, RESPONSES, engine_flag
+from ..assemble import CHAT, COMPLETIONS, LOGPROBS_INCLUDE, RESPONSES, engine_flag
 from ..filters import make_model_restorer, make_responses_stripper, make_stripper
-from ..state import META, MODEL, Call, ProxyState
+from ..sse import SSERelay
+from ..state import META, MODEL, OTHER, Call, ProxyState
+from .routing import response_action
+
+STORED = "lh.stored"  # flow.metadata key: what a Responses call's stored answer must lose (StoredAnswers)
+STORED_IDS = 100_000  # response ids remembered (~16 MB at most, the ids included)
+# what a request must hold for the engine to read it at all: without it, its error echoes the body's
+# size ("'input': '<dict of 1 items>'"), which counts injected fields
+_REQUIRED = {CHAT: "messages", RESPONSES: "input"}
+_FLAGS = {CHAT: ("return_token_ids", "logprobs"), COMPLETIONS: ("return_token_ids",),
+          RESPONSES: ("enable_response_messages",)}  # the booleans the proxy may write over
+_BOOL_WORDS = frozenset(("0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"))
 
 
 def _changes_the_answer(endpoint: str | None, obj: dict) -> bool:
@@ -32,65 +53,215 @@ def _changes_the_answer(endpoint: str | None, obj: dict) -> bool:
     return endpoint != RESPONSES and engine_flag(obj.get("echo"))
 
 
+def _reads_as_bool(value) -> bool:
+    """Whether vLLM's request models (lax pydantic) read ``value`` as a boolean or null; they refuse
+    anything else (``"maybe"``, ``2``, ``" true"``) with 400."""
+    if value is None or isinstance(value, bool):
+        return True
+    if type(value) in (int, float):
+        return value in (0, 1)
+    return isinstance(value, str) and value.lower() in _BOOL_WORDS
+
+
+def _reads_as_int(value) -> bool:
+    """Whether lax pydantic reads ``value`` as an integer (``21``, ``21.0``, ``"21"``, ``true``)."""
+    if isinstance(value, int):
+        return True
+    try:
+        return isinstance(value, float | str) and float(value).is_integer()
+    except ValueError:
+        return False
+
+
+def _injectable(endpoint: str | None, obj: dict) -> bool:
+    """Whether the proxy may add its fields: not where that changes the answer beyond what is stripped
+    again (:func:`_changes_the_answer`), nor in a request the engine refuses anyway, for a value the
+    proxy would write over (``logprobs: "maybe"``, an ``include`` that is no list: written over, the
+    call was served) or for a missing ``messages``/``input``. Such a call goes upstream as sent, and
+    the engine refuses it as it would without the proxy."""
+    if _changes_the_answer(endpoint, obj) or (endpoint in _REQUIRED and _REQUIRED[endpoint] not in obj):
+        return False
+    if endpoint == RESPONSES and not isinstance(obj.get("include"), list | None):
+        return False
+    return all(_reads_as_bool(obj.get(k)) for k in _FLAGS.get(endpoint, ()))
+
+
+def _inject_responses(call: Call, obj: dict) -> bool:
+    """``enable_response_messages`` and the logprobs ``include`` where the harness did not ask. With
+    the include the engine checks ``top_logprobs`` against its limit (20; -1: the vocabulary), which
+    it ignores without one: a harness that did not ask for logprobs never sees them, so its value
+    goes upstream as 0 (only the sampled token's), and a value the engine would not read stays."""
+    changed = False
+    if not engine_flag(obj.get("enable_response_messages")):
+        obj["enable_response_messages"] = True
+        call.injected_token_ids = changed = True
+    include = obj.get("include") or []
+    if LOGPROBS_INCLUDE not in include:
+        obj["include"] = [*include, LOGPROBS_INCLUDE]
+        call.injected_logprobs = changed = True
+        if obj.get("top_logprobs") not in (None, 0) and _reads_as_int(obj["top_logprobs"]):
+            obj["top_logprobs"] = 0
+    return changed
+
+
+def _inject_tokens(call: Call, obj: dict) -> bool:
+    """``return_token_ids`` and ``logprobs`` (chat: true; completions: 0, only the sampled token's)."""
+    changed = False
+    if not engine_flag(obj.get("return_token_ids")):
+        obj["return_token_ids"] = True
+        call.injected_token_ids = changed = True
+    if call.endpoint == CHAT:
+        if not engine_flag(obj.get("logprobs")):
+            obj["logprobs"] = True
+            call.injected_logprobs = changed = True
+    elif obj.get("logprobs") is None:
+        obj["logprobs"] = 0
+        call.injected_logprobs = changed = True
+    return changed
+
+
+class StoredAnswers:
+    """Per stored Responses answer (its id), what the call that made it injected, as ``(token_ids,
+    logprobs, the model name the harness asked for or None)``: the newest ``limit`` ids. Entries are
+    shared (few distinct ones), so an id costs its string and a slot."""
+
+    def __init__(self, limit: int = STORED_IDS) -> None:
+        self.limit = limit
+        self.ids: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+        self._entries: dict[tuple, tuple] = {}
+
+    def put(self, response_id: str, entry: tuple) -> None:
+        self.ids[response_id] = self._entries.setdefault(entry, entry)
+        self.ids.move_to_end(response_id)
+        if len(self.ids) > self.limit:
+            self.ids.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple | None:
+        return self.ids.get(response_id)
+
+    def remembering(self, entry: tuple):
+        """A stream filter that remembers ``entry`` for the response its first events name
+        (``response.created``): a ``background`` stream's stored events may be read while it runs."""
+        seen = False
+
+        def remember(obj: dict) -> dict:
+            nonlocal seen
+            resp = obj.get("response")
+            if not seen and isinstance(resp, dict) and isinstance(resp.get("id"), str):
+                self.put(resp["id"], entry)
+                seen = True
+            return obj
+
+        return remember
+
+
+def _ignore(event: dict) -> None:
+    """The sink of a relay that only rewrites (a stored answer read again is not recorded)."""
+
+
 class Rewrite:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
+        self.stored = StoredAnswers()
 
     def request(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
-        if call is None or call.kind != MODEL or not call.in_flight or call.upstream is None:
+        if call is None or call.upstream is None:
             return
-        obj = call.request_obj
-        if obj is None:
-            return  # malformed: forwarded unchanged, capture records the error
-        cfg = self.state.config
-        changed = False
+        if call.kind == OTHER and flow.response is None:
+            self._stored_read(flow, call)
+        elif call.kind == MODEL and call.in_flight and call.request_obj is not None:
+            self._model_call(flow, call, call.request_obj)  # (None: malformed, forwarded unchanged)
+
+    def _model_call(self, flow: http.HTTPFlow, call: Call, obj: dict) -> None:
         model = obj.get("model")
-        served = cfg.model_map.get(model) if isinstance(model, str) else None
-        served = served or cfg.served_model or model
-        if served != model:
-            obj["model"] = served
-            changed = True
-        call.served_model = served if isinstance(served, str) else None
-        if call.inject and call.endpoint == RESPONSES:
-            if not engine_flag(obj.get("enable_response_messages")):
-                obj["enable_response_messages"] = True
-                call.injected_token_ids = changed = True
-            include = obj.get("include") if isinstance(obj.get("include"), list) else []
-            if LOGPROBS_INCLUDE not in include:
-                obj["include"] = [*include, LOGPROBS_INCLUDE]
-                call.injected_logprobs = changed = True
-        elif call.inject and not _changes_the_answer(call.endpoint, obj):
-            if not engine_flag(obj.get("return_token_ids")):
-                obj["return_token_ids"] = True
-                call.injected_token_ids = changed = True
-            if call.endpoint == CHAT:
-                if not engine_flag(obj.get("logprobs")):
-                    obj["logprobs"] = True
-                    call.injected_logprobs = changed = True
-            elif obj.get("logprobs") is None:
-                obj["logprobs"] = 0  # completions: 0 = only the sampled token's logprob
-                call.injected_logprobs = changed = True
+        changed = self._map_model(call, obj)
+        if call.inject and _injectable(call.endpoint, obj):
+            changed = (_inject_responses if call.endpoint == RESPONSES else _inject_tokens)(call, obj) or changed
         if changed:
             # the harness's own numbers (NaN, huge integers) go upstream exactly
             flow.request.content = fastjson.dumps_exact(obj, call.request_fast)
+        asked = model if isinstance(model, str) and obj.get("model") != model else None
         if call.injected_token_ids or call.injected_logprobs:
             make = make_responses_stripper if call.endpoint == RESPONSES else make_stripper
-            # the answer the harness would have had from what it addressed: vLLM writes fields not asked
-            # for as null in a JSON answer and in a Responses stream's response objects, and leaves them
-            # out of chat and completions chunks; a hosted API has no such fields
-            as_null = not call.hosted and (call.endpoint == RESPONSES or not engine_flag(obj.get("stream")))
-            call.event_filters.append(make(call.injected_token_ids, call.injected_logprobs, as_null))
-        if served != model and isinstance(model, str):
-            call.event_filters.append(make_model_restorer(model))
+            # what the harness would have had from what it addressed: vLLM writes a field not asked for
+            # as null (JSON answers, Responses objects, chat and completions chunks); a hosted API has none
+            call.event_filters.append(make(call.injected_token_ids, call.injected_logprobs, not call.hosted))
+        if asked is not None:
+            call.event_filters.append(make_model_restorer(asked))
+        if call.endpoint == RESPONSES and call.inject and engine_flag(obj.get("store", True)):
+            entry = flow.metadata[STORED] = (call.injected_token_ids, call.injected_logprobs, asked)
+            if call.event_filters:  # (a stream rewritten anyway; the JSON answer's id: response)
+                call.event_filters.append(self.stored.remembering(entry))
+
+    def _map_model(self, call: Call, obj: dict) -> bool:
+        """``model`` as the pool serves it (``model_map``, then ``served_model``); whether it changed."""
+        cfg = self.state.config
+        model = obj.get("model")
+        served = cfg.model_map.get(model) if isinstance(model, str) else None
+        served = served or cfg.served_model or model
+        call.served_model = served if isinstance(served, str) else None
+        if served == model:
+            return False
+        obj["model"] = served
+        return True
+
+    def _stored_read(self, flow: http.HTTPFlow, call: Call) -> None:
+        """A stored Responses answer read from the pool (``GET``, ``cancel``): cut as the call that
+        made it was (see the module's docstring)."""
+        action = response_action(flow.request.method, flow.request.path)
+        if action is None or action[1] not in ("read", "cancel") or not call.inject:
+            return
+        token_ids, logprobs, asked = self.stored.get(action[0]) or (True, True, None)
+        if token_ids or logprobs:
+            call.event_filters.append(make_responses_stripper(token_ids, logprobs, not call.hosted))
+        if asked is not None:
+            call.event_filters.append(make_model_restorer(asked))
+        if call.event_filters:  # rewritten: plain bytes (what vLLM sends anyway)
+            flow.request.headers["Accept-Encoding"] = "identity"
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        """A stored answer's events are cut as they pass; its JSON is held whole to be cut (the limits
+        addon streams large answers to other traffic)."""
+        call: Call | None = flow.metadata.get(META)
+        if call is None or call.kind != OTHER or not call.event_filters or flow.response is None:
+            return
+        if "text/event-stream" in flow.response.headers.get("Content-Type", ""):
+            flow.response.stream = SSERelay(_ignore, call.event_filters, max_event=self.state.config.max_decoded_size)
+            flow.response.headers.pop("Content-Length", None)
+        else:
+            flow.response.stream = False
 
     def response(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
-        if call is None or call.sse is not None or not call.event_filters:
+        if call is None:
             return
         obj = call.response_obj
+        entry = flow.metadata.get(STORED)
+        if entry is not None and isinstance(obj, dict) and isinstance(obj.get("id"), str):
+            self.stored.put(obj["id"], entry)
+        if call.sse is not None or not call.event_filters:
+            return
+        if call.kind == OTHER:
+            self._cut_stored(flow.response, call)
+            return
         if not isinstance(obj, dict):
             return
         for f in call.event_filters:
             obj = f(obj)
         flow.response.content = fastjson.dumps_bytes(obj)
+
+    @staticmethod
+    def _cut_stored(resp: http.Response, call: Call) -> None:
+        """A stored answer's JSON, cut; its bytes as they came where nothing is cut (an error)."""
+        if resp.stream or not resp.raw_content:
+            return
+        try:
+            obj = fastjson.loads(resp.content)
+        except (ValueError, RecursionError):
+            return
+        new = obj
+        for f in call.event_filters if isinstance(obj, dict) else ():
+            new = f(new)
+        if new is not obj:
+            resp.content = fastjson.dumps_bytes(new)

@@ -5,15 +5,17 @@ model under training: requests to a route host (``route_hosts``, ``*`` for all),
 the pool itself, or arriving in reverse mode go to the pool. The pool may hold several replicas;
 each rollout sticks to one (prefix-cache reuse). Model names are mapped (``model_map``, then
 ``served_model``) by the rewrite addon, which edits the body once. Besides model calls only reads
-(GET, HEAD: ``/v1/models``) and token counts (``/tokenize``, ``count_tokens``) reach the pool;
-anything else is the engine's administration (vLLM's dev mode reloads weights, pauses, sleeps) and
-gets 403, as does a model path the proxy did not recognise (``/v1/chat/completion%73``, which the
-engine would decode and serve unrecorded).
+(GET, HEAD: ``/v1/models``, a stored response), token counts (``/tokenize``, ``count_tokens``) and a
+harness's own stored responses (``POST /v1/responses/{id}/cancel``, ``DELETE /v1/responses/{id}``)
+reach the pool; anything else is the engine's administration (vLLM's dev mode reloads weights,
+pauses, sleeps) and gets 403, as does a model path the proxy did not recognise
+(``/v1/chat/completion%73``, which the engine would decode and serve unrecorded).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import re
 
 from mitmproxy import http
 
@@ -25,11 +27,26 @@ READ_METHODS = ("GET", "HEAD")  # besides model calls, what a harness may send t
 READ_POSTS = ("/tokenize", "/detokenize", "/count_tokens", "/embeddings")  # and these questions
 
 
+_RESPONSE = re.compile(r"/v1/responses/([^/?]+)(/cancel)?/?\Z")
+_RESPONSE_ACTIONS = {("GET", False): "read", ("POST", True): "cancel", ("DELETE", False): "delete"}
+
+
+def response_action(method: str, path: str) -> tuple[str, str] | None:
+    """``(response id, 'read' | 'cancel' | 'delete')`` for a request about a stored Responses answer
+    (``GET`` or ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``), else None."""
+    m = _RESPONSE.search(path.split("?", 1)[0])
+    action = _RESPONSE_ACTIONS.get((method, m.group(2) is not None)) if m else None
+    return (m.group(1), action) if action else None
+
+
 def harmless(method: str, path: str) -> bool:
-    """A request that is not a model call but may reach the training engine: a read, or a question
-    that changes nothing. A path with escapes is none: the engine would decode it into another."""
+    """A request that is not a model call but may reach the training engine: a read, a question that
+    changes nothing, or a harness cancelling or deleting its own stored response (part of the
+    Responses API it uses; ids are the engine's random ones). A path with escapes is none: the engine
+    would decode it into another."""
     path = path.split("?", 1)[0]
-    return "%" not in path and (method in READ_METHODS or (method == "POST" and path.rstrip("/").endswith(READ_POSTS)))
+    return "%" not in path and (method in READ_METHODS or (method == "POST" and path.rstrip("/").endswith(READ_POSTS))
+                                or response_action(method, path) is not None)
 
 
 class Routing:
@@ -85,7 +102,8 @@ class Routing:
         req = flow.request
         json_answer(flow, 403, {"error": {
             "type": "forbidden", "message": f"lightning-proxy: {req.method} {req.path.split('?')[0]} is not a model "
-            "call; only model calls, reads (GET, HEAD) and token counts are forwarded to the training engine"}})
+            "call; only model calls, reads (GET, HEAD), token counts and a stored response's cancel or delete are "
+            "forwarded to the training engine"}})
 
     @staticmethod
     def _send(req: http.Request, target: Upstream) -> None:

@@ -18,11 +18,11 @@ if (how === "stream") {
     out.chunks += 1;
     out.models.push(chunk.model);
     if (chunk.usage) out.usage = chunk.usage;
-    if ("prompt_token_ids" in chunk) out.extra.push("prompt_token_ids");
+    if (chunk.prompt_token_ids != null) out.extra.push("prompt_token_ids");  // (null: as plain vLLM says)
     for (const ch of chunk.choices) {
       out.content += ch.delta?.content ?? "";
       if (ch.finish_reason) out.finish_reason = ch.finish_reason;
-      if ("token_ids" in ch) out.extra.push("token_ids");
+      if (ch.token_ids != null) out.extra.push("token_ids");
       if (ch.logprobs) out.extra.push("logprobs");
     }
   }
