@@ -3,7 +3,8 @@
 ``stub_upstream`` (URL of a session-wide stub, plain http), ``stub_server`` (its controller),
 ``stub_tls_server`` (the same over HTTPS with a self-signed cert), ``proxy`` (a running
 :class:`ProxyProcess` against the stub, traces in ``tmp_path/traces``, routing ``api.openai.com``
-to the stub) and ``make_proxy`` (a factory for other settings). Every process started here runs
+to the stub), ``make_proxy`` (a factory for other settings) and ``upstream`` (a
+:class:`ScriptedUpstream`: raw bytes, for answers no real server sends). Every process started here runs
 in its own process group and is stopped at teardown.
 """
 
@@ -12,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -209,3 +212,64 @@ def anthropic_from_env(monkeypatch):
         return anthropic.Anthropic(max_retries=0, timeout=120)
 
     return make
+
+
+class ScriptedUpstream:
+    """An upstream that answers every request with the raw bytes it was given (then closes), and
+    keeps the request bodies. Why raw: a real server never sends the broken answers tested here."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.answer = b""
+        self.bodies: list[dict] = []
+        self.paths: list[str] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            while len(body) < length:
+                body += conn.recv(65536)
+            self.paths.append(head.split(b" ")[1].decode())
+            self.bodies.append(json.loads(body or b"{}"))
+            self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.sendall(self.answer)
+
+    def json(self, obj: dict, status: int = 200) -> None:
+        data = json.dumps(obj).encode()
+        self.answer = (f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                       f"Connection: close\r\n\r\n").encode() + data
+
+    def sse(self, events: list, length: bool = False) -> None:
+        """Chat chunks (dicts, or raw bytes) as an event stream; ``length``: with Content-Length, not chunked."""
+        data = b"".join(e if isinstance(e, bytes) else b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+        framing = f"Content-Length: {len(data)}" if length else "Transfer-Encoding: chunked"
+        body = data if length else b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data)
+        self.answer = (f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n{framing}\r\n"
+                       f"Connection: close\r\n\r\n").encode() + body
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def upstream():
+    up = ScriptedUpstream()
+    yield up
+    up.close()

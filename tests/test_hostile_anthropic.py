@@ -8,78 +8,15 @@ broken or hostile server sends), real httpx, real Parquet. Found by review; each
 from __future__ import annotations
 
 import json
-import socket
-import threading
 
 import httpx
 import pytest
-from fixtures_proxy import read_spans
+from fixtures_proxy import ScriptedUpstream, read_spans
 
 from lightning_harness.proxy.anthropic import EventStream, EventTranslator
 from lightning_harness.proxy.sse import SSERelay
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class ScriptedUpstream:
-    """An upstream that answers every request with the raw bytes it was given (then closes), and
-    keeps the request bodies. Why raw: a real server never sends the broken answers tested here."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.answer = b""
-        self.bodies: list[dict] = []
-        self.paths: list[str] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn: socket.socket) -> None:
-        with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += conn.recv(65536)
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            while len(body) < length:
-                body += conn.recv(65536)
-            self.paths.append(head.split(b" ")[1].decode())
-            self.bodies.append(json.loads(body or b"{}"))
-            self._answer(conn)
-
-    def _answer(self, conn: socket.socket) -> None:
-        conn.sendall(self.answer)
-
-    def json(self, obj: dict, status: int = 200) -> None:
-        data = json.dumps(obj).encode()
-        self.answer = (f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
-                       f"Connection: close\r\n\r\n").encode() + data
-
-    def sse(self, events: list, length: bool = False) -> None:
-        """Chat chunks (dicts, or raw bytes) as an event stream; ``length``: with Content-Length, not chunked."""
-        data = b"".join(e if isinstance(e, bytes) else b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
-        framing = f"Content-Length: {len(data)}" if length else "Transfer-Encoding: chunked"
-        body = data if length else b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data)
-        self.answer = (f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n{framing}\r\n"
-                       f"Connection: close\r\n\r\n").encode() + body
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@pytest.fixture
-def upstream():
-    up = ScriptedUpstream()
-    yield up
-    up.close()
 
 
 @pytest.fixture

@@ -21,8 +21,7 @@ import time
 
 import httpx
 import pytest
-from fixtures_proxy import read_spans
-from test_hostile_anthropic import ScriptedUpstream
+from fixtures_proxy import ScriptedUpstream, read_spans
 
 pytestmark = pytest.mark.timeout(300)
 

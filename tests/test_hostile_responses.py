@@ -16,7 +16,6 @@ import httpx
 import pytest
 from fixtures_proxy import read_spans
 from fixtures_traces import rollout, span, tiny_ids
-from test_hostile_anthropic import ScriptedUpstream
 
 from lightning_harness.proxy.assemble import RESPONSES, ResponsesAssembler, as_chat, token_fields
 from lightning_harness.trainer.samples import build_samples, retokenize
@@ -47,13 +46,6 @@ def _event(data: dict) -> bytes:
 START = [_event({"type": "response.created", "response": {"id": "resp_1", "status": "in_progress", "output": []}}),
          _event({"type": "response.output_text.delta", "delta": "hi there", "output_index": 0, "content_index": 0,
                  "logprobs": [{"token": "hi", "logprob": -0.5}]})]
-
-
-@pytest.fixture
-def upstream():
-    up = ScriptedUpstream()
-    yield up
-    up.close()
 
 
 @pytest.fixture

@@ -11,8 +11,7 @@ import httpx
 import openai
 import pytest
 from conftest import free_port
-from fixtures_proxy import StubServer, read_spans
-from test_hostile_anthropic import ScriptedUpstream
+from fixtures_proxy import ScriptedUpstream, StubServer, read_spans
 from test_hostile_responses import ANSWER_IDS, START, _event, _late_response, _response
 
 pytestmark = pytest.mark.timeout(300)

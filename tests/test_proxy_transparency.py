@@ -23,7 +23,6 @@ import ssl
 
 import httpx
 import pytest
-from test_hostile_anthropic import ScriptedUpstream
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,13 +46,6 @@ def _plain(obj: dict) -> dict:
     out.update(top_logprobs=None, input_messages=None, output_messages=None)
     out["output"][0]["content"][0]["logprobs"] = None
     return out
-
-
-@pytest.fixture
-def upstream():
-    up = ScriptedUpstream()
-    yield up
-    up.close()
 
 
 @pytest.fixture
