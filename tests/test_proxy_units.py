@@ -401,3 +401,23 @@ def test_rewritten_bodies_hold_their_size_not_the_reserve_orjson_keeps():
     held, size, fast = subprocess.run([proxy_python(), "-c", code], capture_output=True, text=True,
                                       check=True).stdout.split()
     assert fast == "True" and int(held) < 1.1 * int(size), (held, size)
+
+
+def test_stored_answers_stay_bounded_whatever_model_names_a_harness_sends():
+    """The per-response-id memory of what was injected keeps the newest ids only, and no name longer
+    than its bound: a harness sending ever new or huge model names (each mapped to the served one)
+    does not grow the proxy's memory. Run where the proxy runs (mitmproxy's environment)."""
+    import subprocess
+
+    from lightning_harness.proxy.locate import proxy_python
+
+    code = ("import tracemalloc\nfrom lightning_harness.proxy.addons.rewrite import StoredAnswers\n"
+            "s = StoredAnswers(limit=1000)\ntracemalloc.start()\n"
+            "for i in range(20000):\n    s.put(f'resp_{i}', (True, True, f'{i:06d}' * 40))\n"
+            "print(len(s.ids), tracemalloc.get_traced_memory()[0], len(s.get('resp_19999')[2] or ''))")
+    n, held, name = subprocess.run([proxy_python(), "-c", code], capture_output=True, text=True,
+                                   check=True).stdout.split()
+    assert int(n) == 1000 and int(name) == 240 and int(held) < 2_000_000, (n, held, name)
+    code = code.replace("* 40", "* 50")  # 300 characters: over the bound, not kept
+    assert subprocess.run([proxy_python(), "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split()[2] == "0"
