@@ -421,3 +421,19 @@ def test_stored_answers_stay_bounded_whatever_model_names_a_harness_sends():
     code = code.replace("* 40", "* 50")  # 300 characters: over the bound, not kept
     assert subprocess.run([proxy_python(), "-c", code], capture_output=True, text=True,
                           check=True).stdout.split()[2] == "0"
+
+
+def test_only_a_stored_responses_own_paths_pass_as_harmless():
+    """Cancel and delete of a stored response reach the engine; an id of dots would name another path
+    of the engine once normalised (``/v1/responses/../cancel``), so it does not pass."""
+    import subprocess
+
+    from lightning_harness.proxy.locate import proxy_python
+
+    cases = [("POST", "/v1/responses/resp_1/cancel"), ("DELETE", "/v1/responses/resp_1"),
+             ("POST", "/v1/responses/../cancel"), ("POST", "/v1/responses/./cancel"), ("DELETE", "/v1/responses/.."),
+             ("POST", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/a/b"), ("POST", "/v1/responses/%2e%2e/cancel")]
+    code = ("import json, sys\nfrom lightning_harness.proxy.addons.routing import harmless\n"
+            "print(json.dumps([harmless(m, p) for m, p in json.loads(sys.argv[1])]))")
+    out = subprocess.run([proxy_python(), "-c", code, json.dumps(cases)], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == [True, True, False, False, False, False, False, False]

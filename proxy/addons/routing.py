@@ -27,7 +27,7 @@ READ_METHODS = ("GET", "HEAD")  # besides model calls, what a harness may send t
 READ_POSTS = ("/tokenize", "/detokenize", "/count_tokens", "/embeddings")  # and these questions
 
 
-_RESPONSE = re.compile(r"/v1/responses/([^/?]+)(/cancel)?/?\Z")
+_RESPONSE = re.compile(r"/v1/responses/(?!\.\.?(?:/|\Z))([^/?]+)(/cancel)?/?\Z")  # (an id of dots: another path)
 _RESPONSE_ACTIONS = {("GET", False): "read", ("POST", True): "cancel", ("DELETE", False): "delete"}
 
 
