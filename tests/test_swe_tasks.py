@@ -165,3 +165,44 @@ def test_score_ignores_edited_visible_tests_and_times_out(tmp_path):
     assert score(task, folder) == 0.0
     (folder / f"{task['project']}.py").write_text("while True:\n    pass\n")
     assert score(task, folder, timeout=2) == 0.0
+
+
+class _CyclicFinalizer:
+    """Garbage only the cycle collector frees, running Python code (and so letting threads switch)
+    in the middle of whatever allocation triggered the collection."""
+
+    def __del__(self):
+        sum(range(50))
+
+
+def test_mutants_can_be_enumerated_from_many_threads_at_once():
+    """The solver's threaded server enumerates mutants concurrently. CPython 3.11's AST builder keeps
+    its recursion depth per interpreter: parses interleaved by a thread switch inside a collection
+    failed with "AST constructor recursion depth mismatch" (seen once in CI)."""
+    import gc
+    import threading
+    source = committed("train")[0]["solution"]
+    errors: list[BaseException] = []
+
+    def enumerate_mutants():
+        for _ in range(15):
+            try:
+                assert list(gen.mutants(source))
+            except SystemError as e:
+                errors.append(e)
+                return
+            for _ in range(20):
+                junk = _CyclicFinalizer()
+                junk.me = junk
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(50)
+    try:
+        threads = [threading.Thread(target=enumerate_mutants) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        gc.set_threshold(*threshold)
+    assert not errors, errors[0]

@@ -18,6 +18,7 @@ import json
 import random
 import signal
 import sys
+import threading
 import types
 from collections import Counter
 from contextlib import contextmanager
@@ -178,17 +179,28 @@ def statement_lists(func: ast.FunctionDef) -> dict:
     return owners
 
 
+_PARSING = threading.Lock()
+
+
+def parse(source: str) -> ast.Module:
+    """`ast.parse`, one thread at a time: CPython 3.11 keeps the AST builder's recursion depth per
+    interpreter, so two threads parsing at once can fail with "AST constructor recursion depth
+    mismatch" (the solver's threaded server and the threaded tests call `mutants` concurrently)."""
+    with _PARSING:
+        return ast.parse(source)
+
+
 def mutants(source: str):
     """Yield (function, family, buggy_source) for every mutation site, each on a fresh parse.
 
     Sites are addressed by (function index, walk index), which a fresh parse of the same text
     reproduces exactly; that keeps every mutant independent and the enumeration deterministic.
     """
-    tree = ast.parse(source)
+    tree = parse(source)
     for fi, (fname, func) in enumerate(functions(tree)):
         for ni, node in enumerate(body_nodes(func)):
             for family, variant in site_variants(node, func):
-                fresh = ast.parse(source)
+                fresh = parse(source)
                 ffunc = functions(fresh)[fi][1]
                 target = body_nodes(ffunc)[ni]
                 apply_variant(target, family, variant, statement_lists(ffunc))
@@ -253,7 +265,7 @@ def run_suite(module_name: str, module_src: str, test_src: str) -> list[str] | N
 
 def original_source(name: str, catalogue: dict = CATALOGUE) -> str:
     """The project module as the agent's tools will show it (unparsed, so only the bug differs)."""
-    return ast.unparse(ast.parse(catalogue[name]["module"])) + "\n"
+    return ast.unparse(parse(catalogue[name]["module"])) + "\n"
 
 
 def candidate_bugs(name: str, catalogue: dict = CATALOGUE) -> dict[tuple[str, str], list[tuple[str, list[str]]]]:
@@ -330,7 +342,7 @@ def catalogue_names() -> frozenset[str]:
     names = set()
     for name, spec in CATALOGUE.items():
         names.add(name.lower())
-        names |= {n.name.lower() for n in ast.walk(ast.parse(spec["module"]))
+        names |= {n.name.lower() for n in ast.walk(parse(spec["module"]))
                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     return frozenset(names)
 
