@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .fastjson import dumps_bytes
-from .sse import _EMPTIED_CHUNK, _emptied
+from .sse import emptied, emptied_bytes
 
 
 def _with(obj: dict, key: str, value: Any) -> dict:
@@ -101,14 +101,14 @@ def make_stripper(token_ids: bool, logprobs: bool, as_null: bool = False):
 def _held_back(sent: dict, out: dict) -> dict:
     """``out`` (``sent`` stripped, its token ids set to null), or, when it is a chat chunk left with
     nothing for the harness, the same without its choices' ``token_ids``: the relay drops such a chunk
-    (``sse._emptied``: only one whose members it all knows), as vLLM sends none for a token that
+    (``sse.emptied``: only one whose members it all knows), as vLLM sends none for a token that
     makes no delta unless token ids or logprobs are asked for."""
     if out.get("object") != "chat.completion.chunk" or any(
             type(c) is dict and c.get("delta") for c in out["choices"]):
         return out
     bare = _with(out, "choices", _mapped(out["choices"], lambda c: _without(c, ("token_ids",))
                                          if isinstance(c, dict) else c))
-    return bare if _emptied(sent, bare) else out
+    return bare if emptied(sent, bare) else out
 
 
 # The bytes of one vLLM chat chunk (pydantic's compact JSON, its field order) as it streams a token:
@@ -190,9 +190,9 @@ _END, _NULL_IDS_END = b"}]}", b',"token_ids":null}]}'
 def _ids_end(head: bytes, as_null: bool) -> bytes:
     """The chunk whose ``token_ids`` was cut away, up to the end of its choice's members before it
     (``head``), closed; ``as_null``: with ``"token_ids":null`` as plain vLLM ends a chunk's choice,
-    unless the relay drops the chunk (left with nothing, ``sse._EMPTIED_CHUNK``: vLLM sends none for
+    unless the relay drops the chunk (left with nothing, ``sse.emptied_bytes``: vLLM sends none for
     such a token; its delta is ``{}``, looked for first)."""
-    if as_null and (b'"delta":{}' not in head or not _EMPTIED_CHUNK.search(head + _END, max(0, len(head) - 77))):
+    if as_null and (b'"delta":{}' not in head or not emptied_bytes(head + _END)):
         return head + _NULL_IDS_END
     return head + _END
 

@@ -26,8 +26,9 @@ EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r|\n\r")
 # with a tool or reasoning parser, vLLM sends no chunk for a token that makes no delta unless ids or
 # logprobs are asked for (28 of a 30-token tool call). Such chunks are dropped, as vLLM would have
 # (a few parsers, e.g. mistral's once its calls are complete, do send an empty delta: harmless).
-_EMPTIED_CHUNK = re.compile(rb'"delta":\{\}(?:,"logprobs":null)?(?:,"finish_reason":null)?'
-                            rb'(?:,"stop_reason":null)?\}\]\}\Z')
+_EMPTIED_TAIL = re.compile(rb'"delta":\{\}(?:,"logprobs":null)?(?:,"finish_reason":null)?'
+                           rb'(?:,"stop_reason":null)?\}\]\}\Z')
+_EMPTIED_TAIL_MAX = 80  # bytes: at least its longest match, so only the payload's end is searched
 _CHOICE_KEYS = frozenset(("index", "delta", "logprobs", "finish_reason", "stop_reason"))
 EventSink = Callable[[dict], None]
 EventFilter = Callable[[dict], dict]  # returns the rewritten copy (see filters.py)
@@ -99,14 +100,14 @@ class SSERelay:
                 out = self._cut(payload, filters)
                 if out is not None:  # rewritten as bytes; the held bytes are parsed at settle
                     self._hold(payload)
-                    return [] if _EMPTIED_CHUNK.search(out, max(0, len(out) - 80)) else b"data: " + out + b"\n\n"
+                    return [] if emptied_bytes(out) else b"data: " + out + b"\n\n"
                 obj = self._loads(payload)
                 if type(obj) is dict:
                     self._hold(obj)  # filters return copies: the sink gets the event as sent
                     new = obj
                     for f in filters:
                         new = f(new)
-                    return [] if _emptied(obj, new) else b"data: " + fastjson.dumps_bytes(new) + b"\n\n"
+                    return [] if emptied(obj, new) else b"data: " + fastjson.dumps_bytes(new) + b"\n\n"
             new = self._event(payload, ())  # anything else: [DONE], not JSON, not an object; b"": dropped
             return chunk if new is None else new + b"\n\n" if new else []
         rewrite = bool(self.filters)
@@ -201,7 +202,7 @@ class SSERelay:
         new = obj
         for f in self.filters:
             new = f(new)
-        if _emptied(obj, new) and not other:
+        if emptied(obj, new) and not other:
             return b""
         head = b"\n".join(other) + b"\n" if other else b""
         return head + b"data: " + fastjson.dumps_bytes(new)
@@ -256,10 +257,15 @@ class SSERelay:
             return None
 
 
-def _emptied(sent: dict, new: dict) -> bool:
+def emptied_bytes(payload: bytes) -> bool:
+    """``emptied`` for a stripped chunk rewritten as bytes (vLLM's compact JSON, its field order):
+    its one choice ends with an empty delta and nothing but nulls after it."""
+    return _EMPTIED_TAIL.search(payload, max(0, len(payload) - _EMPTIED_TAIL_MAX)) is not None
+
+
+def emptied(sent: dict, new: dict) -> bool:
     """``new`` (``sent`` stripped of injected fields) is a chat chunk left with nothing for the
-    harness: every choice has no delta, finish or stop reason or logprobs. The bytes
-    path's test is ``_EMPTIED_CHUNK``."""
+    harness: every choice has no delta, finish or stop reason or logprobs. The relay drops it."""
     choices = new.get("choices")  # (usage aside: with continuous usage stats every chunk has it, and vLLM
     # still sends none for such a token; the next chunk's usage counts it)
     return new is not sent and new.get("object") == "chat.completion.chunk" \
