@@ -185,9 +185,17 @@ _PARSING = threading.Lock()
 def parse(source: str) -> ast.Module:
     """`ast.parse`, one thread at a time: CPython 3.11 keeps the AST builder's recursion depth per
     interpreter, so two threads parsing at once can fail with "AST constructor recursion depth
-    mismatch" (the solver's threaded server and the threaded tests call `mutants` concurrently)."""
+    mismatch" (the solver's threaded server and the threaded tests call `mutants` concurrently).
+    Parsing elsewhere that takes no lock (a traceback being formatted, `ast.literal_eval`) can still
+    interleave: parsing has no effects, so that rare failure is tried again."""
     with _PARSING:
-        return ast.parse(source)
+        for attempt in range(3):
+            try:
+                return ast.parse(source)
+            except SystemError as exc:
+                if "recursion depth mismatch" not in str(exc) or attempt == 2:
+                    raise
+    raise AssertionError("unreachable")
 
 
 def mutants(source: str):
