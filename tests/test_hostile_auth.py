@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -421,3 +422,64 @@ def test_the_attempt_is_ended_before_the_reward_command_runs(proxy, tmp_path):
     assert res.state == "succeeded" and res.reward == 401.0  # the harness credential was dead already
     posted = [r["reward"] for r in read_rewards(proxy) if r["source"] == "proxy"]
     assert posted == [1.0]  # only what the harness posted while alive
+
+
+# -- request targets and addresses that mean the engine -------------------------------------------
+def _raw(host: str, port: int, method: str, target: str, headers: dict | None = None) -> int:
+    """One request with ``target``'s bytes exactly as given (httpx would drop a fragment, http.client
+    refuses non-ASCII); its status."""
+    body = json.dumps({"method": "reload_weights", "kwargs": {"weights_path": "/tmp/mine"}, **BODY}).encode()
+    head = {"Host": f"{host}:{port}", "Content-Type": "application/json", "Content-Length": str(len(body)),
+            "Connection": "close", **(headers or {})}
+    request = f"{method} {target} HTTP/1.1\r\n".encode() + b"".join(
+        f"{k}: {v}\r\n".encode() for k, v in head.items()) + b"\r\n" + body
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(request)
+        status_line = sock.makefile("rb").readline()
+    return int(status_line.split()[1])
+
+
+def test_a_fragment_in_the_target_never_reaches_the_engine(make_proxy, recorder):
+    """The engine's parser ends a path at '#': '/collective_rpc#/tokenize' was classified as a token
+    count and served as a weight reload; '/v1/chat/completions#/tokenize' as a generation with no
+    span and no hold. Such targets (and '\\', non-ASCII) get 400, in both modes; nothing is forwarded
+    or recorded."""
+    p = make_proxy(upstreams=[recorder.url])
+    env = p.env_for("h", 0)
+    base = urllib.parse.urlsplit(env["OPENAI_BASE_URL"])
+    prefix = base.path.rsplit("/v1", 1)[0]
+    fwd = urllib.parse.urlsplit(env["HTTP_PROXY"])
+    auth = {"Proxy-Authorization": _basic(urllib.parse.unquote(fwd.username), credential_of(env))}
+    for path in ("/collective_rpc#/tokenize", "/sleep#/v1/chat/completions", "/pause#/v1/responses/x/cancel",
+                 "/v1/chat/completions#/tokenize", "/v1/responses#/count_tokens", "/v1/models#x",
+                 "/collective_rpc\\..\\tokenize", "/v1/chat/completions\u00e9"):
+        target = prefix + path
+        assert _raw(base.hostname, base.port, "POST", target) == 400, path
+        assert _raw(fwd.hostname, fwd.port, "POST", recorder.url + target, auth) == 400, path
+    assert recorder.seen == [] and read_spans(p) == []
+    assert _raw(base.hostname, base.port, "POST", prefix + "/v1/chat/completions") == 200  # the plain one goes
+
+
+def test_another_spelling_of_the_engines_address_is_filtered_as_the_engine(make_proxy, recorder):
+    """Forward mode: '127.1', 'LOCALHOST', '0.0.0.0', '2130706433', '[::ffff:127.0.0.1]' reach the
+    engine as '127.0.0.1' does; they used to be forwarded untouched (administration reachable, model
+    calls without token ids). And the proxy's own reverse listener under such a name served a call
+    once, not twice (once forwarded to itself)."""
+    p = make_proxy(upstreams=[recorder.url])
+    env = p.env_for("h", 0)
+    fwd = urllib.parse.urlsplit(env["HTTP_PROXY"])
+    auth = {"Proxy-Authorization": _basic(urllib.parse.unquote(fwd.username), credential_of(env))}
+    port = urllib.parse.urlsplit(recorder.url).port
+    names = ("localhost", "LOCALHOST", "127.1", "0.0.0.0", "2130706433", "[::ffff:127.0.0.1]")
+    for name in names:
+        assert _raw(fwd.hostname, fwd.port, "POST", f"http://{name}:{port}/collective_rpc", auth) == 403, name
+        assert _raw(fwd.hostname, fwd.port, "POST", f"http://{name}:{port}/v1/chat/completions", auth) == 200, name
+    calls = [s for s in recorder.seen if s["path"].endswith("/chat/completions")]
+    assert len(recorder.seen) == len(calls) == len(names)  # no administration went through
+    assert all(json.loads(s["body"])["return_token_ids"] is True for s in calls)  # injected: the pool's
+    reverse = urllib.parse.urlsplit(env["OPENAI_BASE_URL"])
+    for name in ("127.1", "LOCALHOST"):
+        target = f"http://{name}:{reverse.port}{reverse.path}/chat/completions"
+        assert _raw(fwd.hostname, fwd.port, "POST", target, auth) == 200, name
+    spans = read_spans(p)
+    assert len(spans) == len(names) + 2 and {s["rollout_id"] for s in spans} == {"h"}  # each call once

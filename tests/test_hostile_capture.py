@@ -454,3 +454,33 @@ def test_large_bodies_beyond_the_inflight_budget_wait_their_turn(tmp_path, make_
         assert len(_spans_of(p, "big-b")) == 1 and len(_spans_of(p, "big-a")) == 1
     finally:
         slow.stop()
+
+
+def test_one_rollouts_big_calls_do_not_stall_another_rollouts(tmp_path, make_proxy):
+    """Finding F6: rollout "hog" sends three 600 KB calls whose answers take 6 s each; they fit the
+    2 MiB budget together, so before the fix they took all of it and rollout "other"'s 300 KB call
+    waited for one to end. Now the hog's extra calls only use the first half: "other" goes at once,
+    and the hog's calls, run one at a time, all still succeed and are recorded once each."""
+    p = make_proxy(extra_args=["--max-inflight-bytes", str(2 * MiB)])
+    done = {}
+
+    def call(name, rollout, size, delay):
+        body = {**BODY, "messages": [{"role": "user", "content": "x" * size}]}
+        r = _post(_url(p, rollout), json=body, headers={"X-Stub-Delay": str(delay)})
+        done[name] = (r.status_code, time.monotonic())
+
+    hogs = [threading.Thread(target=call, args=(f"hog{i}", "hog", 600_000, 6)) for i in range(3)]
+    t0 = time.monotonic()
+    for t in hogs:
+        t.start()
+    time.sleep(1.5)  # the hog's calls are in the proxy: one upstream, two waiting (before: three upstream)
+    call("other", "other", 300_000, 0)
+    for t in hogs:
+        t.join(120)
+    assert {k: v[0] for k, v in done.items()} == {"hog0": 200, "hog1": 200, "hog2": 200, "other": 200}
+    hog_ends = sorted(done[f"hog{i}"][1] - t0 for i in range(3))
+    assert done["other"][1] - t0 < hog_ends[0] - 1  # answered well before even the first hog call ended
+    assert hog_ends[2] - hog_ends[0] > 6  # the hog's calls went one after another, not all at once
+    assert len(_spans_of(p, "other")) == 1
+    spans = _spans_of(p, "hog", n=3)
+    assert len(spans) == 3 and sorted(s["seq"] for s in spans) == [0, 1, 2]

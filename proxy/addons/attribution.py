@@ -27,6 +27,7 @@ from mitmproxy.proxy.mode_specs import ReverseMode
 
 from ..assemble import endpoint_of
 from ..client import NO_TOKEN
+from ..config import LOCAL, canonical_host
 from ..credentials import InvalidId, credential_ok, log_safe, parse_user
 from ..state import CONTROL, META, MODEL, OTHER, REWARD, Call, ProxyState
 from .answers import error_answer
@@ -34,9 +35,12 @@ from .answers import error_answer
 log = logging.getLogger("lightning.proxy")
 
 CONTROL_HOST = "lightning.proxy"
-LOCAL_NAMES = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 MAX_REMEMBERED = 4096  # credentials remembered as checked; more (attempts in flight at once) start over
-_CRED_SEGMENT = re.compile(r"(/lh/[^/?#]*/)[^/?#]*")
+_CRED_SEGMENT = re.compile(r"(/lh/[^/?#]*/)[^/?#]*", re.IGNORECASE)
+# a request target that is not a plain path and query: a fragment is never sent in HTTP, and the
+# engine's parser ends the path at '#' ('/collective_rpc#/tokenize' would be classified by what
+# follows it and served as what precedes it); no client sends the others unescaped either
+_ODD_TARGET = re.compile(r"[#\\\x00-\x20\x7f-\U0010ffff]")
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,11 @@ class Attribution:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:  # already answered (e.g. refused CONNECT)
             return
+        if flow.request.method != "CONNECT" and _ODD_TARGET.search(flow.request.path):
+            flow.metadata.setdefault(META, Call())
+            self._refuse(flow, 400, "a request target is a path and query only: no '#', '\\', space, "
+                         "control or non-ASCII character (escape it)")
+            return
         try:
             if isinstance(flow.client_conn.proxy_mode, ReverseMode):
                 self._reverse(flow)
@@ -175,8 +184,8 @@ class Attribution:
             return
         cfg = self.state.config
         sock = flow.client_conn.sockname
-        own = LOCAL_NAMES | {cfg.listen_host} | ({sock[0]} if sock else set())
-        if req.port == cfg.reverse_port and req.host in own:
+        own = {LOCAL, canonical_host(cfg.listen_host)} | ({canonical_host(sock[0])} if sock else set())
+        if req.port == cfg.reverse_port and canonical_host(req.host) in own:
             # A base-URL harness whose HTTP_PROXY also points here (NO_PROXY is empty): mitmproxy
             # refuses to dial itself, so serve it as the reverse listener would, right here.
             self._reverse(flow)

@@ -11,7 +11,9 @@ compressed body that expands a thousandfold (a decompression bomb). Model calls 
 An accepted compressed body is forwarded decoded (``identity``): the span, the rewrite addon and
 upstreams that do not read compressed requests (vLLM) all need the plain JSON. While the proxy
 drains at shutdown new model calls get 503. Bodies of 64 KiB and more share a budget of
-``max_inflight_bytes`` being processed at once; past it a call waits its turn (:class:`ByteBudget`).
+``max_inflight_bytes`` being processed at once; past it a call waits its turn, and a rollout's calls
+beyond its first one in flight only use the budget's first half, so one rollout cannot stall the
+others (:class:`ByteBudget`).
 Answers to other traffic (not recorded) are streamed rather than held whole. Each refusal is
 counted in ``rejected`` and the capture addon records it as an error span (``too_large``,
 ``malformed_request``, ``shutdown``), so no attributed model call goes unrecorded. Runs before routing and capture.
@@ -34,7 +36,7 @@ log = logging.getLogger("lightning.proxy")
 
 REFUSED = "lh.refused"  # flow.metadata key: (error_kind, message, status) of a call this addon answered
 STREAM_OTHER_ABOVE = 1 << 20  # bytes: larger (or unannounced) answers to other traffic are streamed
-BUDGETED = "lh.budget"  # flow.metadata key: bytes this call holds of the in-flight budget
+BUDGETED = "lh.budget"  # flow.metadata key: (rollout id, bytes) this call holds of the in-flight budget
 BUDGET_FROM = 64 << 10  # bodies this large or larger count against max_inflight_bytes
 KILL_ABOVE = 2  # a Content-Length over this many times max_body_size: connection closed, body never read
 
@@ -43,23 +45,42 @@ class ByteBudget:
     """Bytes of large request bodies being processed at once. A call that would go past the limit
     waits (like a paused call: held, not bounced) until others finish; one call alone always goes.
     Why: each call in flight costs several times its body (text, parsed JSON, rewritten body,
-    Parquet row), so many concurrent big bodies could exhaust memory although each is allowed."""
+    Parquet row), so many concurrent big bodies could exhaust memory although each is allowed.
+
+    A rollout's first call in flight may use the whole budget; a call of a rollout that already holds
+    bytes goes only while everything in flight stays within half of it. Why: rollouts share a proxy
+    and a harness is hostile (the policy writes its commands); under the budget alone one rollout's
+    many big slow calls stalled every other rollout's big call. Extra calls now never hold more than
+    half, so a rollout's first call waits only while other rollouts' first calls fill the other half:
+    each rollout, however many calls it sends, holds up others with one. (A cap per rollout, its own
+    holding under half, would still let two rollouts fill the budget.) Calls without a rollout id
+    count as one rollout."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+        self.held: dict[str | None, int] = {}  # rollout id -> bytes it holds; only rollouts holding some
         self._changed: asyncio.Event | None = None  # created inside mitmproxy's loop
 
-    async def acquire(self, n: int) -> None:
+    def fits(self, rollout: str | None, n: int) -> bool:
+        if rollout in self.held:
+            return self.used + n <= self.limit // 2
+        return not self.used or self.used + n <= self.limit
+
+    async def acquire(self, rollout: str | None, n: int) -> None:
         if self._changed is None:
             self._changed = asyncio.Event()
-        while self.used and self.used + n > self.limit:
+        while not self.fits(rollout, n):
             self._changed.clear()
             await self._changed.wait()
         self.used += n
+        self.held[rollout] = self.held.get(rollout, 0) + n
 
-    def release(self, n: int) -> None:
+    def release(self, rollout: str | None, n: int) -> None:
         self.used -= n
+        left = self.held.pop(rollout, 0) - n
+        if left > 0:
+            self.held[rollout] = left
         if self._changed is not None:
             self._changed.set()
 
@@ -96,9 +117,10 @@ class Limits:
     async def request(self, flow: http.HTTPFlow) -> None:
         self._check_body(flow)
         n = len(flow.request.raw_content or b"")
-        if n >= BUDGET_FROM and self._model_call(flow) is not None:
-            await self.budget.acquire(n)
-            flow.metadata[BUDGETED] = n
+        call = self._model_call(flow)
+        if n >= BUDGET_FROM and call is not None:
+            await self.budget.acquire(call.rollout_id, n)
+            flow.metadata[BUDGETED] = (call.rollout_id, n)
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._release(flow)
@@ -107,9 +129,9 @@ class Limits:
         self._release(flow)
 
     def _release(self, flow: http.HTTPFlow) -> None:
-        n = flow.metadata.pop(BUDGETED, 0)
-        if n:
-            self.budget.release(n)
+        held = flow.metadata.pop(BUDGETED, None)
+        if held is not None:
+            self.budget.release(*held)
 
     def _check_body(self, flow: http.HTTPFlow) -> None:
         """413 for a body (or its decoded form) over the limits; a compressed one forwarded decoded."""

@@ -4,12 +4,15 @@ A harness configured for a hosted model (``api.openai.com``, model ``gpt-4o``) i
 model under training: requests to a route host (``route_hosts``, ``*`` for all), to a replica of
 the pool itself, or arriving in reverse mode go to the pool. The pool may hold several replicas;
 each rollout sticks to one (prefix-cache reuse). Model names are mapped (``model_map``, then
-``served_model``) by the rewrite addon, which edits the body once. Besides model calls only reads
-(GET, HEAD: ``/v1/models``, a stored response), token counts (``/tokenize``, ``count_tokens``) and a
-harness's own stored responses (``POST /v1/responses/{id}/cancel``, ``DELETE /v1/responses/{id}``)
-reach the pool; anything else is the engine's administration (vLLM's dev mode reloads weights,
-pauses, sleeps) and gets 403, as does a model path the proxy did not recognise
-(``/v1/chat/completion%73``, which the engine would decode and serve unrecorded).
+``served_model``) by the rewrite addon, which edits the body once. Besides model calls only a
+client's reads (GET, HEAD: ``/v1/models``, ``/health``, ``/version``, a stored response), token counts
+(``/tokenize``, ``count_tokens``) and a harness's own stored responses (``POST
+/v1/responses/{id}/cancel``, ``DELETE /v1/responses/{id}``) reach the pool; anything else is the
+engine's administration (vLLM's dev mode reloads weights, pauses, sleeps, tells its configuration)
+and gets 403, as does a model path the proxy did not recognise (``/v1/chat/completion%73``, which
+the engine would decode and serve unrecorded). The pool is recognised by address however it is
+spelled (``127.1``, ``LOCALHOST``): a forward-mode request to an alias of it is routed and filtered
+like any other; an alias only a name lookup reveals (another DNS name of the engine) is not.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import re
 
 from mitmproxy import http
 
-from ..config import Upstream, parse_upstream
+from ..config import Upstream, canonical_host, parse_upstream
 from ..state import META, MODEL, OTHER, ProxyState
 from .answers import json_answer
 
-READ_METHODS = ("GET", "HEAD")  # besides model calls, what a harness may send the training engine,
+READ_METHODS = ("GET", "HEAD")  # besides model calls, what a harness may send the training engine: these reads,
+_READS = re.compile(r"(?:/v1)?/models(?:/(?!\.\.?(?:/|\Z))[^/]+)*|/health|/ping|/version|/tokenizer_info")
 READ_POSTS = ("/tokenize", "/detokenize", "/count_tokens", "/embeddings")  # and these questions
 
 
@@ -40,12 +44,16 @@ def response_action(method: str, path: str) -> tuple[str, str] | None:
 
 
 def harmless(method: str, path: str) -> bool:
-    """A request that is not a model call but may reach the training engine: a read, a question that
-    changes nothing, or a harness cancelling or deleting its own stored response (part of the
-    Responses API it uses; ids are the engine's random ones). A path with escapes is none: the engine
-    would decode it into another."""
+    """A request that is not a model call but may reach the training engine: a read a client makes
+    (models, health, version, the tokenizer), a question that changes nothing, or a harness's stored
+    response read, cancelled or deleted (the Responses API it uses). Other reads are the engine's
+    to tell the trainer (vLLM's dev mode ``/server_info``: its whole configuration and paths;
+    ``/is_sleeping``: when weights swap). A path with escapes is none: the engine would decode it
+    into another."""
     path = path.split("?", 1)[0]
-    return "%" not in path and (method in READ_METHODS or (method == "POST" and path.rstrip("/").endswith(READ_POSTS))
+    bare = path.rstrip("/")
+    return "%" not in path and ((method in READ_METHODS and _READS.fullmatch(bare) is not None)
+                                or (method == "POST" and bare.endswith(READ_POSTS))
                                 or response_action(method, path) is not None)
 
 
@@ -53,12 +61,17 @@ class Routing:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
         cfg = state.config
-        self.pool_addrs = {(u.host, u.port) for u in cfg.upstreams}
+        self.pool_addrs = {(canonical_host(u.host), u.port) for u in cfg.upstreams}
         self.patterns = [h.lower() for h in cfg.route_hosts]
         self.reverse_target: Upstream | None = parse_upstream(cfg.reverse_target) if cfg.reverse_target else None
 
+    def in_pool(self, host: str, port: int) -> bool:
+        """A replica of the pool, however its address is spelled (``127.1``, ``LOCALHOST``: see
+        ``canonical_host``); otherwise such a request would reach the engine unfiltered."""
+        return (canonical_host(host), port) in self.pool_addrs
+
     def routes(self, host: str, port: int) -> bool:
-        if (host, port) in self.pool_addrs:
+        if self.in_pool(host, port):
             return True
         host = host.lower()
         return any(p == "*" or p == host or fnmatch.fnmatch(host, p) for p in self.patterns)
@@ -81,7 +94,7 @@ class Routing:
                 return
         elif cfg.upstreams and self.routes(req.host, req.port):
             target = self.state.replica_for(call.rollout_id)
-            call.hosted = (req.host, req.port) not in self.pool_addrs
+            call.hosted = not self.in_pool(req.host, req.port)
         else:
             call.upstream_display = f"{req.scheme}://{req.host}:{req.port}"
             return
