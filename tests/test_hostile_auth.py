@@ -483,3 +483,14 @@ def test_another_spelling_of_the_engines_address_is_filtered_as_the_engine(make_
         assert _raw(fwd.hostname, fwd.port, "POST", target, auth) == 200, name
     spans = read_spans(p)
     assert len(spans) == len(names) + 2 and {s["rollout_id"] for s in spans} == {"h"}  # each call once
+
+
+def test_a_model_call_with_a_trailing_slash_reaches_the_engines_path(make_proxy, recorder):
+    """vLLM answers '/v1/chat/completions/' with a 307 naming its own address (the harness learnt
+    the engine's URL, the span was a 307); the call now goes to the path vLLM serves."""
+    p = make_proxy(upstreams=[recorder.url])
+    base = p.env_for("h", 0)["OPENAI_BASE_URL"]
+    with httpx.Client(trust_env=False, timeout=30) as c:
+        assert c.post(base + "/chat/completions/?x=1", json=BODY).status_code == 200
+    assert [s["path"] for s in recorder.seen] == ["/v1/chat/completions?x=1"]
+    assert [s["status_code"] for s in read_spans(p)] == [200]

@@ -101,6 +101,9 @@ class Routing:
         if call.kind == OTHER and not harmless(req.method, req.path):
             self._refuse_admin(flow)
             return
+        if call.kind == MODEL:  # '/v1/chat/completions/': vLLM would redirect to its own address instead
+            path, sep, query = req.path.partition("?")
+            req.path = path.rstrip("/") + sep + query
         self._send(req, target)
         call.upstream = target
         call.upstream_display = target.display
