@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import ipaddress
 import math
 import os
 import re
-import socket
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -272,35 +270,6 @@ def parse_upstream(value: Any) -> Upstream:
     if isinstance(value, Mapping) and "url" in value:
         return _checked(Upstream(url=str(value["url"]), inject_token_ids=value.get("inject_token_ids")))
     raise ValueError(f"upstream must be a URL or {{url: ..., inject_token_ids: ...}}, got {value!r}")
-
-
-LOCAL = "localhost"  # canonical_host's name for this machine, however it is spelled
-_INET_ATON = re.compile(r"[0-9a-fx.]+")  # the numeric forms the resolver takes (127.1, 2130706433, 0x7f.1)
-
-
-def canonical_host(host: str) -> str:
-    """The host a connection to ``host`` reaches, where that needs no name lookup: every spelling of
-    this machine (``localhost``, ``LOCALHOST.``, ``127.1``, ``2130706433``, ``0.0.0.0``, ``[::1]``,
-    ``::ffff:127.0.0.1``) is ``LOCAL``, an address is its plain form, a name is lowercased. Why: the
-    pool and the proxy's own listener are recognised by address, and a harness must not reach them
-    unfiltered under another spelling of the same one."""
-    h = host.strip().lower().rstrip(".")
-    if h[:1] == "[" and h[-1:] == "]":
-        h = h[1:-1]
-    if h == LOCAL or h.endswith("." + LOCAL):
-        return LOCAL
-    try:
-        ip = ipaddress.ip_address(h.partition("%")[0])
-    except ValueError:
-        try:
-            ip = ipaddress.IPv4Address(socket.inet_aton(h)) if _INET_ATON.fullmatch(h) else None
-        except OSError:
-            ip = None
-    if ip is None:
-        return h
-    if ip.version == 6 and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return LOCAL if ip.is_loopback or ip.is_unspecified else str(ip)
 
 
 def _checked(u: Upstream) -> Upstream:

@@ -21,6 +21,7 @@ from ..schemas import BufferFull, PartWriter
 from ..schemas.compact import PeriodicCompactor
 from .config import ProxyConfig, Upstream
 from .credentials import Revocations
+from .hosts import HostAddresses
 from .redact import Redactor
 
 log = logging.getLogger("lightning.proxy")
@@ -112,6 +113,7 @@ class ProxyState:
         self.errors = 0
         self.rejected = 0
         self.revoked = Revocations()  # attempts ended by POST /_lh/end (credentials refused)
+        self.hosts = HostAddresses()  # what forward-mode destination names stand for (the pool, the proxy)
         self.started_at = time.time()
         self._resume: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None

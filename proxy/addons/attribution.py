@@ -27,8 +27,8 @@ from mitmproxy.proxy.mode_specs import ReverseMode
 
 from ..assemble import endpoint_of
 from ..client import NO_TOKEN
-from ..config import LOCAL, canonical_host
 from ..credentials import InvalidId, credential_ok, log_safe, parse_user
+from ..hosts import LOCAL, canonical_host
 from ..state import CONTROL, META, MODEL, OTHER, REWARD, Call, ProxyState
 from .answers import error_answer
 
@@ -132,7 +132,7 @@ class Attribution:
     def client_disconnected(self, client) -> None:
         self.by_conn.pop(client.id, None)
 
-    def requestheaders(self, flow: http.HTTPFlow) -> None:
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:  # already answered (e.g. refused CONNECT)
             return
         if flow.request.method != "CONNECT" and _ODD_TARGET.search(flow.request.path):
@@ -144,7 +144,7 @@ class Attribution:
             if isinstance(flow.client_conn.proxy_mode, ReverseMode):
                 self._reverse(flow)
             else:
-                self._forward(flow)
+                await self._forward(flow)
         except Exception as exc:  # never let a request we could not classify through unchecked
             log.exception("attribution failed")
             flow.metadata.setdefault(META, Call())
@@ -163,7 +163,7 @@ class Attribution:
             self._refuse(flow, 407 if call.mode == "forward" else 401, ident.why)
 
     # -- modes ------------------------------------------------------------------------------
-    def _forward(self, flow: http.HTTPFlow) -> None:
+    async def _forward(self, flow: http.HTTPFlow) -> None:
         req = flow.request
         call = Call(mode="forward", scheme=req.scheme, host=req.pretty_host, path=req.path)
         flow.metadata[META] = call
@@ -182,15 +182,19 @@ class Attribution:
         self._admit(call, ident)
         if call.kind == REWARD:
             return
-        cfg = self.state.config
-        sock = flow.client_conn.sockname
-        own = {LOCAL, canonical_host(cfg.listen_host)} | ({canonical_host(sock[0])} if sock else set())
-        if req.port == cfg.reverse_port and canonical_host(req.host) in own:
-            # A base-URL harness whose HTTP_PROXY also points here (NO_PROXY is empty): mitmproxy
-            # refuses to dial itself, so serve it as the reverse listener would, right here.
+        if req.port == self.state.config.reverse_port and await self._is_own(req.host, flow.client_conn.sockname):
+            # A base-URL harness whose HTTP_PROXY also points here (NO_PROXY is empty): served as the
+            # reverse listener would, right here, not dialled (which records the call twice).
             self._reverse(flow)
             return
         self._classify(flow, call)
+
+    async def _is_own(self, host: str, sock) -> bool:
+        """``host`` is this proxy, however spelled or named (the reverse listener's port is checked
+        by the caller): this machine's loopback, the listen address, or the address the client
+        reached the forward listener at."""
+        own = {LOCAL, canonical_host(self.state.config.listen_host)} | ({canonical_host(sock[0])} if sock else set())
+        return canonical_host(host) in own or not own.isdisjoint(await self.state.hosts.of(host))
 
     def _reverse(self, flow: http.HTTPFlow) -> None:
         req = flow.request

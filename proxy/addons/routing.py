@@ -22,7 +22,8 @@ import re
 
 from mitmproxy import http
 
-from ..config import Upstream, canonical_host, parse_upstream
+from ..config import Upstream, parse_upstream
+from ..hosts import canonical_host
 from ..state import META, MODEL, OTHER, ProxyState
 from .answers import json_answer
 
@@ -70,13 +71,26 @@ class Routing:
         ``canonical_host``); otherwise such a request would reach the engine unfiltered."""
         return (canonical_host(host), port) in self.pool_addrs
 
-    def routes(self, host: str, port: int) -> bool:
+    async def reaches_pool(self, host: str, port: int) -> bool:
+        """``in_pool``, or a name or address that a lookup shows to be a replica's (the machine's own
+        name for a pool on loopback). Looked up only for a port a replica listens on."""
         if self.in_pool(host, port):
             return True
+        ports = [u for u in self.state.config.upstreams if u.port == port]
+        if not ports:
+            return False
+        dest = await self.state.hosts.of(host)
+        for u in ports:
+            if not dest.isdisjoint(await self.state.hosts.of(u.host)):
+                return True
+        return False
+
+    def route_host(self, host: str) -> bool:
+        """A host configured for training (``route_hosts``): a hosted API the pool stands in for."""
         host = host.lower()
         return any(p == "*" or p == host or fnmatch.fnmatch(host, p) for p in self.patterns)
 
-    def request(self, flow: http.HTTPFlow) -> None:
+    async def request(self, flow: http.HTTPFlow) -> None:
         call = flow.metadata.get(META)
         if call is None or call.kind not in (MODEL, OTHER) or flow.response is not None or call.done:
             return
@@ -92,9 +106,9 @@ class Routing:
             else:
                 json_answer(flow, 502, {"error": {"message": "lightning-proxy: no upstream configured (--upstream)"}})
                 return
-        elif cfg.upstreams and self.routes(req.host, req.port):
+        elif cfg.upstreams and ((pooled := await self.reaches_pool(req.host, req.port)) or self.route_host(req.host)):
             target = self.state.replica_for(call.rollout_id)
-            call.hosted = not self.in_pool(req.host, req.port)
+            call.hosted = not pooled
         else:
             call.upstream_display = f"{req.scheme}://{req.host}:{req.port}"
             return

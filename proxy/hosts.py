@@ -1,0 +1,84 @@
+"""Which machine a host name means, so the pool and the proxy's own listener are known however a
+harness spells them.
+
+A forward-mode request names its destination; the routing addon sends calls for the pool through
+its filters (administration refused, token ids injected) and the attribution addon serves a call
+for the proxy's own reverse listener itself. Both compare addresses, not spellings: ``127.1``,
+``LOCALHOST``, ``0.0.0.0``, ``2130706433`` and ``[::ffff:127.0.0.1]`` all reach this machine's
+loopback (``canonical_host``), and a name can stand for it too (``/etc/hosts`` gives the machine's
+own name ``127.0.0.1``), which only a lookup shows (``HostAddresses``). What no lookup can show
+(another address of a remote engine, its pod's IP) stays the network's to close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import re
+import socket
+import time
+
+LOCAL = "localhost"  # canonical_host's name for this machine, however it is spelled
+_INET_ATON = re.compile(r"[0-9a-fx.]+")  # the numeric forms the resolver takes (127.1, 2130706433, 0x7f.1)
+
+
+def _address(h: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(h.partition("%")[0])
+    except ValueError:
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(h)) if _INET_ATON.fullmatch(h) else None
+        except OSError:
+            return None
+
+
+def canonical_host(host: str) -> str:
+    """The host a connection to ``host`` reaches, where that needs no name lookup: every spelling of
+    this machine's loopback (and the unspecified address, which reaches it too) is ``LOCAL``, an
+    address is its plain form, a name is lowercased without a final dot."""
+    h = host.strip().lower().rstrip(".")
+    if h[:1] == "[" and h[-1:] == "]":
+        h = h[1:-1]
+    if h == LOCAL or h.endswith("." + LOCAL):
+        return LOCAL
+    ip = _address(h)
+    if ip is None:
+        return h
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return LOCAL if ip.is_loopback or ip.is_unspecified else str(ip)
+
+
+def is_name(canonical: str) -> bool:
+    """A canonical host that is a name to look up, not an address."""
+    return canonical != LOCAL and _address(canonical) is None
+
+
+class HostAddresses:
+    """The canonical addresses a host stands for, looked up without blocking the proxy's loop and
+    remembered ``TTL`` seconds (at most ``MAX`` names: then forgotten all at once). A name that does
+    not resolve stands for nothing (the connection would fail anyway)."""
+
+    TTL = 10.0
+    MAX = 1024
+
+    def __init__(self) -> None:
+        self.cache: dict[str, tuple[float, frozenset[str]]] = {}
+
+    async def of(self, host: str) -> frozenset[str]:
+        name = canonical_host(host)
+        if not is_name(name):
+            return frozenset((name,))
+        now = time.monotonic()
+        hit = self.cache.get(name)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
+            found = frozenset(canonical_host(info[4][0]) for info in infos)
+        except (OSError, UnicodeError):
+            found = frozenset()
+        if len(self.cache) >= self.MAX:
+            self.cache.clear()
+        self.cache[name] = (now + self.TTL, found)
+        return found
