@@ -310,3 +310,90 @@ def test_a_json_answer_without_a_whole_response_is_an_error_span(rproxy, upstrea
     assert got["error_kind"] == kind  # before the fix: None for every status
     if status == "failed":
         assert "engine died" in got["error"]
+
+
+# -- a stored answer belongs to the rollout that made it (finding F5) ---------------------------------
+STORE = {"model": "m", "input": "hello"}  # (``store`` defaults to true)
+
+
+def _not_found(rid: str = "resp_b") -> bytes:
+    """vLLM 0.32's answer for a response id it does not hold (``_make_not_found_error``), byte for byte."""
+    return (f'{{"error":{{"message":"Response with id \'{rid}\' not found.","type":"invalid_request_error",'
+            f'"param":"response_id","code":404}}}}').encode()
+
+
+def _send(p, rollout_id: str, method: str, path: str, body: dict | None = None) -> httpx.Response:
+    with httpx.Client(trust_env=False, timeout=20) as c:
+        return c.request(method, p.env_for(rollout_id)["OPENAI_BASE_URL"] + path, json=body)
+
+
+def test_another_rollouts_stored_response_is_neither_read_nor_cancelled_nor_deleted(rproxy, upstream):
+    """With B's response id, A's harness read B's answer (JSON and its events), cancelled it and
+    deleted it: the proxy forwarded all of it. Now A gets the engine's 404 for an unknown id from the
+    proxy and nothing reaches the engine; B still reads its own, also one its stream made."""
+    upstream.json(_response(id="resp_b"))
+    assert _send(rproxy, "r-b", "POST", "/responses", STORE).status_code == 200
+    created = _event({"type": "response.created", "response": {"id": "resp_s", "status": "in_progress", "output": []}})
+    upstream.sse([created, _event({"type": "response.completed", "response": _response(id="resp_s")})])
+    assert _send(rproxy, "r-b", "POST", "/responses", {**STORE, "stream": True, "background": True}).status_code == 200
+    seen = len(upstream.paths)
+    for method, rid, tail in (("GET", "resp_b", ""), ("GET", "resp_b", "?stream=true&starting_after=0"),
+                              ("POST", "resp_b", "/cancel"), ("DELETE", "resp_b", ""),
+                              ("GET", "resp_s", "?stream=true")):
+        r = _send(rproxy, "r-a", method, f"/responses/{rid}{tail}")
+        assert (r.status_code, r.content) == (404, _not_found(rid)), (method, rid, tail)
+        assert r.headers["content-type"] == "application/json"
+    assert len(upstream.paths) == seen  # (before: each reached the engine and was answered)
+    upstream.json(_response(id="resp_b"))
+    for path in ("/responses/resp_b", "/responses/resp_b/cancel"):
+        got = _send(rproxy, "r-b", "GET" if "cancel" not in path else "POST", path)
+        assert got.status_code == 200 and got.json()["output"][0]["content"][0]["text"] == "hi there"
+        assert upstream.paths[-1] == "/v1" + path
+    assert _send(rproxy, "r-b", "GET", "/responses/resp_s?stream=true").status_code == 200
+
+
+def test_a_create_naming_another_rollouts_stored_response_is_refused(rproxy, upstream):
+    """vLLM lets a caller pick the response id (``request_id``): A's create with B's id overwrote the
+    engine's stored answer and the proxy's note of how to cut it, so B's next read of its own id got
+    A's answer with token ids and logprobs B never asked for. A create continuing B's conversation
+    (``previous_response_id``) put B's history into a call recorded under A. Both are refused now
+    (400, and the engine's 404 for an unknown id), nothing is forwarded, and the spans are errors."""
+    upstream.json(_response(id="resp_b"))
+    assert _send(rproxy, "r-b", "POST", "/responses", STORE).status_code == 200
+    seen = len(upstream.bodies)
+    upstream.json(_late_response() | {"id": "resp_b", "model": "a-model"})  # (what the engine would store for A)
+    own = {**STORE, "include": ["message.output_text.logprobs"], "enable_response_messages": True}
+    r = _send(rproxy, "r-a", "POST", "/responses", {**own, "request_id": "resp_b"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+    r = _send(rproxy, "r-a", "POST", "/responses", {**STORE, "previous_response_id": "resp_b"})
+    assert (r.status_code, r.content) == (404, _not_found())
+    assert len(upstream.bodies) == seen
+    spans = [s for s in read_spans(rproxy) if s["rollout_id"] == "r-a"]
+    assert [(s["error_kind"], s["status_code"]) for s in spans] == [("malformed_request", 400),
+                                                                     ("malformed_request", 404)]
+    assert all(s["response_token_ids"] is None and "another rollout" in s["error"] for s in spans)
+    # B's own ids are B's to use, and B's stored answer is still cut as B's call was
+    upstream.json(_response(id="resp_b"))
+    got = _send(rproxy, "r-b", "GET", "/responses/resp_b").json()
+    assert got["model"] == "m" and got["output_messages"] is None and got["output"][0]["content"][0]["logprobs"] is None
+    assert _send(rproxy, "r-b", "POST", "/responses", {**STORE, "previous_response_id": "resp_b"}).status_code == 200
+    assert _send(rproxy, "r-b", "POST", "/responses", {**STORE, "request_id": "resp_b"}).status_code == 200
+    assert [b.get("previous_response_id") for b in upstream.bodies[-2:]] == ["resp_b", None]
+
+
+def test_stored_answers_hold_a_digest_of_an_id_a_harness_made_long():
+    """vLLM takes the response id from the create (``request_id``), so a harness picks its length: the
+    proxy kept every id whole (1,000 ids of 10,000 characters: 10 MB, unbounded with longer ones).
+    A long id is kept as its digest, and still tells whose it is. Run where the proxy runs."""
+    import subprocess
+
+    from lightning_harness.proxy.locate import proxy_python
+
+    code = ("import tracemalloc\nfrom lightning_harness.proxy.addons.rewrite import StoredAnswers\n"
+            "s = StoredAnswers(limit=1000)\ntracemalloc.start()\n"
+            "for i in range(2000):\n    s.put(f'{i:06d}' * 2000, (True, True, None, 'r-b'))\n"
+            "held = tracemalloc.get_traced_memory()[0]\nlong = f'{1999:06d}' * 2000\n"
+            "print(len(s.ids), held, s.foreign(long, 'r-a'), s.foreign(long, 'r-b'), s.foreign(long[:-1], 'r-a'))")
+    n, held, *owned = subprocess.run([proxy_python(), "-c", code], capture_output=True, text=True,
+                                     check=True).stdout.split()
+    assert int(n) == 1000 and int(held) < 1_000_000 and owned == ["True", "False", "False"], (n, held, owned)

@@ -16,23 +16,36 @@ are cut as the call that made it was, by what its harness asked: the proxy remem
 response id (:class:`StoredAnswers`, the newest ``STORED_IDS``). An id it does not know (made
 through another proxy process, or before a restart) loses what the proxy injects by default: a
 harness that asked for token ids or logprobs itself is the rarer one.
+
+A stored answer belongs to the rollout whose call made it (several rollouts share one proxy, and
+each harness runs what the policy writes). Another rollout's read, cancel or delete of its id gets
+the engine's 404 for an unknown id from the proxy, and its create naming it (``previous_response_id``:
+that conversation would enter this rollout's call; ``request_id``, which vLLM lets a caller pick: it
+would overwrite the stored answer) is refused with 404 or 400 and recorded as an error span; nothing
+of either is forwarded. An id the proxy does not know is forwarded as before.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import logging
 
 from mitmproxy import http
 
 from .. import fastjson
 from ..assemble import CHAT, COMPLETIONS, LOGPROBS_INCLUDE, RESPONSES, engine_flag
+from ..credentials import log_safe
 from ..filters import make_model_restorer, make_responses_stripper, make_stripper
 from ..sse import SSERelay
 from ..state import META, MODEL, OTHER, Call, ProxyState
 from .routing import response_action
 
+log = logging.getLogger("lightning.proxy")
 STORED = "lh.stored"  # flow.metadata key: what a Responses call's stored answer must lose (StoredAnswers)
-STORED_IDS = 100_000  # response ids remembered (~30 MB at most, the ids included; measured 28.5 MiB)
+# response ids remembered; measured (tracemalloc): 53 MiB with 256-character model names, 90 MiB at most
+# (128-character ids, 256-character names, a distinct 255-character owner each); 17 MiB with neither
+STORED_IDS = 100_000
 # what a request must hold for the engine to read it at all: without it, its error echoes the body's
 # size ("'input': '<dict of 1 items>'"), which counts injected fields
 _REQUIRED = {CHAT: "messages", RESPONSES: "input"}
@@ -121,27 +134,43 @@ def _inject_tokens(call: Call, obj: dict) -> bool:
 
 
 class StoredAnswers:
-    """Per stored Responses answer (its id), what the call that made it injected, as ``(token_ids,
-    logprobs, the model name the harness asked for or None)``: the newest ``limit`` ids. The name is
-    the harness's own text: one longer than ``MAX_NAME`` is not kept (not mapped back in a stored
-    read), so memory stays bounded whatever names a harness sends."""
+    """Per stored Responses answer (its id), what the call that made it injected and whose it is, as
+    ``(token_ids, logprobs, the model name the harness asked for or None, owner)``: the newest
+    ``limit`` ids. The owner is that call's rollout id (None where the proxy runs without rollout
+    identities: no ownership then). Memory stays bounded whatever a harness sends: a model name longer
+    than ``MAX_NAME`` is not kept (not mapped back in a stored read), an id longer than ``MAX_ID`` (a
+    harness may pick its own, vLLM's ``request_id``) is kept as its SHA-256 digest, and owners are
+    rollout ids the proxy validated (at most 255 characters)."""
 
     MAX_NAME = 256
+    MAX_ID = 128
 
     def __init__(self, limit: int = STORED_IDS) -> None:
         self.limit = limit
-        self.ids: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+        self.ids: collections.OrderedDict[str | bytes, tuple] = collections.OrderedDict()
+
+    @classmethod
+    def _key(cls, response_id: str) -> str | bytes:
+        if len(response_id) <= cls.MAX_ID:
+            return response_id
+        return hashlib.sha256(response_id.encode("utf-8", "surrogatepass")).digest()
 
     def put(self, response_id: str, entry: tuple) -> None:
         if isinstance(entry[2], str) and len(entry[2]) > self.MAX_NAME:
-            entry = (*entry[:2], None)
-        self.ids[response_id] = entry
-        self.ids.move_to_end(response_id)
+            entry = (*entry[:2], None, *entry[3:])
+        key = self._key(response_id)
+        self.ids[key] = entry
+        self.ids.move_to_end(key)
         if len(self.ids) > self.limit:
             self.ids.popitem(last=False)
 
     def get(self, response_id: str) -> tuple | None:
-        return self.ids.get(response_id)
+        return self.ids.get(self._key(response_id))
+
+    def foreign(self, response_id: object, rollout_id: str | None) -> bool:
+        """Whether ``response_id`` is remembered as made by a rollout other than ``rollout_id``."""
+        entry = self.get(response_id) if isinstance(response_id, str) else None
+        return entry is not None and entry[3] is not None and entry[3] != rollout_id
 
     def remembering(self, entry: tuple):
         """A stream filter that remembers ``entry`` for the response its first events name
@@ -157,6 +186,12 @@ class StoredAnswers:
             return obj
 
         return remember
+
+
+def _not_found(response_id: str) -> dict:
+    """vLLM 0.32's answer (404) for a response id it does not hold (``_make_not_found_error``)."""
+    return {"error": {"message": f"Response with id '{response_id}' not found.", "type": "invalid_request_error",
+                      "param": "response_id", "code": 404}}
 
 
 def _ignore(event: dict) -> None:
@@ -175,7 +210,37 @@ class Rewrite:
         if call.kind == OTHER and flow.response is None:
             self._stored_read(flow, call)
         elif call.kind == MODEL and call.in_flight and call.request_obj is not None:
+            if call.endpoint == RESPONSES and self._names_foreign(flow, call, call.request_obj):
+                return
             self._model_call(flow, call, call.request_obj)  # (None: malformed, forwarded unchanged)
+
+    def _names_foreign(self, flow: http.HTTPFlow, call: Call, obj: dict) -> bool:
+        """Refuse a Responses create naming another rollout's stored answer (True if refused):
+        ``previous_response_id`` would put that conversation into this rollout's call (404, what the
+        engine answers for an id it lacks), ``request_id`` would overwrite that answer in the engine's
+        store and here (400). Like the proxy's other refusals of a model call it is not forwarded and
+        capture records it as an error span (``malformed_request``), never trained on."""
+        prev, rid = obj.get("previous_response_id"), obj.get("request_id")
+        if self.stored.foreign(prev, call.rollout_id):
+            status, body, why = 404, _not_found(prev), "previous_response_id names"
+        elif self.stored.foreign(rid, call.rollout_id):
+            why = "request_id names"
+            body = {"error": {"message": f"lightning-proxy: {why} a stored response of another rollout; choose "
+                              "another (or leave it out: the engine picks a random one)",
+                              "type": "invalid_request_error", "param": "request_id", "code": 400}}
+            status = 400
+        else:
+            return False
+        call.request_error = f"lightning-proxy: {why} a stored response of another rollout; answered here, not sent"
+        self._refuse(flow, status, body, why)
+        return True
+
+    def _refuse(self, flow: http.HTTPFlow, status: int, body: dict, why: str) -> None:
+        """Answer now, nothing forwarded; compact JSON as vLLM writes its errors (the 404 is its own)."""
+        self.state.rejected += 1
+        flow.response = http.Response.make(status, fastjson.dumps_bytes(body), {"Content-Type": "application/json"})
+        log.info("refused %s %s (%s): %s another rollout's stored response", log_safe(flow.request.method, 20),
+                 log_safe(flow.request.path.split("?", 1)[0]), status, why)
 
     def _model_call(self, flow: http.HTTPFlow, call: Call, obj: dict) -> None:
         model = obj.get("model")
@@ -193,8 +258,9 @@ class Rewrite:
             call.event_filters.append(make(call.injected_token_ids, call.injected_logprobs, not call.hosted))
         if asked is not None:
             call.event_filters.append(make_model_restorer(asked))
-        if call.endpoint == RESPONSES and call.inject and engine_flag(obj.get("store", True)):
-            entry = flow.metadata[STORED] = (call.injected_token_ids, call.injected_logprobs, asked)
+        if call.endpoint == RESPONSES and engine_flag(obj.get("store", True)):  # (its owner: even uninjected)
+            entry = (call.injected_token_ids, call.injected_logprobs, asked, call.rollout_id)
+            flow.metadata[STORED] = entry
             if call.event_filters:  # (a stream rewritten anyway; the JSON answer's id: response)
                 call.event_filters.append(self.stored.remembering(entry))
 
@@ -214,9 +280,12 @@ class Rewrite:
         """A stored Responses answer read from the pool (``GET``, ``cancel``): cut as the call that
         made it was (see the module's docstring)."""
         action = response_action(flow.request.method, flow.request.path)
+        if action is not None and self.stored.foreign(action[0], call.rollout_id):
+            self._refuse(flow, 404, _not_found(action[0]), f"{action[1]} of")  # (as if it did not exist)
+            return
         if action is None or action[1] not in ("read", "cancel") or not call.inject:
             return
-        token_ids, logprobs, asked = self.stored.get(action[0]) or (True, True, None)
+        token_ids, logprobs, asked, _ = self.stored.get(action[0]) or (True, True, None, None)
         if token_ids or logprobs:
             call.event_filters.append(make_responses_stripper(token_ids, logprobs, not call.hosted))
         if asked is not None:
