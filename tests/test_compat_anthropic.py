@@ -111,6 +111,7 @@ def test_malformed_messages_get_an_anthropic_400_and_an_error_span(anthropic_pro
     assert r.status_code == 400 and r.json()["type"] == "error"
     spans = read_spans(anthropic_proxy)
     assert [s["error_kind"] for s in spans] == ["malformed_request", "malformed_request"]
+    assert all("the proxy answered HTTP 400" in s["error"] for s in spans)  # (not upstream: nothing went there)
     assert [s["endpoint"] for s in spans] == ["messages", "messages"]
     assert spans[1]["request_json"] == "{not json" and spans[1]["status_code"] == 400  # nothing lost
 

@@ -368,17 +368,22 @@ def test_hostile_answer_fields_do_not_reach_the_columns():
     assert token_fields({"choices": {"0": {}}}, "chat.completions")["n_choices"] is None
 
 
-def test_big_download_through_the_forward_proxy_is_streamed(proxy, stub_server):
-    """Other traffic is not captured; a 200 MiB download must not sit whole in the proxy."""
+def test_big_download_through_the_forward_proxy_is_streamed(proxy, tmp_path):
+    """Other traffic is not captured; a 200 MiB download (from another host than the engine, whose
+    reads are only a client's) must not sit whole in the proxy."""
     env = proxy.env_for("downloader")
     before = _rss_mib(proxy.pid)
     Path(f"/proc/{proxy.pid}/clear_refs").write_text("5")
     got = 0
-    with httpx.Client(proxy=env["HTTP_PROXY"], trust_env=False, timeout=120) as c:
-        with c.stream("GET", f"{stub_server.url}/_stub/blob?bytes={200 * MiB}") as r:
-            assert r.status_code == 200
-            for piece in r.iter_raw():
-                got += len(piece)
+    elsewhere = StubServer(tmp_path)
+    try:
+        with httpx.Client(proxy=env["HTTP_PROXY"], trust_env=False, timeout=120) as c:
+            with c.stream("GET", f"{elsewhere.url}/_stub/blob?bytes={200 * MiB}") as r:
+                assert r.status_code == 200
+                for piece in r.iter_raw():
+                    got += len(piece)
+    finally:
+        elsewhere.stop()
     assert got == 200 * MiB
     assert _hwm_mib(proxy.pid) - before < 64
     assert [s for s in read_spans(proxy) if s["rollout_id"] == "downloader"] == []  # not a model call

@@ -372,6 +372,7 @@ def test_a_create_naming_another_rollouts_stored_response_is_refused(rproxy, ups
     assert [(s["error_kind"], s["status_code"]) for s in spans] == [("malformed_request", 400),
                                                                      ("malformed_request", 404)]
     assert all(s["response_token_ids"] is None and "another rollout" in s["error"] for s in spans)
+    assert all("the proxy answered HTTP 4" in s["error"] and "upstream" not in s["error"] for s in spans)
     # B's own ids are B's to use, and B's stored answer is still cut as B's call was
     upstream.json(_response(id="resp_b"))
     got = _send(rproxy, "r-b", "GET", "/responses/resp_b").json()

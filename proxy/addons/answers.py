@@ -6,11 +6,14 @@ import json
 
 from mitmproxy import http
 
+ANSWERED = "lh.answered"  # flow.metadata key: the response is the proxy's own (a span must not blame upstream)
 
-def json_answer(flow: http.HTTPFlow, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-    """Answer ``flow`` now; nothing is forwarded upstream."""
-    flow.response = http.Response.make(status, json.dumps(body).encode(),
-                                       {"Content-Type": "application/json", **(headers or {})})
+
+def json_answer(flow: http.HTTPFlow, status: int, body: dict | bytes, headers: dict[str, str] | None = None) -> None:
+    """Answer ``flow`` now; nothing is forwarded upstream. ``body``: an object, or JSON bytes as given."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    flow.response = http.Response.make(status, content, {"Content-Type": "application/json", **(headers or {})})
+    flow.metadata[ANSWERED] = True
 
 
 def error_answer(flow: http.HTTPFlow, status: int, kind: str, message: str,

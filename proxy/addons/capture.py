@@ -28,6 +28,7 @@ from ..codec import TooLarge, client_accepts, decode_body, utf8_text
 from ..sampling import sampling_json
 from ..sse import SSERelay
 from ..state import META, MODEL, Call, ProxyState
+from .answers import ANSWERED
 from .limits import REFUSED
 
 log = logging.getLogger("lightning.proxy")
@@ -194,7 +195,8 @@ class Capture:
         if resp.status_code >= 400:
             kind = "upstream_status"
             body = (response_json or "")[:MAX_ERROR_BODY]
-            err = f"upstream answered HTTP {resp.status_code}: {body}"
+            who = "the proxy answered" if flow.metadata.get(ANSWERED) else "upstream answered"
+            err = f"{who} HTTP {resp.status_code}: {body}"
         if call.request_error:
             kind, err = "malformed_request", call.request_error + (f"; {err}" if err else "")
         status = resp.status_code

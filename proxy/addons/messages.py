@@ -32,9 +32,8 @@ from ..anthropic import (
 )
 from ..assemble import CHAT
 from ..state import META, MODEL, Call
+from .answers import json_answer
 from .limits import REFUSED
-
-_JSON = {"Content-Type": "application/json"}
 
 
 def _stops(call: Call):
@@ -79,7 +78,7 @@ class MessagesRequest:
     @staticmethod
     def _refuse(flow: http.HTTPFlow, call: Call, why: str) -> None:
         call.request_obj = None  # nothing for rewrite to edit
-        flow.response = http.Response.make(400, dumps(error_body(400, f"lightning-proxy: {why}")), _JSON)
+        json_answer(flow, 400, dumps(error_body(400, f"lightning-proxy: {why}")))
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)

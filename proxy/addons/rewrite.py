@@ -39,6 +39,7 @@ from ..credentials import log_safe
 from ..filters import make_model_restorer, make_responses_stripper, make_stripper
 from ..sse import SSERelay
 from ..state import META, MODEL, OTHER, Call, ProxyState
+from .answers import json_answer
 from .routing import response_action
 
 log = logging.getLogger("lightning.proxy")
@@ -238,7 +239,7 @@ class Rewrite:
     def _refuse(self, flow: http.HTTPFlow, status: int, body: dict, why: str) -> None:
         """Answer now, nothing forwarded; compact JSON as vLLM writes its errors (the 404 is its own)."""
         self.state.rejected += 1
-        flow.response = http.Response.make(status, fastjson.dumps_bytes(body), {"Content-Type": "application/json"})
+        json_answer(flow, status, fastjson.dumps_bytes(body))
         log.info("refused %s %s (%s): %s another rollout's stored response", log_safe(flow.request.method, 20),
                  log_safe(flow.request.path.split("?", 1)[0]), status, why)
 
