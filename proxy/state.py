@@ -60,6 +60,7 @@ class Call:
     # routing
     upstream: Upstream | None = None  # training upstream replica (None: not routed to the pool)
     upstream_display: str | None = None
+    routed: bool = False  # sent where the configuration says (the pool, the reverse target), not where a harness chose
     hosted: bool = False  # sent to a hosted API's host (a route host), served by the pool
     served_model: str | None = None
     inject: bool = False
@@ -70,7 +71,7 @@ class Call:
     model_version: int | None = None
     started: float | None = None  # time.time() when forwarded (after the gate)
     received: float = field(default_factory=time.time)
-    in_flight: bool = False
+    in_flight: bool = False  # being captured (ProxyState.begin .. end)
     done: bool = False
     # response
     first_byte: float | None = None
@@ -175,17 +176,21 @@ class ProxyState:
         self.resume_event.set()
 
     def begin(self, call: Call) -> None:
-        """A model call is forwarded: it counts as in flight until :meth:`end`."""
+        """A model call is forwarded: it is captured until :meth:`end`, and one sent where the
+        configuration says (``routed``) counts as in flight for a swap's drain meanwhile (a server the
+        harness chose is no engine: waiting for it held every harness's calls)."""
         call.in_flight = True
-        self.in_flight += 1
-        self.idle_event.clear()
+        if call.routed:
+            self.in_flight += 1
+            self.idle_event.clear()
 
     def end(self, call: Call) -> None:
         if call.in_flight:
             call.in_flight = False
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self.idle_event.set()
+            if call.routed:
+                self.in_flight -= 1
+                if self.in_flight == 0:
+                    self.idle_event.set()
 
     def next_seq(self, rollout_id: str | None, attempt: int) -> int:
         key = (rollout_id, attempt)

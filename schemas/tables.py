@@ -44,6 +44,11 @@ SPANS = _schema(
         _f("host", pa.string(), "Host the harness addressed (before routing)."),
         _f("path", pa.string(), "Request path the harness used (credentials removed)."),
         _f("upstream", pa.string(), "Base URL the call was actually sent to (after routing), no credentials."),
+        _f("routed", pa.bool_(),
+           "True when the proxy sent the call where its configuration says (the training pool, a route host, the "
+           "reverse target); false for a host the harness chose itself through the forward proxy (its answer is "
+           "that server's, so its token ids and logprobs are not kept and training leaves it out) or a call "
+           "answered before routing. Null in traces written before the column existed (read as routed)."),
         _f("model", pa.string(), "Model name the harness asked for."),
         _f("served_model", pa.string(), "Model name sent upstream (after model mapping)."),
         _f("model_version", pa.int64(),

@@ -489,3 +489,38 @@ def test_one_rollouts_big_calls_do_not_stall_another_rollouts(tmp_path, make_pro
     assert len(_spans_of(p, "other")) == 1
     spans = _spans_of(p, "hog", n=3)
     assert len(spans) == 3 and sorted(s["seq"] for s in spans) == [0, 1, 2]
+
+
+def test_a_server_the_harness_runs_itself_is_recorded_as_such_and_not_waited_for(tmp_path, make_proxy):
+    """Forward mode to a host outside the configuration (a harness's own OpenAI-shaped server): the
+    span says ``routed`` false and keeps no token ids or logprobs (they are whatever that server made
+    up, and training used them), and a swap's drain does not wait for such a call (it held every
+    harness's calls until the drain timed out)."""
+    fake = StubServer(tmp_path)
+    try:
+        p = make_proxy()
+        env = p.env_for("own-server")
+        body = {**BODY, "return_token_ids": True, "logprobs": True}
+        done = {}
+
+        def slow():
+            with httpx.Client(proxy=env["HTTP_PROXY"], trust_env=False, timeout=60) as c:
+                done["slow"] = c.post(fake.url + "/v1/chat/completions", json=body,
+                                      headers={"X-Stub-Delay": "6"}).status_code
+
+        t = threading.Thread(target=slow)
+        t.start()
+        time.sleep(1.0)
+        started = time.monotonic()
+        drained = p.control.drain(timeout=4)
+        assert drained["drained"] is True and time.monotonic() - started < 3, drained
+        t.join(60)
+        assert done == {"slow": 200}
+        (got,) = _spans_of(p, "own-server")
+        assert got["routed"] is False and got["upstream"] == fake.url
+        assert (got["prompt_token_ids"], got["response_token_ids"], got["response_logprobs"]) == (None, None, None)
+        assert _post(_url(p, "pool"), json=BODY).status_code == 200
+        (pooled,) = _spans_of(p, "pool")
+        assert pooled["routed"] is True and pooled["response_token_ids"]
+    finally:
+        fake.stop()

@@ -232,3 +232,20 @@ def test_a_call_with_several_choices_is_not_trained_on(make_traces):
     assert stats["calls_multi_choice"] == 1
     got = {(r, tuple(p)) for r, p in zip(table["rollout_id"].to_pylist(), table["prompt_token_ids"].to_pylist())}
     assert got == {("a", (1, 2, 12, 13, 3)), ("b", (1, 2))}  # before the fix: a's choice-0 call was a sample too
+
+
+def test_a_call_to_a_server_the_harness_chose_is_not_trained_on(make_traces):
+    """A harness can run its own OpenAI-shaped server and call it through the forward proxy: its
+    answer (tokens, logprobs, hence importance weights) is whatever the harness wanted the policy
+    pushed towards. Such spans (``routed`` false) leave the samples, counted; traces written before
+    the column (null) read as routed."""
+    d = make_traces(
+        spans=[span("a", 0, [1, 2], [10, 11]),
+               span("a", 1, [1, 2, 10, 11, 3], [666, 667], routed=False, upstream="http://127.0.0.1:4444"),
+               span("a", 2, [1, 2, 10, 11, 3, 4], [14, 15], routed=None), _one_call("b")],
+        rollouts=[rollout("a", reward=1.0), rollout("b", reward=0.0)],
+    )
+    table, stats = build_samples(d)
+    assert stats["calls_unrouted"] == 1
+    responses = [t for r in table["response_token_ids"].to_pylist() for t in r]
+    assert 666 not in responses and 14 in responses  # before the fix: the forged tokens were trained on

@@ -42,6 +42,8 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
     row("calls with errors (skipped)", stats["calls_error"])
     if stats.get("calls_multi_choice"):
         row("calls with several choices", stats["calls_multi_choice"], "left out: the harness may have used another")
+    if stats.get("calls_unrouted"):
+        row("calls to a harness's own server", stats["calls_unrouted"], "left out: its answer is not the policy's")
     if stats.get("calls_secret_detected"):
         hint = " (--include-secret-spans to retokenise them)" if stats["calls_dropped_secret"] else ""
         row("calls with a secret", stats["calls_secret_detected"], f"left out {stats['calls_dropped_secret']}{hint}")

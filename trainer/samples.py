@@ -33,7 +33,8 @@ failure policy) and ``weights.py`` (rollout / token-mean / seq-mean). Every sele
 passes the failure policy is a member of its group's statistics, even one without usable calls.
 Calls that ended in an error are not trained on (counted), nor calls that asked for several
 choices (``n > 1``: the span holds choice 0, the harness may have gone on with another;
-``calls_multi_choice``).
+``calls_multi_choice``), nor calls to a host the harness chose itself through the forward proxy
+(``spans.routed`` false: that server's answer, not the policy's; ``calls_unrouted``).
 
 Sampling: a call sampled otherwise than the update computes its policy (another temperature than
 ``temperature``, top-p/k, min-p, penalties, logit_bias, an output constraint; the proxy records what
@@ -607,13 +608,15 @@ def _kept_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions, stats: d
 
 
 def _optional_columns(con: duckdb.DuckDBPyConnection) -> str:
-    """``secret_detected``, ``n_choices`` and ``sampling_json`` as SQL, with their defaults for traces
-    written before the columns existed."""
+    """``secret_detected``, ``n_choices``, ``routed`` and ``sampling_json`` as SQL, with their defaults
+    for traces written before the columns existed."""
     cols = {r[0] for r in con.sql("DESCRIBE spans").fetchall()}
     secret = "coalesce(s.secret_detected, FALSE)" if "secret_detected" in cols else "FALSE"
     choices = "coalesce(s.n_choices, 1)" if "n_choices" in cols else "1"
+    routed = "coalesce(s.routed, TRUE)" if "routed" in cols else "TRUE"
     sampling = "s.sampling_json" if "sampling_json" in cols else "NULL::VARCHAR"
-    return f"{secret} AS secret_detected, {choices} AS n_choices, {sampling} AS sampling_json"
+    return (f"{secret} AS secret_detected, {choices} AS n_choices, {routed} AS routed, "
+            f"{sampling} AS sampling_json")
 
 
 def _read_calls(con: duckdb.DuckDBPyConnection, kept: pa.Table, include_secret_spans: bool, stats: dict) -> pa.Table:
@@ -637,12 +640,16 @@ def _read_calls(con: duckdb.DuckDBPyConnection, kept: pa.Table, include_secret_s
     # and the rollout's reward would then be credited to tokens it did not use
     multi = calls["n_choices"].to_numpy(zero_copy_only=False) > 1
     stats["calls_multi_choice"] = int((multi & ~err).sum())
-    if err.any() or multi.any():
-        calls = calls.filter(pa.array(~(err | multi)))
+    # a host the harness chose through the forward proxy: its answer is that server's, whatever the
+    # harness wanted the policy pushed towards, never the policy's own
+    unrouted = ~calls["routed"].to_numpy(zero_copy_only=False).astype(bool)
+    stats["calls_unrouted"] = int((unrouted & ~err & ~multi).sum())
+    if err.any() or multi.any() or unrouted.any():
+        calls = calls.filter(pa.array(~(err | multi | unrouted)))
     secret = calls["secret_detected"].to_numpy(zero_copy_only=False).astype(bool)
     stats["calls_secret_detected"] = int(secret.sum())
     stats["calls_dropped_secret"] = 0 if include_secret_spans else int(secret.sum())
-    calls = calls.drop_columns(["secret_detected", "n_choices"])
+    calls = calls.drop_columns(["secret_detected", "n_choices", "routed"])
     return calls if include_secret_spans or not secret.any() else calls.filter(pa.array(~secret))
 
 

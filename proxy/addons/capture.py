@@ -383,6 +383,8 @@ class Capture:
             log.warning("token fields not extracted (%s: %s)", type(exc).__name__, exc)
             toks = {**token_fields(None, call.endpoint), "salvaged": True}
         salvaged = toks.pop("salvaged", False) or call.salvaged
+        if not call.routed:  # ids and logprobs from a server the harness chose are whatever it made up
+            toks.update(prompt_token_ids=None, response_token_ids=None, response_logprobs=None)
         toks["response_logprobs"] = behaviour_logprobs(call.request_obj, call.endpoint, toks["response_logprobs"])
         row = {
             "span_id": uuid.uuid4().hex,
@@ -400,6 +402,7 @@ class Capture:
             "host": call.host,
             "path": call.path,
             "upstream": call.upstream_display,
+            "routed": call.routed,
             "model": call.model,
             "served_model": call.served_model or call.model,
             "model_version": call.model_version if call.model_version is not None else self.state.model_version,

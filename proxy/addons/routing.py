@@ -102,6 +102,7 @@ class Routing:
             elif self.reverse_target is not None:
                 self._send(req, self.reverse_target)
                 call.upstream_display = self.reverse_target.display
+                call.routed = True
                 return
             else:
                 json_answer(flow, 502, {"error": {"message": "lightning-proxy: no upstream configured (--upstream)"}})
@@ -109,7 +110,7 @@ class Routing:
         elif cfg.upstreams and ((pooled := await self.reaches_pool(req.host, req.port)) or self.route_host(req.host)):
             target = self.state.replica_for(call.rollout_id)
             call.hosted = not pooled
-        else:
+        else:  # a host the harness chose (forward mode): its answer is that server's, not the policy's
             call.upstream_display = f"{req.scheme}://{req.host}:{req.port}"
             return
         if call.kind == OTHER and not harmless(req.method, req.path):
@@ -119,7 +120,7 @@ class Routing:
             path, sep, query = req.path.partition("?")
             req.path = path.rstrip("/") + sep + query
         self._send(req, target)
-        call.upstream = target
+        call.upstream, call.routed = target, True
         call.upstream_display = target.display
         call.inject = target.inject_token_ids if target.inject_token_ids is not None else cfg.inject_token_ids
         if call.kind == MODEL:
