@@ -89,10 +89,13 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel,
         log_path=log_path, timeout=s.batch.timeout, cwd=s.batch.cwd, task_json=seen,
         labels={"run_id": spec.run_id, "task_id": spec.task.id, "group_id": spec.group_id}, files=files,
     )
-    outcome = s.runner.run(job, cancel)
-    ended_mono = time.monotonic()
-    if s.proxy is not None:  # the harness is gone: its credential dies before any reward is judged
-        outcome = revoke_credential(s.proxy, spec, attempt, outcome)
+    outcome = None
+    try:
+        outcome = s.runner.run(job, cancel)
+    finally:  # the harness is gone: its credential dies before any reward is judged, whatever the runner raised
+        ended_mono = time.monotonic()
+        if s.proxy is not None:
+            outcome = revoke_credential(s.proxy, spec, attempt, outcome)
     state, reward, error = judge(s, spec, attempt, work, outcome, ended_mono, cancel)
     result = make_result(spec, attempt, state, outcome, outcome.started_at, outcome.ended_at,
                          runner=getattr(s.runner, "name", "local"), reward=reward, error=error,
@@ -100,17 +103,20 @@ def run_attempt(s: AttemptSettings, spec: RolloutSpec, attempt: int, cancel,
     return result, reward
 
 
-def revoke_credential(proxy, spec: RolloutSpec, attempt: int, outcome: AttemptOutcome) -> AttemptOutcome:
+def revoke_credential(proxy, spec: RolloutSpec, attempt: int,
+                      outcome: AttemptOutcome | None) -> AttemptOutcome | None:
     """End the attempt's credential at the proxy (one retry). An attempt whose credential outlives it
     is not judged: whatever it left running could still record calls into the trajectory or post a
-    reward the scorer never saw, so it ends failed (a retry policy gives the rollout a new attempt)."""
+    reward the scorer never saw, so it ends failed (a retry policy gives the rollout a new attempt).
+    ``outcome`` is None when the runner raised: the credential is ended all the same."""
     problem = proxy.end_attempt(spec.rollout_id, attempt)
     if problem:
         time.sleep(0.5)
         problem = proxy.end_attempt(spec.rollout_id, attempt)
-    if not problem:
+    if problem:
+        log.warning("%s", problem)
+    if not problem or outcome is None:
         return outcome
-    log.warning("%s", problem)
     reason = f"{problem}; not judged, since its credential still records calls"
     return dataclasses.replace(outcome, error=f"{outcome.error}; {reason}" if outcome.error else reason)
 

@@ -16,7 +16,7 @@ import itertools
 import json
 import os
 import queue
-import shutil
+import subprocess
 import threading
 import time
 import uuid
@@ -514,6 +514,8 @@ def run_batch(tasks: Iterable[Task | Mapping[str, Any]], harness: Sequence[str] 
 
 
 def clean_work_dirs(traces_dir: str | Path, run_id: str) -> None:
-    """Remove a run's per-attempt folders (logs included); rows in the tables stay."""
+    """Remove a run's per-attempt folders (logs included); rows in the tables stay. ``rm -rf``, not
+    ``shutil.rmtree``: a harness's tree a thousand folders deep makes the latter raise RecursionError
+    (``ignore_errors`` covers OSError only); rm walks without recursing and follows no link."""
     check_run_id(run_id)
-    shutil.rmtree(Path(traces_dir) / WORK_DIR / run_id, ignore_errors=True)
+    subprocess.run(["rm", "-rf", "--", str(Path(traces_dir) / WORK_DIR / run_id)], check=False)

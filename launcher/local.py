@@ -11,11 +11,13 @@ launcher dies) and is cut to its tail when the attempt ends.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import errno
 import fnmatch
+import logging
 import os
-import shutil
+import secrets
 import stat
 import subprocess
 import tempfile
@@ -27,6 +29,8 @@ from typing import BinaryIO
 
 from .proctree import finish_tree, start_tree
 from .runas import RunAs, UserPool
+
+logger = logging.getLogger("lightning.launcher")
 
 
 def utcnow() -> dt.datetime:
@@ -123,11 +127,28 @@ def open_log(path: Path) -> BinaryIO:
     except OSError as exc:
         if exc.errno not in (errno.ELOOP, errno.EINVAL, errno.ENXIO, errno.EISDIR):
             raise
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
+    set_aside(path)
     return os.fdopen(open_regular(path, flags | os.O_EXCL), "a+b")
+
+
+def set_aside(path: Path) -> str | None:
+    """Clear ``path`` of what a harness put there, never following or walking it: a directory is
+    renamed aside (its new name is returned), anything else unlinked.
+
+    Why not remove a directory: the harness made that tree, and one a thousand levels deep makes
+    ``shutil.rmtree`` raise RecursionError in the launcher (its log, its outcome were lost). The
+    renamed tree stays in the attempt folder, with the harness's other leftovers.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(mode):
+        path.unlink(missing_ok=True)
+        return None
+    aside = path.with_name(f"{path.name}.planted-{secrets.token_hex(4)}")
+    os.rename(path, aside)
+    return aside.name
 
 
 MAX_LOG_BYTES = 1 << 20  # an attempt log keeps its last MiB (harness, pod and scorer output alike)
@@ -159,11 +180,24 @@ def trim_to_tail(path: Path, max_bytes: int, log: BinaryIO | None = None) -> Non
         tail = tail[nl + 1 :]
     head = b"[lightning: %d earlier bytes cut]\n" % (st.st_size - len(tail)) if len(tail) < st.st_size else b""
     path.parent.mkdir(parents=True, exist_ok=True)  # the harness may have removed its whole folder
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".log-", delete=False) as tmp:
-        tmp.write(head + tail)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    os.replace(tmp.name, path)
+    moved = None if in_place else set_aside(path)
+    if moved:
+        tail += f"[lightning] the harness left a directory at {path.name}; moved aside to {moved}\n".encode()
+    replace_with(path, head + tail)
+
+
+def replace_with(path: Path, data: bytes) -> None:
+    """Put ``data`` at ``path`` at once (a ``.log-*`` file beside it, renamed over it); that temporary
+    file never outlives a failure, which is raised."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".log-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 class LocalRunner:
@@ -216,10 +250,19 @@ class LocalRunner:
                 log.write(f"[lightning] killed {leftovers} process(es) the harness left running\n".encode())
             return self._outcome(job, log, proc, started, timed_out, cancelled)
 
+    def _trim(self, job: AttemptJob, log: BinaryIO) -> None:
+        """Cut the log to its tail and put it back at its path. What the harness did to its folder is its
+        own problem: a failure here is logged, never raised, so the attempt keeps its real outcome."""
+        try:
+            trim_to_tail(job.log_path, self.max_log_bytes, log)
+        except OSError as exc:
+            logger.warning("%s~%d: the attempt log could not be put back at %s: %s",
+                           job.rollout_id, job.attempt, job.log_path, exc)
+
     def _not_started(self, job: AttemptJob, log: BinaryIO, started: dt.datetime, exc: Exception) -> AttemptOutcome:
         log.write(f"[lightning] could not start harness: {exc}\n".encode())
         log.flush()
-        trim_to_tail(job.log_path, self.max_log_bytes, log)
+        self._trim(job, log)
         return AttemptOutcome(None, started, utcnow(), error=f"could not start harness: {exc}")
 
     def _outcome(self, job: AttemptJob, log: BinaryIO, proc: subprocess.Popen, started: dt.datetime,
@@ -235,5 +278,5 @@ class LocalRunner:
             error = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
         log.write(f"[lightning] attempt ended: exit={proc.returncode} {error or 'ok'}\n".encode())
         log.flush()
-        trim_to_tail(job.log_path, self.max_log_bytes, log)
+        self._trim(job, log)
         return AttemptOutcome(proc.returncode, started, ended, timed_out=timed_out, cancelled=cancelled, error=error)

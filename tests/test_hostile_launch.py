@@ -337,3 +337,97 @@ def test_an_attempt_whose_credential_could_not_be_revoked_is_not_judged(tmp_path
         assert (row.state, row.reward) == expected, row.error  # before the fix: ("succeeded", 0.5) both times
         assert refusals == [0]
         assert ("not judged" in (row.error or "")) == (n == 2)
+
+
+
+DEEP_LOG = """
+import json, os, sys
+print("READY", flush=True)
+log = os.path.join(os.environ["LIGHTNING_OUTPUT_DIR"], "..", "harness.log")
+os.unlink(log)
+os.mkdir(log)
+fd = os.open(log, os.O_RDONLY)
+for _ in range(1200):
+    os.mkdir("d", dir_fd=fd)
+    fd, above = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+    os.close(above)
+sys.exit(json.loads(os.environ["LIGHTNING_TASK"])["exit"])
+"""
+
+
+@pytest.fixture
+def ending_link(tmp_path, make_proxy):
+    """(proxy, a real link to it that records each attempt it ends, that record)."""
+    from lightning_harness.launcher.proxy_link import ProxyLink
+
+    ended = []
+
+    class Recording(ProxyLink):
+        def end_attempt(self, rollout_id, attempt):
+            ended.append((rollout_id, attempt))
+            return ProxyLink.end_attempt(self, rollout_id, attempt)
+
+    proxy = make_proxy(traces_dir=tmp_path / "traces")
+    return proxy, Recording(**vars(ProxyLink.from_process(proxy))), ended
+
+
+def reward_post_status(proxy, rollout_id: str, attempt: int) -> int:
+    """The proxy's answer to a self-report sent with the attempt's credential (what a leftover would send)."""
+    import urllib.error
+    import urllib.request
+
+    from lightning_harness.launcher.proxy_link import ProxyLink
+
+    url = ProxyLink.from_process(proxy).env_for(rollout_id, attempt)["LIGHTNING_REWARD_URL"]
+    req = urllib.request.Request(url, data=b'{"reward": 1.0}', method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("code,state", [(0, "no_reward"), (3, "failed")])
+def test_a_log_swapped_for_a_deep_directory_keeps_the_outcome_and_the_credential_ends(tmp_path, ending_link,
+                                                                                     code, state):
+    """The harness replaces its log by a directory 1,200 levels deep before it exits. Removing that tree
+    raised RecursionError in the launcher: the attempt became a 'launcher error', its credential was never
+    revoked, its log was lost and a ``.log-*`` file left. The tree is now moved aside, never walked."""
+    from lightning_harness.launcher.batch import WORK_DIR, run_batch
+
+    proxy, link, ended = ending_link
+    harness = tmp_path / "deep_log.py"
+    harness.write_text(DEEP_LOG)
+    traces = tmp_path / "traces"
+    (row,) = run_batch([{"id": "deep", "exit": code}], [sys.executable, str(harness)], traces_dir=traces,
+                       proxy=link, run_id="r")
+    work = traces / WORK_DIR / "r" / row.rollout_id / str(row.attempt)
+    try:
+        assert (row.state, row.exit_code) == (state, code), row.error  # before the fix: failed, launcher error
+        assert "launcher error" not in (row.error or "")
+        assert ended == [(row.rollout_id, row.attempt)]
+        assert reward_post_status(proxy, row.rollout_id, row.attempt) in (401, 403)  # the credential is dead
+        text = (work / "harness.log").read_text()
+        assert "READY" in text and f"[lightning] attempt ended: exit={code}" in text and "moved aside" in text
+        assert list(work.glob(".log-*")) == [] and len(list(work.glob("harness.log.planted-*"))) == 1
+    finally:  # (rm walks it without recursion; pytest's own clean-up of old tmp folders would not)
+        subprocess.run(["rm", "-rf", *map(str, work.glob("harness.log*"))], check=False)
+
+
+def test_a_runner_that_raises_still_ends_the_attempts_credential(tmp_path, ending_link):
+    """Any launcher error after the harness started (here: the runner raising once the harness ran) is
+    recorded as such, and the attempt's credential is ended all the same: it no longer outlives the attempt."""
+    from lightning_harness.launcher.batch import run_batch
+
+    class Failing(LocalRunner):
+        def run(self, job, cancel):
+            super().run(job, cancel)
+            raise RuntimeError("a launcher bug")
+
+    proxy, link, ended = ending_link
+    (row,) = run_batch([{"id": "bug"}], [sys.executable, str(ESCAPE)], traces_dir=tmp_path / "traces", proxy=link,
+                       run_id="r", runner=Failing())
+    assert row.state == "failed" and "a launcher bug" in row.error
+    assert ended == [(row.rollout_id, row.attempt)]  # before the fix: [] (and the credential still valid)
+    assert reward_post_status(proxy, row.rollout_id, row.attempt) in (401, 403)

@@ -14,6 +14,7 @@ import tracemalloc
 
 import pytest
 
+from lightning_harness.launcher.attempt import WORK_DIR
 from lightning_harness.launcher.batch import BatchRunner, clean_work_dirs, run_batch
 from lightning_harness.launcher.command import render_command, substitute
 from lightning_harness.launcher.identity import plan_rollouts
@@ -104,6 +105,17 @@ def test_a_harness_error_is_shown_as_text_not_markup(tmp_path):
     console = Console(file=open(os.devnull, "w"), width=200)
     for table in summary_tables([r]):
         console.print(table)  # MarkupError before
+
+
+def test_a_run_whose_harness_left_a_deep_tree_is_cleaned(tmp_path):
+    """``shutil.rmtree`` raised RecursionError on a folder 1,200 levels deep (not an OSError, so
+    ``ignore_errors`` let it out)."""
+    run_batch([{"id": "t"}], ["sh", "-c", 'mkdir -p "$LIGHTNING_OUTPUT_DIR/$(printf "d/%.0s" $(seq 1200))"'],
+              traces_dir=tmp_path, run_id="deep")
+    folder = tmp_path / WORK_DIR / "deep"
+    assert any(p.name == "d" for p in folder.rglob("out/d"))  # the tree is there
+    clean_work_dirs(tmp_path, "deep")
+    assert not folder.exists()
 
 
 def test_attempt_numbers_are_not_reused_without_resume(tmp_path):

@@ -107,6 +107,44 @@ def test_what_fools_pytest_in_the_folder_does_not_change_the_reward(tmp_path, at
     assert reward.score(task, folder, timeout=30)[0] == 1.0
 
 
+
+# ---------------------------------------------------------------- another rollout's folder
+
+@pytest.mark.parametrize("linked", ["repo", "out"])
+def test_a_folder_linked_to_another_rollouts_is_not_scored(tmp_path, monkeypatch, capsys, linked):
+    """``O_NOFOLLOW`` on ``<project>.py`` covers its own name alone: an agent that left its ``repo`` (or the
+    attempt's ``out``, which its harness can replace too) as a link to a sibling rollout's had the scorer read
+    the sibling's fixed module, and got the sibling's 1.0. The same folder copied, not linked, still scores."""
+    task = task_by_id("bank-Account_deposit-inverted_condition-0")
+    sibling, hostile = tmp_path / "sibling" / "out", tmp_path / "hostile" / "out"
+    (gen.write_task(task, sibling / "repo") / f"{task['project']}.py").write_text(task["solution"])
+    hostile.parent.mkdir()
+    if linked == "repo":
+        hostile.mkdir()
+        (hostile / "repo").symlink_to(sibling / "repo")
+    else:
+        hostile.symlink_to(sibling)
+
+    def scored(out: Path) -> list[tuple[str, str]]:
+        """(reward line, stderr) of the scorer run as the launcher runs it, on LIGHTNING_OUTPUT_DIR/repo
+        and with ``--folder`` naming that folder."""
+        monkeypatch.setenv("LIGHTNING_OUTPUT_DIR", str(out))
+        got = []
+        for folder in ([], ["--folder", str(out / "repo")]):
+            monkeypatch.setattr(sys, "argv", ["reward.py", "--task", json.dumps(task), "--timeout", "30", *folder])
+            assert reward.main() == 0
+            std = capsys.readouterr()
+            got.append((std.out.split()[-1], std.err))
+        return got
+
+    assert [line for line, _ in scored(sibling)] == ["1.0", "1.0"]
+    for line, err in scored(hostile):
+        assert line == "0.0" and "a symlink is not followed" in err, err  # before the fix: 1.0
+    gen.write_task(task, tmp_path / "copy" / "out" / "repo").joinpath(f"{task['project']}.py").write_text(
+        task["solution"])
+    assert [line for line, _ in scored(tmp_path / "copy" / "out")] == ["1.0", "1.0"]
+
+
 # ---------------------------------------------------------------- where the hidden tests are
 
 SEEKER = '''

@@ -6,7 +6,8 @@ Its answer outranks anything the harness reports (launcher/rewards.py). What the
 model-written code, so it is treated as hostile:
 
 * only the task's module (``<project>.py``) is taken from the folder, read without following a
-  symlink, and only when it is a regular file of at most 256 KiB; visible tests, ``conftest.py``,
+  symlink (at its name, nor at ``repo`` or ``out`` above it: the agent's to replace), and only
+  when it is a regular file of at most 256 KiB; visible tests, ``conftest.py``,
   ``sitecustomize.py``, ``.pth`` files or a reward file in the folder are never read;
 * the hidden tests come from the task record, never from the folder;
 * no setuid/setgid bit is left in the folder (``sandbox.settle``): it stays with the traces;
@@ -50,10 +51,28 @@ class ScoreError(RuntimeError):
     """The task or the sandbox is unusable: no reward, rather than a wrong one."""
 
 
-def read_module(folder: Path, name: str) -> bytes | None:
-    """The module's bytes, or None when it is missing, not a regular file, a symlink, or too large."""
+def open_folder(folder: Path, owned: int = 1) -> int:
+    """A descriptor of ``folder`` whose last ``owned`` path components (those the agent could replace: its
+    ``repo``, and the attempt's output folder, in the attempt folder the harness held) are each opened
+    relative to the one above without following a symlink. Why: ``O_NOFOLLOW`` on ``folder/name`` checks
+    the last component alone, so a ``repo`` (or ``out``) linked to another rollout's scored its module."""
+    parts = folder.parts
+    fd = os.open(Path(*parts[:-owned]) if len(parts) > owned else Path("."), os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        for name in parts[-owned:]:
+            fd, above = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd), fd
+            os.close(above)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_module(folder_fd: int, name: str) -> bytes | None:
+    """The module's bytes (``name`` in the folder ``folder_fd``), or None when it is missing, not a
+    regular file, a symlink, or too large."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder_fd)
     except OSError:
         return None
     try:
@@ -65,14 +84,22 @@ def read_module(folder: Path, name: str) -> bytes | None:
         os.close(fd)
 
 
-def score(task: dict, folder: str | Path, timeout: float = TIMEOUT_S) -> tuple[float, str]:
+def score(task: dict, folder: str | Path, timeout: float = TIMEOUT_S, owned: int = 1) -> tuple[float, str]:
     """(reward, why): the hidden tests of task against folder's module, each half in its own sandbox
-    (remote.py): the tests' process decides and never imports the module."""
+    (remote.py): the tests' process decides and never imports the module. ``owned``: how many of the
+    folder's last path components the agent controls (none of them may be a symlink)."""
     project = task["project"]
     if not isinstance(project, str) or not project.isidentifier():
         raise ScoreError(f"the task's project {project!r} is not a module name")
-    sandbox.settle(folder)  # no setuid/setgid bit stays in what the agent left (it is kept with the traces)
-    source = read_module(Path(folder), f"{project}.py")
+    try:
+        folder_fd = open_folder(Path(folder), owned)
+    except OSError as exc:
+        return 0.0, f"{folder} is not a folder of the agent's own (a symlink is not followed): {exc.strerror}"
+    try:
+        sandbox.settle(folder)  # no setuid/setgid bit stays in what the agent left (it is kept with the traces)
+        source = read_module(folder_fd, f"{project}.py")
+    finally:
+        os.close(folder_fd)
     if source is None:
         return 0.0, f"{project}.py missing, not a regular file, or over {MAX_MODULE_BYTES} bytes"
     with tempfile.TemporaryDirectory(prefix="swe-score-") as tmp:
@@ -130,6 +157,16 @@ def _tail(path: Path) -> str:
         return f.read().decode("utf-8", errors="replace").strip()
 
 
+def owned_parts(folder: Path) -> int:
+    """How many of folder's last path components the agent could have replaced: from the attempt's output
+    folder down (``LIGHTNING_OUTPUT_DIR``: the harness held the attempt folder around it), else the last."""
+    out = os.environ.get("LIGHTNING_OUTPUT_DIR")
+    try:
+        return max(1, len(folder.relative_to(Path(out).parent).parts)) if out else 1
+    except ValueError:  # a --folder elsewhere
+        return 1
+
+
 def read_task(arg: str | None) -> dict:
     raw = arg or os.environ.get("LIGHTNING_TASK")
     if raw is None and os.environ.get("LIGHTNING_TASK_FILE"):
@@ -155,7 +192,7 @@ def main() -> int:
             raise ScoreError("no folder (pass --folder or set LIGHTNING_OUTPUT_DIR)")
         folder = Path(args.folder or Path(os.environ["LIGHTNING_OUTPUT_DIR"]) / "repo")
         sandbox.check()
-        reward, why = score(task, folder, args.timeout)
+        reward, why = score(task, folder, args.timeout, owned_parts(folder))
     except (ScoreError, sandbox.SandboxUnavailable, ValueError, OSError) as exc:
         print(f"swe reward: {exc}", file=sys.stderr)
         return 2
