@@ -211,6 +211,10 @@ async def _serve(config: ProxyConfig) -> int:
     master.options.update(
         connection_strategy="lazy",  # never dial upstream before we routed the request
         upstream_cert=False,  # route hosts such as api.openai.com need not be reachable
+        # a tunnel's bytes are HTTP or TLS, never passed through raw: mitmproxy guesses "not HTTP" from
+        # a first write of under 3 bytes or a leading CRLF, and a CONNECT to the engine then carried a
+        # request split that way past every addon (administration, unrecorded generations)
+        rawtcp=False,
         ssl_insecure=config.ssl_insecure,
     )
     if config.no_intercept:

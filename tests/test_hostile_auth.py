@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.parse
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -505,3 +506,27 @@ def test_a_model_call_with_a_trailing_slash_reaches_the_engines_path(make_proxy,
         assert c.post(base + "/chat/completions/?x=1", json=BODY).status_code == 200
     assert [s["path"] for s in recorder.seen] == ["/v1/chat/completions?x=1"]
     assert [s["status_code"] for s in read_spans(p)] == [200]
+
+
+def test_a_tunnel_to_the_engine_carries_http_through_the_filters_however_it_is_split(make_proxy, recorder):
+    """CONNECT to the engine, then a request whose first write is 'PO' (or starts with a CRLF):
+    mitmproxy took the tunnel for raw TCP and passed it through, so '/collective_rpc' ran and a
+    generation went unrecorded. Tunnels now speak HTTP through the addons: 403, nothing forwarded."""
+    p = make_proxy(upstreams=[recorder.url])
+    env = p.env_for("h", 0)
+    fwd = urllib.parse.urlsplit(env["HTTP_PROXY"])
+    auth = _basic(urllib.parse.unquote(fwd.username), credential_of(env))
+    engine = urllib.parse.urlsplit(recorder.url).netloc
+    for first, rest in ((b"PO", b"ST /collective_rpc HTTP/1.1\r\n"), (b"\r\nPOST /collective_rpc HTTP/1.1\r\n", b"")):
+        with socket.create_connection((fwd.hostname, fwd.port), timeout=30) as sock:
+            sock.sendall(f"CONNECT {engine} HTTP/1.1\r\nHost: {engine}\r\nProxy-Authorization: {auth}\r\n\r\n".encode())
+            reader = sock.makefile("rb")
+            assert b" 200 " in reader.readline()
+            while reader.readline() not in (b"\r\n", b""):
+                pass
+            sock.sendall(first)
+            time.sleep(0.3)
+            sock.sendall(rest + f"Host: {engine}\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}".encode())
+            status = reader.readline()
+        assert b" 403 " in status or status == b"", status  # refused (or closed), never the engine's answer
+    assert recorder.seen == []
