@@ -530,3 +530,19 @@ def test_a_tunnel_to_the_engine_carries_http_through_the_filters_however_it_is_s
             status = reader.readline()
         assert b" 403 " in status or status == b"", status  # refused (or closed), never the engine's answer
     assert recorder.seen == []
+
+
+def test_a_path_around_an_allowed_one_reaches_no_other_route(make_proxy, recorder):
+    """vLLM mounts /metrics with a wildcard tail: '/metrics/v1/responses/x' (matched as a stored
+    response read anywhere in the path), '/metrics/tokenize' (a token count by suffix) and
+    '/metrics/v1/chat/completions' (a model call by suffix) all reached it. Reads and questions now
+    match whole paths, and a model call goes to the engine's own path for it."""
+    p = make_proxy(upstreams=[recorder.url])
+    base = p.env_for("h", 0)["OPENAI_BASE_URL"]
+    root = base.rsplit("/v1", 1)[0]
+    with httpx.Client(trust_env=False, timeout=30) as c:
+        assert c.get(root + "/metrics/v1/responses/x").status_code == 403
+        assert c.post(root + "/metrics/tokenize", json={}).status_code == 403
+        assert c.post(root + "/metrics/v1/chat/completions", json=BODY).status_code == 200
+        assert c.post(root + "/v1/tokenize", json={}).status_code == 200  # the plain ones still go
+    assert [s["path"] for s in recorder.seen] == ["/v1/chat/completions", "/v1/tokenize"]

@@ -280,7 +280,7 @@ class Rewrite:
     def _stored_read(self, flow: http.HTTPFlow, call: Call) -> None:
         """A stored Responses answer read from the pool (``GET``, ``cancel``): cut as the call that
         made it was (see the module's docstring)."""
-        action = response_action(flow.request.method, flow.request.path)
+        action = response_action(flow.request.method, call.path or flow.request.path)  # (the harness's path)
         if action is not None and self.stored.foreign(action[0], call.rollout_id):
             self._refuse(flow, 404, _not_found(action[0]), f"{action[1]} of")  # (as if it did not exist)
             return

@@ -10,9 +10,12 @@ client's reads (GET, HEAD: ``/v1/models``, ``/health``, ``/version``, a stored r
 /v1/responses/{id}/cancel``, ``DELETE /v1/responses/{id}``) reach the pool; anything else is the
 engine's administration (vLLM's dev mode reloads weights, pauses, sleeps, tells its configuration)
 and gets 403, as does a model path the proxy did not recognise (``/v1/chat/completion%73``, which
-the engine would decode and serve unrecorded). The pool is recognised by address however it is
-spelled (``127.1``, ``LOCALHOST``): a forward-mode request to an alias of it is routed and filtered
-like any other; an alias only a name lookup reveals (another DNS name of the engine) is not.
+the engine would decode and serve unrecorded). Paths are matched whole and a model call is sent to
+the engine's own path for it (``_MODEL_PATHS``): a prefix or suffix around an allowed one
+(``/metrics/v1/responses/x``, vLLM's ``/metrics`` mount) reaches no other route. The pool is
+recognised by address however it is spelled or named (``127.1``, ``LOCALHOST``, the machine's own
+name: ``hosts.py``): a forward-mode request to an alias of it is routed and filtered like any other;
+an address of the engine no lookup shows (another interface, a pod's IP) is the network's to close.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import re
 
 from mitmproxy import http
 
+from ..assemble import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from ..config import Upstream, parse_upstream
 from ..hosts import canonical_host
 from ..state import META, MODEL, OTHER, ProxyState
@@ -29,17 +33,20 @@ from .answers import json_answer
 
 READ_METHODS = ("GET", "HEAD")  # besides model calls, what a harness may send the training engine: these reads,
 _READS = re.compile(r"(?:/v1)?/models(?:/(?!\.\.?(?:/|\Z))[^/]+)*|/health|/ping|/version|/tokenizer_info")
-READ_POSTS = ("/tokenize", "/detokenize", "/count_tokens", "/embeddings")  # and these questions
+_QUESTIONS = re.compile(r"(?:/v1)?/(?:tokenize|detokenize|embeddings|count_tokens|messages/count_tokens)")  # and these
 
 
-_RESPONSE = re.compile(r"/v1/responses/(?!\.\.?(?:/|\Z))([^/?]+)(/cancel)?/?\Z")  # (an id of dots: another path)
+_RESPONSE = re.compile(r"(?:/v1)?/responses/(?!\.\.?(?:/|\Z))([^/?]+)(/cancel)?/?")  # (an id of dots: another path)
+# the path each model call is sent to at the pool, below its base path: vLLM serves exactly these (a
+# prefix or suffix around them, '/metrics/v1/chat/completions', would reach another of its routes)
+_MODEL_PATHS = {CHAT: "/chat/completions", COMPLETIONS: "/completions", RESPONSES: "/responses", MESSAGES: "/messages"}
 _RESPONSE_ACTIONS = {("GET", False): "read", ("POST", True): "cancel", ("DELETE", False): "delete"}
 
 
 def response_action(method: str, path: str) -> tuple[str, str] | None:
     """``(response id, 'read' | 'cancel' | 'delete')`` for a request about a stored Responses answer
     (``GET`` or ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``), else None."""
-    m = _RESPONSE.search(path.split("?", 1)[0])
+    m = _RESPONSE.fullmatch(path.split("?", 1)[0])
     action = _RESPONSE_ACTIONS.get((method, m.group(2) is not None)) if m else None
     return (m.group(1), action) if action else None
 
@@ -54,7 +61,7 @@ def harmless(method: str, path: str) -> bool:
     path = path.split("?", 1)[0]
     bare = path.rstrip("/")
     return "%" not in path and ((method in READ_METHODS and _READS.fullmatch(bare) is not None)
-                                or (method == "POST" and bare.endswith(READ_POSTS))
+                                or (method == "POST" and _QUESTIONS.fullmatch(bare) is not None)
                                 or response_action(method, path) is not None)
 
 
@@ -116,9 +123,9 @@ class Routing:
         if call.kind == OTHER and not harmless(req.method, req.path):
             self._refuse_admin(flow)
             return
-        if call.kind == MODEL:  # '/v1/chat/completions/': vLLM would redirect to its own address instead
-            path, sep, query = req.path.partition("?")
-            req.path = path.rstrip("/") + sep + query
+        if call.kind == MODEL:  # the engine's own path for it ('.../chat/completions/': vLLM answered a redirect)
+            _, sep, query = req.path.partition("?")
+            req.path = (target.base_path or "/v1") + _MODEL_PATHS[call.endpoint] + sep + query
         self._send(req, target)
         call.upstream, call.routed = target, True
         call.upstream_display = target.display
