@@ -13,6 +13,7 @@ own name ``127.0.0.1``), which only a lookup shows (``HostAddresses``). What no 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ipaddress
 import re
 import socket
@@ -56,29 +57,46 @@ def is_name(canonical: str) -> bool:
 
 class HostAddresses:
     """The canonical addresses a host stands for, looked up without blocking the proxy's loop and
-    remembered ``TTL`` seconds (at most ``MAX`` names: then forgotten all at once). A name that does
-    not resolve stands for nothing (the connection would fail anyway)."""
+    remembered ``TTL`` seconds (at most ``MAX`` names: then forgotten all at once).
+
+    A harness chooses the names, so a lookup must not stall anyone else: lookups run on threads of
+    their own (``WORKERS``, not the loop's default executor that mitmproxy's connections and the
+    control API use), one at a time per name, for at most ``TIMEOUT`` seconds. A name that cannot be
+    looked up gives None: the caller decides what an unknown name is (routing files it under the
+    pool, so it is filtered, never let through)."""
 
     TTL = 10.0
     MAX = 1024
+    TIMEOUT = 2.0
+    WORKERS = 4
 
     def __init__(self) -> None:
-        self.cache: dict[str, tuple[float, frozenset[str]]] = {}
+        self.cache: dict[str, tuple[float, frozenset[str] | None]] = {}
+        self.pending: dict[str, asyncio.Future] = {}
+        self.executor = concurrent.futures.ThreadPoolExecutor(self.WORKERS, thread_name_prefix="lh-lookup")
 
-    async def of(self, host: str) -> frozenset[str]:
+    async def of(self, host: str) -> frozenset[str] | None:
         name = canonical_host(host)
         if not is_name(name):
             return frozenset((name,))
-        now = time.monotonic()
         hit = self.cache.get(name)
-        if hit is not None and hit[0] > now:
+        if hit is not None and hit[0] > time.monotonic():
             return hit[1]
+        if name not in self.pending:  # one lookup per name at a time; others wait for it
+            self.pending[name] = asyncio.ensure_future(self._look_up(name))
+        return await asyncio.shield(self.pending[name])
+
+    async def _look_up(self, name: str) -> frozenset[str] | None:
+        loop = asyncio.get_running_loop()
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
-            found = frozenset(canonical_host(info[4][0]) for info in infos)
-        except (OSError, UnicodeError):
-            found = frozenset()
+            infos = await asyncio.wait_for(loop.run_in_executor(
+                self.executor, socket.getaddrinfo, name, None, 0, socket.SOCK_STREAM), self.TIMEOUT)
+            found: frozenset[str] | None = frozenset(canonical_host(info[4][0]) for info in infos)
+        except (OSError, UnicodeError):  # (a timeout is an OSError)
+            found = None
+        finally:
+            self.pending.pop(name, None)
         if len(self.cache) >= self.MAX:
             self.cache.clear()
-        self.cache[name] = (now + self.TTL, found)
+        self.cache[name] = (time.monotonic() + self.TTL, found)
         return found

@@ -437,3 +437,44 @@ def test_only_a_stored_responses_own_paths_pass_as_harmless():
             "print(json.dumps([harmless(m, p) for m, p in json.loads(sys.argv[1])]))")
     out = subprocess.run([proxy_python(), "-c", code, json.dumps(cases)], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [True, True, False, False, False, False, False, False]
+
+
+def test_a_name_that_hangs_in_lookup_stalls_no_one(monkeypatch):
+    """Forward-mode names are the harness's: a lookup that hangs must not hold the proxy (its own
+    threads, a deadline), the same name is looked up once however many calls wait for it, and a name
+    without an answer is None (routing then filters it as the pool's)."""
+    import asyncio
+    import socket
+    import threading
+    import time
+
+    from lightning_harness.proxy.hosts import LOCAL, HostAddresses, canonical_host
+
+    calls, release = [], threading.Event()
+    real = socket.getaddrinfo
+
+    def slow(name, *a, **kw):
+        calls.append(name)
+        if name.startswith("hang"):
+            release.wait(10)
+            raise socket.gaierror("gave up")
+        return real("127.0.0.1", *a, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow)
+    hosts = HostAddresses()
+    hosts.TIMEOUT = 0.5
+
+    async def main():
+        started = time.monotonic()
+        hung = await asyncio.gather(*[hosts.of("hang.example") for _ in range(20)])
+        waited = time.monotonic() - started
+        named = await hosts.of("Engine.Example.")
+        return hung, waited, named
+
+    try:
+        hung, waited, named = asyncio.run(main())
+    finally:
+        release.set()
+    assert hung == [None] * 20 and waited < 2 and calls.count("hang.example") == 1
+    assert named == frozenset({LOCAL}) and calls.count("engine.example") == 1
+    assert canonical_host("[::ffff:127.0.0.1]") == canonical_host("2130706433") == LOCAL

@@ -194,7 +194,7 @@ class Attribution:
         by the caller): this machine's loopback, the listen address, or the address the client
         reached the forward listener at."""
         own = {LOCAL, canonical_host(self.state.config.listen_host)} | ({canonical_host(sock[0])} if sock else set())
-        return canonical_host(host) in own or not own.isdisjoint(await self.state.hosts.of(host))
+        return canonical_host(host) in own or not own.isdisjoint(await self.state.hosts.of(host) or ())
 
     def _reverse(self, flow: http.HTTPFlow) -> None:
         req = flow.request

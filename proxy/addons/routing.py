@@ -87,8 +87,11 @@ class Routing:
         if not ports:
             return False
         dest = await self.state.hosts.of(host)
+        if dest is None:  # no answer in time: filtered as the pool's, never let through unfiltered
+            return True
         for u in ports:
-            if not dest.isdisjoint(await self.state.hosts.of(u.host)):
+            pool = await self.state.hosts.of(u.host)
+            if pool is None or not dest.isdisjoint(pool):
                 return True
         return False
 
