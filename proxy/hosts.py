@@ -62,8 +62,8 @@ class HostAddresses:
     A harness chooses the names, so a lookup must not stall anyone else: lookups run on threads of
     their own (``WORKERS``, not the loop's default executor that mitmproxy's connections and the
     control API use), one at a time per name, for at most ``TIMEOUT`` seconds. A name that cannot be
-    looked up gives None: the caller decides what an unknown name is (routing files it under the
-    pool, so it is filtered, never let through)."""
+    looked up gives None, remembered only if the resolver said so (a timeout is asked again): the
+    caller decides what an unknown name is (routing refuses the call rather than guess)."""
 
     TTL = 10.0
     MAX = 1024
@@ -92,7 +92,9 @@ class HostAddresses:
             infos = await asyncio.wait_for(loop.run_in_executor(
                 self.executor, socket.getaddrinfo, name, None, 0, socket.SOCK_STREAM), self.TIMEOUT)
             found: frozenset[str] | None = frozenset(canonical_host(info[4][0]) for info in infos)
-        except (OSError, UnicodeError):  # (a timeout is an OSError)
+        except TimeoutError:
+            return None  # (not remembered: the resolver may answer next time)
+        except (OSError, UnicodeError):
             found = None
         finally:
             self.pending.pop(name, None)
@@ -100,3 +102,7 @@ class HostAddresses:
             self.cache.clear()
         self.cache[name] = (time.monotonic() + self.TTL, found)
         return found
+
+    def close(self) -> None:
+        """At shutdown: a lookup still hanging must not hold the process's exit."""
+        self.executor.shutdown(wait=False, cancel_futures=True)

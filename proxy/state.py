@@ -286,6 +286,7 @@ class ProxyState:
         """Flush and stop both writers; rows that still cannot be written are reported, not hidden."""
         self.run_later()
         self.compactor.close()
+        self.hosts.close()
         for writer in (self.spans, self.rewards):
             try:
                 writer.close()

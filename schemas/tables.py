@@ -45,10 +45,11 @@ SPANS = _schema(
         _f("path", pa.string(), "Request path the harness used (credentials removed)."),
         _f("upstream", pa.string(), "Base URL the call was actually sent to (after routing), no credentials."),
         _f("routed", pa.bool_(),
-           "True when the proxy sent the call where its configuration says (the training pool, a route host, the "
-           "reverse target); false for a host the harness chose itself through the forward proxy (its answer is "
-           "that server's, so its token ids and logprobs are not kept and training leaves it out) or a call "
-           "answered before routing. Null in traces written before the column existed (read as routed)."),
+           "True when the proxy sent the call where its configuration says (the training pool, for a pool member "
+           "or a route host; the reverse target; without a pool, a route host itself); false for a host the "
+           "harness chose itself through the forward proxy (its answer is that server's, so its token ids and "
+           "logprobs are not kept and training leaves it out) or a call answered before routing. Null in traces "
+           "written before the column existed (read as routed)."),
         _f("model", pa.string(), "Model name the harness asked for."),
         _f("served_model", pa.string(), "Model name sent upstream (after model mapping)."),
         _f("model_version", pa.int64(),
@@ -78,7 +79,8 @@ SPANS = _schema(
         _f("token_ids_injected", pa.bool_(),
            "True when the proxy added return_token_ids/logprobs the harness did not ask for."),
         _f("error_kind", pa.string(),
-           "Null on success; else 'upstream_status' (upstream answered >= 400), 'upstream_unreachable' (connect "
+           "Null on success; else 'upstream_status' (an answer >= 400: upstream's, or the proxy's own refusal, whose "
+           "error then says 'the proxy answered'), 'upstream_unreachable' (connect "
            "failure or drop), 'timeout', 'client_disconnect' (the harness hung up mid-request-body or mid-response; "
            "seq is still assigned), 'malformed_request', 'malformed_response', 'truncated' (a stream ended without "
            "[DONE] or finish_reason, or a JSON body stops mid-value: the answer is incomplete), 'too_large' (body over "

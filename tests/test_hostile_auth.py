@@ -546,3 +546,14 @@ def test_a_path_around_an_allowed_one_reaches_no_other_route(make_proxy, recorde
         assert c.post(root + "/metrics/v1/chat/completions", json=BODY).status_code == 200
         assert c.post(root + "/v1/tokenize", json={}).status_code == 200  # the plain ones still go
     assert [s["path"] for s in recorder.seen] == ["/v1/chat/completions", "/v1/tokenize"]
+
+
+def test_an_upstream_base_path_is_kept_for_model_calls(make_proxy, recorder):
+    """vLLM behind a path prefix (an ingress's '/openai/v1'): model calls go to the prefix's
+    '/v1/chat/completions' (a review found '/openai/chat/completions' after the whole-path change)."""
+    p = make_proxy(upstreams=[recorder.url + "/openai/v1"])
+    base = p.env_for("h", 0)["OPENAI_BASE_URL"]
+    with httpx.Client(trust_env=False, timeout=30) as c:
+        assert c.post(base + "/chat/completions", json=BODY).status_code == 200
+        assert c.get(base + "/models").status_code == 200
+    assert [s["path"] for s in recorder.seen] == ["/openai/v1/chat/completions", "/openai/v1/models"]

@@ -524,3 +524,22 @@ def test_a_server_the_harness_runs_itself_is_recorded_as_such_and_not_waited_for
         assert pooled["routed"] is True and pooled["response_token_ids"]
     finally:
         fake.stop()
+
+
+def test_without_a_pool_a_route_host_is_the_operators_choice(tmp_path, make_proxy):
+    """Capture only, forward mode (no pool): a call to a configured route host is recorded as routed
+    (with whatever ids it returned); one to any other host is the harness's choice."""
+    fake = StubServer(tmp_path)
+    try:
+        p = make_proxy(upstreams=[], route_hosts=["localhost"])
+        env = p.env_for("capture")
+        body = {**BODY, "return_token_ids": True, "logprobs": True}
+        port = fake.url.rsplit(":", 1)[1]
+        with httpx.Client(proxy=env["HTTP_PROXY"], trust_env=False, timeout=60) as c:
+            for host in ("localhost", "127.0.0.1"):
+                assert c.post(f"http://{host}:{port}/v1/chat/completions", json=body).status_code == 200
+        spans = _spans_of(p, "capture", 2)
+        assert [(s["host"].split(":")[0], s["routed"], bool(s["response_token_ids"])) for s in spans] == [
+            ("localhost", True, True), ("127.0.0.1", False, False)]
+    finally:
+        fake.stop()

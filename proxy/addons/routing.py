@@ -32,7 +32,9 @@ from ..state import META, MODEL, OTHER, ProxyState
 from .answers import json_answer
 
 READ_METHODS = ("GET", "HEAD")  # besides model calls, what a harness may send the training engine: these reads,
-_READS = re.compile(r"(?:/v1)?/models(?:/(?!\.\.?(?:/|\Z))[^/]+)*|/health|/ping|/version|/tokenizer_info")
+# (GET /v1/responses: Codex tries its Responses WebSocket there first and falls back on the engine's 405)
+_READS = re.compile(r"(?:/v1)?/models(?:/(?!\.\.?(?:/|\Z))[^/]+)*|(?:/v1)?/responses|/health|/ping|/version"
+                    r"|/tokenizer_info")
 _QUESTIONS = re.compile(r"(?:/v1)?/(?:tokenize|detokenize|embeddings|count_tokens|messages/count_tokens)")  # and these
 
 
@@ -78,22 +80,26 @@ class Routing:
         ``canonical_host``); otherwise such a request would reach the engine unfiltered."""
         return (canonical_host(host), port) in self.pool_addrs
 
-    async def reaches_pool(self, host: str, port: int) -> bool:
-        """``in_pool``, or a name or address that a lookup shows to be a replica's (the machine's own
-        name for a pool on loopback). Looked up only for a port a replica listens on."""
+    async def pool_role(self, host: str, port: int) -> str | None:
+        """What a forward-mode destination is to the pool: ``"replica"`` (``in_pool``, or a name a
+        lookup shows to be a replica's: the machine's own name for a pool on loopback), ``"stand-in"``
+        (a route host the pool serves), ``"unknown"`` (a name on a replica's port without an answer:
+        it might be one), or None (elsewhere). Looked up only for a port a replica listens on."""
         if self.in_pool(host, port):
-            return True
+            return "replica"
+        if self.route_host(host):
+            return "stand-in"
         ports = [u for u in self.state.config.upstreams if u.port == port]
         if not ports:
-            return False
+            return None
         dest = await self.state.hosts.of(host)
-        if dest is None:  # no answer in time: filtered as the pool's, never let through unfiltered
-            return True
+        if dest is None:
+            return "unknown"
         for u in ports:
             pool = await self.state.hosts.of(u.host)
             if pool is None or not dest.isdisjoint(pool):
-                return True
-        return False
+                return "replica" if pool is not None else "unknown"
+        return None
 
     def route_host(self, host: str) -> bool:
         """A host configured for training (``route_hosts``): a hosted API the pool stands in for."""
@@ -117,18 +123,24 @@ class Routing:
             else:
                 json_answer(flow, 502, {"error": {"message": "lightning-proxy: no upstream configured (--upstream)"}})
                 return
-        elif cfg.upstreams and ((pooled := await self.reaches_pool(req.host, req.port)) or self.route_host(req.host)):
+        elif cfg.upstreams and (role := await self.pool_role(req.host, req.port)) is not None:
+            if role == "unknown":  # neither let through unfiltered nor sent to the pool on a guess
+                json_answer(flow, 502, {"error": {"message": f"lightning-proxy: {req.host[:200]} could not be "
+                                                  "looked up in time; retry"}})
+                return
             target = self.state.replica_for(call.rollout_id)
-            call.hosted = not pooled
-        else:  # a host the harness chose (forward mode): its answer is that server's, not the policy's
+            call.hosted = role == "stand-in"
+        else:  # forward mode elsewhere: a route host without a pool (capture only) is the operator's
+            # choice; any other host the harness chose, and its answer is that server's, not the policy's
             call.upstream_display = f"{req.scheme}://{req.host}:{req.port}"
+            call.routed = not cfg.upstreams and self.route_host(req.host)
             return
         if call.kind == OTHER and not harmless(req.method, req.path):
             self._refuse_admin(flow)
             return
         if call.kind == MODEL:  # the engine's own path for it ('.../chat/completions/': vLLM answered a redirect)
             _, sep, query = req.path.partition("?")
-            req.path = (target.base_path or "/v1") + _MODEL_PATHS[call.endpoint] + sep + query
+            req.path = target.base_path + "/v1" + _MODEL_PATHS[call.endpoint] + sep + query
         self._send(req, target)
         call.upstream, call.routed = target, True
         call.upstream_display = target.display
@@ -143,8 +155,8 @@ class Routing:
         req = flow.request
         json_answer(flow, 403, {"error": {
             "type": "forbidden", "message": f"lightning-proxy: {req.method} {req.path.split('?')[0]} is not a model "
-            "call; only model calls, reads (GET, HEAD), token counts and a stored response's cancel or delete are "
-            "forwarded to the training engine"}})
+            "call; only model calls, a client's reads (/v1/models, /health, /version, a stored response), token "
+            "counts and a stored response's cancel or delete are forwarded to the training engine"}})
 
     @staticmethod
     def _send(req: http.Request, target: Upstream) -> None:
