@@ -308,6 +308,7 @@ def _services(stack, checks, o) -> tuple[ProxyLink, dict[str, str]]:
         "served_model": served_name,
         "route_hosts": o.route_hosts, "confdir": o.proxy_confdir,
         "listen_host": "0.0.0.0" if o.k8s_template else "127.0.0.1",  # pods reach it from elsewhere
+        "public_hosts": [o.k8s_proxy_host] if o.k8s_template and o.k8s_proxy_host else [],  # ... by this name
     })
     return _start_proxy(stack, checks, config, o.traces / "launch", o.api_key), service_env
 

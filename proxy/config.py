@@ -104,6 +104,9 @@ class ProxyConfig:
         None, "Bearer token of the control API, never given to harnesses ('' leaves it open).",
         envvar=CONTROL_TOKEN_VAR, shown="generated, written to CONFDIR/control-token-<reverse port> (0600)")
     confdir: str | None = option(None, "mitmproxy confdir (the CA).", shown="~/.cache/lightning-harness/proxy-conf")
+    public_hosts: list[str] = option(
+        [], "Another name harnesses reach this proxy by (a Kubernetes Service): a forward-mode call to it at the "
+        "reverse port is served in place, not dialled and recorded twice. Repeatable.", flag="--public-host")
     # routing
     upstreams: list[Upstream] = option([], "Upstream URL (repeat: a pool; a rollout sticks to one).", flag="--upstream")
     route_hosts: list[str] = option([], "Host whose calls go to the pool ('*' = all). Repeatable.", flag="--route-host")
@@ -176,7 +179,7 @@ class ProxyConfig:
             raise ValueError(f"unknown proxy config keys {sorted(unknown)}; known: {sorted(known)}")
         values = {k: os.fspath(v) if isinstance(v, os.PathLike) else list(v) if isinstance(v, tuple) else v
                   for k, v in data.items()}  # paths and repeated flags (tuples) as YAML would give them
-        for key in ("route_hosts", "no_intercept", "upstreams"):
+        for key in ("route_hosts", "no_intercept", "upstreams", "public_hosts"):
             if isinstance(values.get(key), str):
                 values[key] = [values[key]]
         if isinstance(values.get("model_map"), list):  # repeated --model-map NAME=SERVED

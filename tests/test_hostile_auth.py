@@ -557,3 +557,17 @@ def test_an_upstream_base_path_is_kept_for_model_calls(make_proxy, recorder):
         assert c.post(base + "/chat/completions", json=BODY).status_code == 200
         assert c.get(base + "/models").status_code == 200
     assert [s["path"] for s in recorder.seen] == ["/openai/v1/chat/completions", "/openai/v1/models"]
+
+
+def test_the_proxy_under_its_public_name_serves_a_call_once(make_proxy, recorder):
+    """In Kubernetes pods reach the proxy by a Service name, which resolves to no address of the proxy's
+    own (a ClusterIP): a base-URL call that also went through HTTP_PROXY was dialled out and failed
+    (here: the name does not resolve) or was recorded twice. ``public_hosts`` names it."""
+    p = make_proxy(upstreams=[recorder.url], public_hosts=["lightning-proxy.ns.svc.example"])
+    env = p.env_for("h", 0)
+    fwd = urllib.parse.urlsplit(env["HTTP_PROXY"])
+    auth = {"Proxy-Authorization": _basic(urllib.parse.unquote(fwd.username), credential_of(env))}
+    reverse = urllib.parse.urlsplit(env["OPENAI_BASE_URL"])
+    target = f"http://lightning-proxy.ns.svc.example:{reverse.port}{reverse.path}/chat/completions"
+    assert _raw(fwd.hostname, fwd.port, "POST", target, auth) == 200
+    assert [(s["mode"], s["routed"]) for s in read_spans(p)] == [("reverse", True)]

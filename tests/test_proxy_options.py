@@ -21,6 +21,7 @@ def _changed_everywhere(tmp_path) -> ProxyConfig:
         "traces": str(tmp_path / "t"), "listen_host": "127.0.0.2", "forward_port": 1111, "reverse_port": 2222,
         "token": "tok", "control_token": "ctl", "confdir": str(tmp_path / "conf"),
         "upstreams": ["http://a:1/v1", "https://b"], "route_hosts": ["api.openai.com", "*"],
+        "public_hosts": ["proxy.ns.svc"],
         "model_map": {"gpt-4o": "policy", "x": "y=z"}, "served_model": "served", "reverse_target": "https://c",
         "no_intercept": ["pinned:443"], "model_version": 7, "idle_timeout": 12.5, "max_body_size": 3,
         "max_decoded_size": 4, "max_inflight_bytes": 5, "shutdown_grace": 0.25, "ssl_insecure": True,

@@ -191,9 +191,11 @@ class Attribution:
 
     async def _is_own(self, host: str, sock) -> bool:
         """``host`` is this proxy, however spelled or named (the reverse listener's port is checked
-        by the caller): this machine's loopback, the listen address, or the address the client
-        reached the forward listener at."""
-        own = {LOCAL, canonical_host(self.state.config.listen_host)} | ({canonical_host(sock[0])} if sock else set())
+        by the caller): this machine's loopback, the listen address, a ``public_hosts`` name, or the
+        address the client reached the forward listener at."""
+        cfg = self.state.config
+        own = {LOCAL, canonical_host(cfg.listen_host), *map(canonical_host, cfg.public_hosts)}
+        own |= {canonical_host(sock[0])} if sock else set()
         return canonical_host(host) in own or not own.isdisjoint(await self.state.hosts.of(host) or ())
 
     def _reverse(self, flow: http.HTTPFlow) -> None:
