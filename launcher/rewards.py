@@ -23,12 +23,12 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from lightning_harness.schemas.rewards import RewardError, parse_reward, precedence
+from lightning_harness.schemas.rewards import MAX_REWARD_BYTES, RewardError, parse_reward, precedence
 
 from .local import MAX_LOG_BYTES, launcher_env, open_log, open_regular, trim_to_tail
 from .proctree import finish_tree, start_tree
 
-MAX_REWARD_FILE = 1 << 16  # a reward is a number and a little info; more is not a reward
+MAX_REWARD_FILE = MAX_REWARD_BYTES  # a reward is a number and a little info; more is not a reward
 SCORER_TAIL = 1 << 16  # of a scorer's stdout only the end is read: its reward is the last line
 
 

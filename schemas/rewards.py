@@ -30,6 +30,9 @@ class RewardError(ValueError):
 # 400-digit integer, which no float holds) overflowed the advantages (float32 samples) or crashed the
 # reader; no scoring scheme needs them.
 MAX_REWARD = 1e15
+# A reward report's bytes (a reward file, a harness's POST, decoded): a number and a little info. Past it is
+# no reward: a 300 KB gzip POST that expanded to 300 MB held the proxy 3.5 GB and stalled every rollout 18 s.
+MAX_REWARD_BYTES = 1 << 16
 
 
 def check_reward(value: Any, *, what: str = "reward") -> float:

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fixtures_proxy import StubServer, read_spans
+from fixtures_proxy import StubServer, read_rewards, read_spans
+
+from lightning_harness.schemas.rewards import MAX_REWARD_BYTES
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -143,6 +145,29 @@ def test_gzip_bomb_gets_413_with_bounded_memory(proxy, stub_server):
     assert peak - before < 32, f"RSS peak {peak:.0f} MiB vs {before:.0f} MiB before"  # measured first, never held
     (span,) = _spans_of(proxy, "bomb")
     assert span["error_kind"] == "too_large" and span["seq"] == 0
+
+
+def test_a_harness_reward_is_bounded_raw_and_decoded(proxy):
+    """A reward is a number and a little info (``MAX_REWARD_BYTES``, the reward file's bound). A gzip
+    body POSTed to LIGHTNING_REWARD_URL was expanded without a cap (300 KB -> 300 MB: 3.5 GB peak,
+    other rollouts' calls stalled 18 s) and stored whole in the rewards table the launcher reads."""
+    url = proxy.env_for("reward-bomb")["LIGHTNING_REWARD_URL"]
+    bomb = gzip.compress(json.dumps({"reward": 1.0, "info": {"x": " " * (64 * MiB)}}).encode(), compresslevel=9)
+    gz = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    before = _rss_mib(proxy.pid)
+    Path(f"/proc/{proxy.pid}/clear_refs").write_text("5")  # VmHWM restarts from the current RSS
+    r = _post(url, content=bomb, headers=gz)
+    assert r.status_code == 413 and str(MAX_REWARD_BYTES) in r.text, r.text
+    assert _hwm_mib(proxy.pid) - before < 32
+    assert _post(url, json={"reward": 1.0, "info": {"x": "y" * MAX_REWARD_BYTES}}).status_code == 413
+    u = urllib.parse.urlsplit(url)  # announced far past the bound: closed at once, the body never read
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(f"POST {u.path} HTTP/1.1\r\nHost: x\r\nContent-Length: {1 << 30}\r\n\r\n".encode())
+        assert s.recv(4096) == b""
+    ok = gzip.compress(json.dumps({"reward": 0.5, "info": {"passed": 3}}).encode())
+    assert _post(url, content=ok, headers=gz).status_code == 200  # a small compressed reward still counts
+    assert [(w["rollout_id"], w["reward"], w["info_json"]) for w in read_rewards(proxy)] == [
+        ("reward-bomb", 0.5, '{"passed": 3}')]
 
 
 @pytest.mark.parametrize("coding", ["gzip", "deflate"])

@@ -25,20 +25,51 @@ from datetime import UTC, datetime
 from mitmproxy import http
 
 from ...schemas import BufferFull
-from ...schemas.rewards import RewardError, reward_from_object
+from ...schemas.rewards import MAX_REWARD_BYTES, RewardError, reward_from_object
+from ..codec import TooLarge, decode_body
 from ..credentials import InvalidId, check_attempt, check_model_version, check_rollout_id, log_safe
 from ..state import CONTROL, META, REWARD, ProxyState
 from .answers import json_answer
+from .limits import KILL_ABOVE
 
 log = logging.getLogger("lightning.proxy")
 
 
 class BadRequest(ValueError):
-    pass
+    status = 400
+
+
+class TooLargeReward(BadRequest):
+    status = 413
 
 
 def _body(flow: http.HTTPFlow) -> dict:
-    raw = flow.request.content or b""
+    return _object(flow.request.content or b"")
+
+
+def _reward_body(flow: http.HTTPFlow) -> dict:
+    """A harness's reward body, at most ``MAX_REWARD_BYTES`` as sent and decoded (the reward file's bound).
+
+    Why: the harness is hostile, and what it posts is decoded, redacted on the proxy's event loop (every
+    rollout waits meanwhile) and stored in the rewards table the launcher reads whole. mitmproxy's own
+    decoding has no cap: a 300 KB gzip body became 300 MB (3.5 GB peak, other rollouts stalled 18 s).
+    A compressed body is decoded with a running cap instead (``codec.decode_body``)."""
+    raw = flow.request.raw_content or b""
+    too_big = f"a reward body is at most {MAX_REWARD_BYTES} bytes, decoded too: a number and a little info"
+    if len(raw) > MAX_REWARD_BYTES:
+        raise TooLargeReward(too_big)
+    coding = flow.request.headers.get("Content-Encoding", "").strip()
+    if coding and coding.lower() != "identity":
+        try:
+            raw = decode_body(raw, coding, MAX_REWARD_BYTES)
+        except TooLarge:
+            raise TooLargeReward(too_big) from None
+        except ValueError as exc:  # an unknown coding, corrupt data
+            raise BadRequest(str(exc)) from None
+    return _object(raw)
+
+
+def _object(raw: bytes) -> dict:
     if not raw.strip():
         return {}
     try:
@@ -54,6 +85,16 @@ class Control:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
 
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        """A harness reward announced far past its bound: the connection is closed, the body never read
+        (mitmproxy reads a whole body before it sends an answer; ``limits.Limits.cut_off`` likewise)."""
+        call = flow.metadata.get(META)
+        length = flow.request.headers.get("Content-Length", "").strip()
+        if call is not None and call.kind == REWARD and flow.response is None and length.isdigit() \
+                and int(length) > KILL_ABOVE * MAX_REWARD_BYTES:
+            self.state.rejected += 1
+            flow.kill()
+
     async def request(self, flow: http.HTTPFlow) -> None:
         call = flow.metadata.get(META)
         if call is None or call.kind not in (CONTROL, REWARD) or flow.response is not None:
@@ -65,7 +106,7 @@ class Control:
                 return json_answer(flow, 401, {"error": "control API needs Authorization: Bearer <control token>"})
             await self._dispatch(flow)
         except (BadRequest, InvalidId, RewardError) as exc:
-            json_answer(flow, 400, {"error": str(exc)})
+            json_answer(flow, getattr(exc, "status", 400), {"error": str(exc)})
         except BufferFull as exc:  # rewards cannot be buffered while writes fail: the caller retries
             json_answer(flow, 503, {"error": str(exc)})
         except Exception as exc:  # answered here, never forwarded (see module doc)
@@ -79,7 +120,7 @@ class Control:
     def _harness_reward(self, flow: http.HTTPFlow, call) -> None:
         if flow.request.method != "POST":
             return json_answer(flow, 405, {"error": "POST {\"reward\": number, \"info\": {...}}"})
-        value, info = reward_from_object(_body(flow))
+        value, info = reward_from_object(_reward_body(flow))
         row = self.write_reward(call.rollout_id, call.attempt, value, info, "proxy", call.secrets)
         return json_answer(flow, 200, {"ok": True, "reward_id": row})
 
