@@ -125,6 +125,44 @@ def test_a_setuid_binary_left_in_the_work_folder_gives_nothing(tmp_path):
     assert not os.lstat(planted).st_mode & stat.S_ISUID
 
 
+NEST = ('for i in $(seq 24); do mkdir {name} && cd {name} || exit 1; done; '
+        'cp /usr/bin/true deep && chmod 6755 deep && mkdir sg && chmod 2775 sg && stat -c %A deep')
+
+
+def _deep(folder: Path, name: str, levels: int = 24) -> int:
+    """A descriptor of the folder NEST left ``levels`` deep in folder (past the kernel's path bound)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(levels):
+        fd, above = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+        os.close(above)
+    return fd
+
+
+def test_a_setuid_file_nested_past_the_path_bound_loses_its_bit_too(tmp_path):
+    """24 folders of 200 characters (a 4.8 KB path, past PATH_MAX): settle walked by full paths, failed
+    there with ENAMETOOLONG and left a `chmod 6755` file (and a setgid folder) with its bits under the
+    traces, after the command and after the scorer."""
+    name = "d" * 200
+    out, code = sh(NEST.format(name=name), tmp_path, watch=False)
+    assert code == 0 and "rws" in out, out  # the command set them ...
+    fd = _deep(tmp_path, name)
+    try:
+        for entry in ("deep", "sg"):
+            st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+            assert not st.st_mode & (stat.S_ISUID | stat.S_ISGID), entry  # ... none is left
+        os.chmod("deep", 0o4755, dir_fd=fd)  # and the scorer clears one planted afterwards
+    finally:
+        os.close(fd)
+    (tmp_path / "demo.py").write_text("def add(a, b):\n    return a + b\n")
+    reward.score({"project": "demo", "hidden_tests": "def test_x():\n    pass\n"}, tmp_path, timeout=60)
+    fd = _deep(tmp_path, name)
+    try:
+        assert not os.stat("deep", dir_fd=fd, follow_symlinks=False).st_mode & stat.S_ISUID
+    finally:
+        os.close(fd)
+    assert sandbox.settle(tmp_path) == 0  # (and nothing is left to change)
+
+
 # ---------------------------------------------------------------- F4, F5: no nested user namespace
 
 def test_no_nested_user_namespace_so_no_own_tmpfs_past_the_bounds(tmp_path):
@@ -183,6 +221,21 @@ def test_one_file_is_bounded_tighter(tmp_path):
     """60 x `fallocate -l 63M` made 3.7 GB between two polls: a file now stops at DEFAULT_FILE_BYTES."""
     out, _ = sh("fallocate -l 63M f; echo rc=$?; head -c 20M /dev/zero > g; stat -c %s g", tmp_path)
     assert "rc=0" not in out and int(out.split()[-1]) <= sandbox.DEFAULT_FILE_BYTES, out
+
+
+def test_no_disk_blocks_past_a_files_end(tmp_path):
+    """`fallocate --keep-size -l 1G f` reserved 1 GiB of the host disk in one call (any size asked): the file-size limit
+    bounds a file's size, which a kept-size allocation leaves at 0, and the folder's poll came after. Now
+    the call is refused (a seccomp filter); a plain allocation is still bounded by the file-size limit."""
+    out, code = sh("touch kept && fallocate --keep-size -l 512M kept; fallocate -l 1M plain && echo plain-ok; "
+                   "python -c \"import ctypes, os; fd = os.open('x32', os.O_CREAT | os.O_WRONLY); "
+                   "print('x32', ctypes.CDLL(None).syscall(0x40000000 | 285, fd, 1, ctypes.c_long(0), "
+                   "ctypes.c_long(512 << 20)))\"", tmp_path)
+    held = sum(f.stat().st_blocks * 512 for f in tmp_path.iterdir())
+    assert held < 8 << 20, (held, out)
+    assert "plain-ok" in out, out
+    if os.uname().machine in sandbox.FALLOCATE:
+        assert "unsupported" in out or "not supported" in out, out
 
 
 @needs_root

@@ -26,7 +26,8 @@ What a command in the sandbox gets:
 * a read-only view of `/usr` and of the Python installation that runs the tests, an empty private
   `/tmp` of at most `TMP_BYTES`, and exactly one writable folder: the private copy of the task
   (bound by the caller);
-* limits: address space (`prlimit --as`), file size (`--fsize`), open files, output kept
+* limits: address space (`prlimit --as`), file size (`--fsize`; a seccomp filter refuses `fallocate
+  --keep-size`, which reserves disk blocks past a file's end that the size limit never sees), open files, output kept
   (`run_capped`), and the caller's wall-clock timeout (killing bubblewrap ends everything inside:
   `--die-with-parent`, pid namespace);
 * nothing else writable: bubblewrap's own root and `/dev` are memory-backed filesystems of half the
@@ -50,12 +51,14 @@ What a command in the sandbox gets:
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import itertools
 import os
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -278,7 +281,7 @@ _UNSTAGED = ("/usr", "/proc/sys")  # bound as they are: readable by every user
 _BWRAP_ARITY = {"--bind": 2, "--ro-bind": 2, "--ro-bind-try": 2, "--symlink": 2, "--setenv": 2, "--uid": 1,
                 "--gid": 1, "--proc": 1, "--dev": 1, "--size": 1, "--tmpfs": 1, "--remount-ro": 1, "--chdir": 1,
                 "--unshare-all": 0, "--unshare-user": 0, "--disable-userns": 0, "--die-with-parent": 0,
-                "--new-session": 0, "--clearenv": 0}
+                "--new-session": 0, "--clearenv": 0, "--seccomp": 1}
 
 
 def host_ids() -> tuple[int, int] | None:
@@ -332,7 +335,8 @@ def launch(argv: list[str]):
                     point.mkdir()
                     pairs += [argv[i], str(point)]
                     staged[i] = str(point)
-        with confined() as join:
+        with confined() as join, seccomp(staged) as (opener, staged):
+            join = opener + join
             if ids is None:
                 yield join + staged
             else:
@@ -350,26 +354,130 @@ def launch(argv: list[str]):
                 stage.rmdir()
 
 
+# -- seccomp: no disk blocks past a file's end ---------------------------------------------------------
+FALLOC_FL_KEEP_SIZE = 0x01
+X32_SYSCALL_BIT = 0x40000000
+# machine -> (AUDIT_ARCH_*, fallocate's number) of each system-call ABI a process there can use
+FALLOCATE = {"x86_64": ((0xC000003E, 285), (0x40000003, 324)), "aarch64": ((0xC00000B7, 47), (0x40000028, 352))}
+SECCOMP_FD = 3  # the descriptor bubblewrap reads the filter from (--seccomp)
+_OPEN_FILTER = f'exec {SECCOMP_FD}< "$0" || exit 125; exec "$@"'
+
+
+def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+    return struct.pack("=HBBI", code, jt, jf, k)
+
+
+def seccomp_filter(machine: str | None = None) -> bytes | None:
+    """A classic BPF seccomp program refusing ``fallocate`` with ``FALLOC_FL_KEEP_SIZE`` (EOPNOTSUPP),
+    and x32 system calls (ENOSYS), allowing all else; None on a machine not in ``FALLOCATE``.
+
+    Why: the file-size limit (``--fsize``) bounds a file's size, and a kept-size ``fallocate`` reserves
+    disk blocks past the end without changing the size: ``fallocate --keep-size -l 1G f`` held 1 GiB of
+    the host disk at once (any size asked), before the work folder's next poll (``WORK_BYTES``)."""
+    abis = FALLOCATE.get(machine or os.uname().machine)
+    if abis is None:
+        return None
+    load, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K
+    allow, refuse = 0x7FFF0000, 0x00050000 | errno.EOPNOTSUPP  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
+    program = _bpf(load, 4)  # seccomp_data.arch
+    for arch, number in abis:
+        block = b""
+        if arch == 0xC000003E:  # x86_64: its x32 calls carry the same arch and another number
+            block += _bpf(load, 0) + _bpf(jset, X32_SYSCALL_BIT, 0, 1) + _bpf(ret, 0x00050000 | errno.ENOSYS)
+        block += (_bpf(load, 0) + _bpf(jeq, number, 0, 3) + _bpf(load, 24)  # nr; args[1] (mode), low half
+                  + _bpf(jset, FALLOC_FL_KEEP_SIZE, 0, 1) + _bpf(ret, refuse) + _bpf(ret, allow))
+        program += _bpf(jeq, arch, 0, len(block) // 8) + block
+    return program + _bpf(ret, allow)
+
+
+@contextlib.contextmanager
+def seccomp(argv: list[str]):
+    """(prefix, argv with ``--seccomp``): the prefix opens a file holding ``seccomp_filter`` at
+    ``SECCOMP_FD`` (as this process's user, before any drop) and bubblewrap loads it for the command.
+    Unchanged (empty prefix) where no filter is known for the machine."""
+    program = seccomp_filter()
+    if program is None:
+        yield [], argv
+        return
+    fd, path = tempfile.mkstemp(prefix="lightning-seccomp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(program)
+        at = next(i for i, a in enumerate(argv) if Path(a).name == "bwrap") + 1
+        yield ([_tool("sh"), "-c", _OPEN_FILTER, path],
+               [*argv[:at], "--seccomp", str(SECCOMP_FD), *argv[at:]])
+    finally:
+        os.unlink(path)
+
+
 def settle(folder: str | Path, ids: tuple[int, int] | None = None) -> int:
     """Give everything under folder (itself included, following no symlink) to ``ids`` (uid, gid) when
     given, and clear every setuid/setgid bit there; returns how many entries changed. Run on the
-    writable folder before and after each command (``launch``) and by the scorer."""
-    changed, stack = 0, [str(folder)]
+    writable folder before and after each command (``launch``) and by the scorer.
+
+    Entries are reached relative to an open folder (``_Anchor``), never by a path past ``ANCHOR_PATH``
+    bytes: a command can nest folders past the kernel's 4,096-byte path bound (``mkdir`` and ``cd`` in a
+    loop), and a walk by full paths then failed there (ENAMETOOLONG), leaving a ``chmod 4755`` file kept."""
+    changed, stack = 0, [(_Anchor(None), str(folder))]
     while stack:
-        path = stack.pop()
+        anchor, rel = stack.pop()
         try:
-            st = os.lstat(path)
-            if ids is not None and (st.st_uid, st.st_gid) != ids:
-                os.chown(path, *ids, follow_symlinks=False)
-                changed += 1
-            if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
-                os.chmod(path, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
-                changed += 1
+            st = os.lstat(rel, dir_fd=anchor.fd)
+            changed += _settle_one(anchor.fd, rel, st, ids)
             if stat.S_ISDIR(st.st_mode):
-                with os.scandir(path) as it:
-                    stack.extend(entry.path for entry in it)
+                stack.extend(_children(anchor, rel))
         except OSError:  # gone meanwhile
-            continue
+            pass
+        finally:
+            anchor.release()
+    return changed
+
+
+ANCHOR_PATH = 1024  # longest path settle walks by before it opens the folder and goes on relative to it
+
+
+class _Anchor:
+    """An open folder (``fd``; None: the current folder) that entries waiting in ``settle`` are reached
+    from; closed once the last of them is done."""
+
+    def __init__(self, fd: int | None, waiting: int = 1) -> None:
+        self.fd, self.waiting = fd, waiting
+
+    def release(self) -> None:
+        self.waiting -= 1
+        if self.waiting <= 0 and self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _children(anchor: _Anchor, rel: str) -> list[tuple[_Anchor, str]]:
+    """(anchor, path relative to it) of each entry of the folder ``rel`` (opened without following a
+    symlink); a long ``rel`` becomes the anchor of its entries."""
+    fd = os.open(rel, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=anchor.fd)
+    try:
+        names = os.listdir(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if len(os.fsencode(rel)) <= ANCHOR_PATH:
+        os.close(fd)
+        anchor.waiting += len(names)
+        return [(anchor, os.path.join(rel, name)) for name in names]
+    below = _Anchor(fd, len(names))
+    if not names:
+        below.release()
+    return [(below, name) for name in names]
+
+
+def _settle_one(dir_fd: int | None, rel: str, st: os.stat_result, ids: tuple[int, int] | None) -> int:
+    """Chown (when ids) and clear the setuid/setgid bits of one entry; how many of the two changed."""
+    changed = 0
+    if ids is not None and (st.st_uid, st.st_gid) != ids:
+        os.chown(rel, *ids, dir_fd=dir_fd, follow_symlinks=False)
+        changed += 1
+    if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+        os.chmod(rel, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID), dir_fd=dir_fd)
+        changed += 1
     return changed
 
 
