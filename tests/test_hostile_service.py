@@ -233,16 +233,19 @@ def test_a_client_that_sends_more_than_its_request_then_hangs_up_is_cancelled(se
 
 
 def test_a_model_command_bash_cannot_take_is_an_observation_not_a_failed_rollout(service, upstream, tmp_path):
-    """A NUL character (JSON's \\u0000) or a non-string command raised out of the episode: the rollout failed,
-    so the policy that wrote it was never scored for it."""
-    upstream.plans["nul"] = [{"command": "echo a\0b > nul.txt"}, {"command": 123}, {"command": ["ls"]}]
+    """A NUL character (JSON's \\u0000), a lone surrogate (JSON's \\ud800: not encodable), a command past the
+    kernel's 128 KiB bound on one argument (E2BIG) or a non-string command raised out of the episode: the
+    rollout failed, so the policy that wrote it was never scored for it (failed rollouts are dropped)."""
+    upstream.plans["nul"] = [{"command": "echo a\0b > nul.txt"}, {"command": 123}, {"command": ["ls"]},
+                             {"command": "echo a\ud800b > sur.txt"},
+                             {"command": "echo " + "x" * 140_000 + " > long.txt"}]
     proc = client(service.socket_path, tmp_path / "nul", upstream.url("nul"))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and json.loads(out)["exit_status"] == "Submitted", err[-2000:]
     messages = json.loads((tmp_path / "nul" / "trajectory.json").read_text())["messages"]
     seen = [str(m["content"]) for m in messages if m["role"] == "tool"]
-    assert len(seen) == 3 and all("was not run" in text for text in seen), seen
-    assert not (tmp_path / "nul" / "repo" / "nul.txt").exists()
+    assert len(seen) == 5 and all("was not run" in text for text in seen), seen
+    assert not any((tmp_path / "nul" / "repo" / name).exists() for name in ("nul.txt", "sur.txt", "long.txt"))
 
 
 # -- rollouts side by side: nothing of one reaches another ---------------------------------------------

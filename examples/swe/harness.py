@@ -94,9 +94,8 @@ def build_agent(config: dict, workdir: Path, name: str, output_path: Path | None
             package's own execute keeps all output in memory and in the trajectory, and bounds neither)."""
             check_cancel()
             command = action.get("command", "")
-            if not isinstance(command, str) or "\0" in command:  # bash takes neither: the model hears why
-                return {"output": "", "returncode": -1, "exception_info": "the command was not run: it must be "
-                        "one string without NUL characters"}  # (raised, it ended the episode as a failure)
+            if why := unrunnable(command):  # (raised, it ended the episode as a failure)
+                return {"output": "", "returncode": -1, "exception_info": f"the command was not run: {why}"}
             cwd = cwd or self.config.cwd or str(self.working_dir)
             argv = [self.config.executable, *self.config.wrapper_args, "--bind", cwd, cwd, "--chdir", cwd,
                     *sandbox.SEAL]
@@ -143,6 +142,25 @@ def build_agent(config: dict, workdir: Path, name: str, output_path: Path | None
     if output_path is not None:
         agent_cfg["output_path"] = output_path
     return DefaultAgent(UnrecordedCredentials(**model_cfg), env, **agent_cfg)
+
+
+MAX_COMMAND_BYTES = 128 << 10  # the kernel's bound on one argument (MAX_ARG_STRLEN), its final NUL included
+
+
+def unrunnable(command) -> str:
+    """Why the model's command cannot be handed to ``bash -c`` as one argument, or "". Each of these
+    raised out of the episode (a NUL: ValueError; a lone surrogate such as JSON's ``\\ud800``: not
+    encodable, UnicodeEncodeError; past ``MAX_COMMAND_BYTES``: E2BIG), so the harness exited non-zero
+    and the attempt was never scored: a policy could dodge its 0.0 by writing one. The model hears why."""
+    if not isinstance(command, str) or "\0" in command:
+        return "it must be one string without NUL characters"
+    try:
+        size = len(os.fsencode(command))
+    except UnicodeEncodeError:
+        return "it holds a character that has no encoding (a lone surrogate)"
+    if size >= MAX_COMMAND_BYTES:
+        return f"it is {size} bytes long; a command must be shorter than {MAX_COMMAND_BYTES} bytes"
+    return ""
 
 
 def run_episode(task: dict, workdir: Path, config: dict, name: str, output_path: Path | None = None,
