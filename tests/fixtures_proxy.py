@@ -152,6 +152,14 @@ def proxy(make_proxy):
 
 
 # -- helpers for proxy tests -------------------------------------------------------------------------
+def in_proxy_env(code: str, *args: str) -> str:
+    """stdout of ``python -c code args...`` run where the proxy runs (its own environment: mitmproxy,
+    orjson), for unit checks of modules this test environment cannot import."""
+    from lightning_harness.proxy.locate import proxy_python
+
+    return subprocess.run([proxy_python(), "-c", code, *args], capture_output=True, text=True, check=True).stdout
+
+
 def read_spans(p) -> list[dict]:
     """Flush the proxy and read its spans table (list of rows, in seq order per rollout)."""
     from lightning_harness.schemas import read_table

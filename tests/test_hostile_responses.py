@@ -14,7 +14,7 @@ import math
 
 import httpx
 import pytest
-from fixtures_proxy import read_spans
+from fixtures_proxy import in_proxy_env, read_spans
 from fixtures_traces import rollout, span, tiny_ids
 
 from lightning_harness.proxy.assemble import RESPONSES, ResponsesAssembler, as_chat, token_fields
@@ -386,15 +386,10 @@ def test_stored_answers_hold_a_digest_of_an_id_a_harness_made_long():
     """vLLM takes the response id from the create (``request_id``), so a harness picks its length: the
     proxy kept every id whole (1,000 ids of 10,000 characters: 10 MB, unbounded with longer ones).
     A long id is kept as its digest, and still tells whose it is. Run where the proxy runs."""
-    import subprocess
-
-    from lightning_harness.proxy.locate import proxy_python
-
     code = ("import tracemalloc\nfrom lightning_harness.proxy.addons.rewrite import StoredAnswers\n"
             "s = StoredAnswers(limit=1000)\ntracemalloc.start()\n"
             "for i in range(2000):\n    s.put(f'{i:06d}' * 2000, (True, True, None, 'r-b'))\n"
             "held = tracemalloc.get_traced_memory()[0]\nlong = f'{1999:06d}' * 2000\n"
             "print(len(s.ids), held, s.foreign(long, 'r-a'), s.foreign(long, 'r-b'), s.foreign(long[:-1], 'r-a'))")
-    n, held, *owned = subprocess.run([proxy_python(), "-c", code], capture_output=True, text=True,
-                                     check=True).stdout.split()
+    n, held, *owned = in_proxy_env(code).split()
     assert int(n) == 1000 and int(held) < 1_000_000 and owned == ["True", "False", "False"], (n, held, owned)

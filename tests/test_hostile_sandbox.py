@@ -131,11 +131,7 @@ NEST = ('for i in $(seq 24); do mkdir {name} && cd {name} || exit 1; done; '
 
 def _deep(folder: Path, name: str, levels: int = 24) -> int:
     """A descriptor of the folder NEST left ``levels`` deep in folder (past the kernel's path bound)."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(levels):
-        fd, above = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
-        os.close(above)
-    return fd
+    return reward.open_folder(folder.joinpath(*[name] * levels), owned=levels)
 
 
 def test_a_setuid_file_nested_past_the_path_bound_loses_its_bit_too(tmp_path):

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from fixtures_proxy import in_proxy_env
 
 from lightning_harness.proxy.assemble import (
     CHAT,
@@ -362,10 +363,7 @@ def test_fastjson_reads_and_writes_what_the_standard_library_does(monkeypatch, w
 def test_loads_exact_keeps_every_integer_exact():
     """orjson reads an integer beyond 64 bits as a float: such a body goes to the standard library
     (a float literal that large only costs the slow path). Run where the proxy runs (orjson)."""
-    import subprocess
     import textwrap
-
-    from lightning_harness.proxy.locate import proxy_python
 
     cases = {"18446744073709551615": True, "-9223372036854775808": True, "1.5e10": True,
              "18446744073709551616": False, "-9223372036854775809": False,
@@ -381,8 +379,7 @@ def test_loads_exact_keeps_every_integer_exact():
             out[n] = [fast, json.dumps(obj) == json.dumps(json.loads(text)) == json.dumps(back)]
         print(json.dumps([f.orjson is not None, out]))
     """)
-    has_orjson, got = json.loads(subprocess.run([proxy_python(), "-c", code, json.dumps(list(cases))],
-                                                capture_output=True, text=True, check=True).stdout)
+    has_orjson, got = json.loads(in_proxy_env(code, json.dumps(list(cases))))
     assert has_orjson
     assert got == {n: [fast, True] for n, fast in cases.items()}
 
@@ -390,16 +387,11 @@ def test_loads_exact_keeps_every_integer_exact():
 def test_rewritten_bodies_hold_their_size_not_the_reserve_orjson_keeps():
     """orjson (3.12 on) returns bytes that keep its unused reserve: a rewritten 400 KB body held 4 MB
     for its flow's life. Run where the proxy runs (its environment has orjson)."""
-    import subprocess
-
-    from lightning_harness.proxy.locate import proxy_python
-
     code = ("import tracemalloc\nfrom lightning_harness.proxy import fastjson as f\ntracemalloc.start()\n"
             "obj = {'messages': [{'role': 'user', 'content': 'x ' * 200000}]}\n"
             "before = tracemalloc.get_traced_memory()[0]\nout = [f.dumps_exact(obj, True), f.dumps_bytes(obj)]\n"
             "print(tracemalloc.get_traced_memory()[0] - before, sum(map(len, out)), f.orjson is not None)")
-    held, size, fast = subprocess.run([proxy_python(), "-c", code], capture_output=True, text=True,
-                                      check=True).stdout.split()
+    held, size, fast = in_proxy_env(code).split()
     assert fast == "True" and int(held) < 1.1 * int(size), (held, size)
 
 
@@ -407,36 +399,25 @@ def test_stored_answers_stay_bounded_whatever_model_names_a_harness_sends():
     """The per-response-id memory of what was injected keeps the newest ids only, and no name longer
     than its bound: a harness sending ever new or huge model names (each mapped to the served one)
     does not grow the proxy's memory. Run where the proxy runs (mitmproxy's environment)."""
-    import subprocess
-
-    from lightning_harness.proxy.locate import proxy_python
-
     code = ("import tracemalloc\nfrom lightning_harness.proxy.addons.rewrite import StoredAnswers\n"
             "s = StoredAnswers(limit=1000)\ntracemalloc.start()\n"
             "for i in range(20000):\n    s.put(f'resp_{i}', (True, True, f'{i:06d}' * 40))\n"
             "print(len(s.ids), tracemalloc.get_traced_memory()[0], len(s.get('resp_19999')[2] or ''))")
-    n, held, name = subprocess.run([proxy_python(), "-c", code], capture_output=True, text=True,
-                                   check=True).stdout.split()
+    n, held, name = in_proxy_env(code).split()
     assert int(n) == 1000 and int(name) == 240 and int(held) < 2_000_000, (n, held, name)
     code = code.replace("* 40", "* 50")  # 300 characters: over the bound, not kept
-    assert subprocess.run([proxy_python(), "-c", code], capture_output=True, text=True,
-                          check=True).stdout.split()[2] == "0"
+    assert in_proxy_env(code).split()[2] == "0"
 
 
 def test_only_a_stored_responses_own_paths_pass_as_harmless():
     """Cancel and delete of a stored response reach the engine; an id of dots would name another path
     of the engine once normalised (``/v1/responses/../cancel``), so it does not pass."""
-    import subprocess
-
-    from lightning_harness.proxy.locate import proxy_python
-
     cases = [("POST", "/v1/responses/resp_1/cancel"), ("DELETE", "/v1/responses/resp_1"),
              ("POST", "/v1/responses/../cancel"), ("POST", "/v1/responses/./cancel"), ("DELETE", "/v1/responses/.."),
              ("POST", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/a/b"), ("POST", "/v1/responses/%2e%2e/cancel")]
     code = ("import json, sys\nfrom lightning_harness.proxy.addons.routing import harmless\n"
             "print(json.dumps([harmless(m, p) for m, p in json.loads(sys.argv[1])]))")
-    out = subprocess.run([proxy_python(), "-c", code, json.dumps(cases)], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout) == [True, True, False, False, False, False, False, False]
+    assert json.loads(in_proxy_env(code, json.dumps(cases))) == [True, True, False, False, False, False, False, False]
 
 
 def test_a_name_that_hangs_in_lookup_stalls_no_one(monkeypatch):
