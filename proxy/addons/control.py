@@ -30,7 +30,6 @@ from ..codec import TooLarge, decode_body
 from ..credentials import InvalidId, check_attempt, check_model_version, check_rollout_id, log_safe
 from ..state import CONTROL, META, REWARD, ProxyState
 from .answers import json_answer
-from .limits import KILL_ABOVE
 
 log = logging.getLogger("lightning.proxy")
 
@@ -53,7 +52,8 @@ def _reward_body(flow: http.HTTPFlow) -> dict:
     Why: the harness is hostile, and what it posts is decoded, redacted on the proxy's event loop (every
     rollout waits meanwhile) and stored in the rewards table the launcher reads whole. mitmproxy's own
     decoding has no cap: a 300 KB gzip body became 300 MB (3.5 GB peak, other rollouts stalled 18 s).
-    A compressed body is decoded with a running cap instead (``codec.decode_body``)."""
+    A compressed body is decoded with a running cap instead (``codec.decode_body``); a length announced
+    past twice the bound is cut off unread before this (``limits.Limits``)."""
     raw = flow.request.raw_content or b""
     too_big = TooLargeReward(f"a reward body is at most {MAX_REWARD_BYTES} bytes, decoded too: a number and a "
                              "little info")
@@ -83,16 +83,6 @@ def _object(raw: bytes) -> dict:
 class Control:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
-
-    def requestheaders(self, flow: http.HTTPFlow) -> None:
-        """A harness reward announced far past its bound: the connection is closed, the body never read
-        (mitmproxy reads a whole body before it sends an answer; ``limits.Limits.cut_off`` likewise)."""
-        call = flow.metadata.get(META)
-        length = flow.request.headers.get("Content-Length", "").strip()
-        if call is not None and call.kind == REWARD and flow.response is None and length.isdigit() \
-                and int(length) > KILL_ABOVE * MAX_REWARD_BYTES:
-            self.state.rejected += 1
-            flow.kill()
 
     async def request(self, flow: http.HTTPFlow) -> None:
         call = flow.metadata.get(META)

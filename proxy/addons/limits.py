@@ -1,4 +1,5 @@
-"""Bounds on model-call request bodies, and the door closed while the proxy shuts down.
+"""Bounds on model-call request bodies (and the announced length of a harness's reward), and the door
+closed while the proxy shuts down.
 
 A hostile or broken harness can send a body far bigger than any prompt (memory), or a small
 compressed body that expands a thousandfold (a decompression bomb). Model calls are refused with
@@ -26,9 +27,10 @@ import logging
 
 from mitmproxy import http
 
+from ...schemas.rewards import MAX_REWARD_BYTES
 from ..codec import TooLarge, decode_body
 from ..credentials import log_safe
-from ..state import META, MODEL, OTHER, Call, ProxyState
+from ..state import META, MODEL, OTHER, REWARD, Call, ProxyState
 from .answers import error_answer
 from .attribution import loggable_url
 
@@ -99,6 +101,10 @@ class Limits:
         return call
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
+        call = flow.metadata.get(META)
+        if call is not None and call.kind == REWARD and flow.response is None:
+            self._cut_off_reward(flow)
+            return
         if self._model_call(flow) is None:
             return
         if self.draining:
@@ -113,6 +119,14 @@ class Limits:
             self.cut_off(flow, why)
         else:
             self.refuse(flow, 413, "too_large", why)
+
+    def _cut_off_reward(self, flow: http.HTTPFlow) -> None:
+        """A harness's reward announced past twice its bound (``MAX_REWARD_BYTES``; the control addon
+        refuses one over it with 413 once read): the connection is closed, the body never read."""
+        length = flow.request.headers.get("Content-Length", "").strip()
+        if length.isdigit() and int(length) > KILL_ABOVE * MAX_REWARD_BYTES:
+            self.cut_off(flow, f"reward body of {int(length)} bytes announced; a reward is at most "
+                         f"{MAX_REWARD_BYTES} bytes")
 
     async def request(self, flow: http.HTTPFlow) -> None:
         self._check_body(flow)
