@@ -247,7 +247,10 @@ def test_a_folder_the_harness_cannot_list_counts_as_over_its_bounds():
         for path in (work, work / "h", work / "h" / "f"):
             os.chown(path, NOBODY, NOBODY)
         os.chmod(work / "h", 0o300)
-        code = (f"import sys; sys.path.insert(0, {str(SWE)!r}); import sandbox; "
+        lib = base / "lib"  # the module where that user can read it (a checkout may sit in a private folder)
+        lib.mkdir(mode=0o755)
+        shutil.copy(SWE / "sandbox.py", lib / "sandbox.py")
+        code = (f"import sys; sys.path.insert(0, {str(lib)!r}); import sandbox; "
                 f"print(sandbox.folder_usage({str(work)!r}, 100)[1]); print(repr(sandbox._over({str(work)!r})))")
         proc = subprocess.run(["/usr/bin/python3", "-I", "-B", "-c", code], user=NOBODY,
                               group=NOBODY, extra_groups=[], capture_output=True, text=True, timeout=60,
