@@ -82,9 +82,13 @@ def _default_text(f: dataclasses.Field) -> str:
     return f" [default: {value}]" if value not in (None, "") else ""
 
 
+# YAML keys named otherwise than their flag: a repeated flag's list goes under the plural (--upstream: upstreams)
+_RENAMED = ", ".join(f"{f.metadata['flag']}: {f.name}" for f in dataclasses.fields(ProxyConfig) if f.metadata["flag"])
+
+
 @main.command()
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-              help="YAML file; keys are the long option names with '_' (flags override it).")
+              help=f"YAML file; keys are the long option names with '_' (but {_RENAMED}); flags override it.")
 @proxy_options()
 def serve(config_path, **flags) -> None:
     """Run the proxy: forward and reverse listeners, capture to Parquet, control API under /_lh/."""
