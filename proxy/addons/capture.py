@@ -68,6 +68,16 @@ def _fit_ints(row: dict) -> bool:
     return fixed
 
 
+def _head(answer: dict | None) -> dict | None:
+    """An assembled stream's top-level scalars (its id, model, status), without its choices or
+    output. Why: the call lives as long as mitmproxy's flow, which sits in reference cycles; a long
+    stream's flow has aged into the oldest generation by its end and is freed only by a full
+    collection, so the whole answer (a dict per token) would stay until then."""
+    if not isinstance(answer, dict):
+        return answer
+    return {k: v for k, v in answer.items() if v is None or isinstance(v, (str, int, float))}
+
+
 def _cut_short(exc: ValueError, text: str) -> bool:
     """A JSON body that is fine up to where it stops (the parser ran out of input)."""
     if not isinstance(exc, json.JSONDecodeError) or not text.strip():
@@ -351,6 +361,8 @@ class Capture:
         self._note_size(len(call.request_text or "") + len(response_json or ""))
         self.state.end(call)
         row = self._row(flow, call, kind, err, response_json, status)  # now: rewrite edits the answer next
+        if call.sse is not None:  # the span holds the answer; later hooks read only its head (a stored id)
+            call.response_obj = _head(call.response_obj)
         self.state.later(lambda: self._record(row, call))
 
     def _record(self, row: dict, call: Call) -> None:
