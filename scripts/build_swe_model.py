@@ -944,7 +944,7 @@ def served_tokenizer(tok, config):
 @click.option("--temperature", default=1.0, show_default=True, help="sampling temperature of the evaluation")
 @click.option("--step-limit", default=8, show_default=True, help="model calls per episode")
 @click.option("--threads", default=1, show_default=True)
-@click.option("--workers", default=2, show_default=True, help="parallel solver episodes")
+@click.option("--workers", default=2, show_default=True, help="parallel solver episodes, and tokenising processes")
 @click.option("--episodes", "episodes_file", type=click.Path(path_type=Path), default=None,
               help="reuse the imitation episodes saved in this JSONL (written there when missing)")
 @click.option("--device", default="cpu", show_default=True, help="where SFT runs (cuda if you have one)")
