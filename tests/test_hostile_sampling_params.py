@@ -656,6 +656,11 @@ def test_a_stored_response_read_again_is_plain_vllms(engine, vproxy):
         pytest.skip("the engine does not store responses (VLLM_ENABLE_RESPONSES_API_STORE)")
     assert b'"input_messages":null' in plain[0][1] and b'"tokens":[' not in b"".join(a[1] for a in plain[:9])
     assert run(vproxy.env_for("stored")["OPENAI_BASE_URL"]) == plain
+    # another rollout's id: DELETE answered as the engine answers it for any id (the proxy's 404 told it apart)
+    rid = json.loads(_raw(vproxy.env_for("stored")["OPENAI_BASE_URL"] + RESP, body={**R, "temperature": 0})[1])["id"]
+    other = vproxy.env_for("stored-other")["OPENAI_BASE_URL"]
+    assert _raw(f"{other}{RESP}/{rid}", "DELETE") == _raw(f"{engine.base_url}{RESP}/resp_none", "DELETE")
+    assert _raw(f"{other}{RESP}/{rid}", "GET")[0] == _raw(f"{engine.base_url}{RESP}/resp_none", "GET")[0] == 404
 
 
 def test_drift_check_finds_no_drift_in_an_exact_completion(vproxy):

@@ -195,6 +195,11 @@ def _not_found(response_id: str) -> dict:
                       "param": "response_id", "code": 404}}
 
 
+# vLLM 0.32's answer (405, ``allow: GET``) to DELETE /v1/responses/{id}, whatever the id: it has no such route.
+# A foreign id answered 404 told a harness which ids another rollout holds (every other id gets this).
+_NOT_ALLOWED = {"detail": "Method Not Allowed"}
+
+
 def _ignore(event: dict) -> None:
     """The sink of a relay that only rewrites (a stored answer read again is not recorded)."""
 
@@ -236,10 +241,10 @@ class Rewrite:
         self._refuse(flow, status, body, why)
         return True
 
-    def _refuse(self, flow: http.HTTPFlow, status: int, body: dict, why: str) -> None:
+    def _refuse(self, flow: http.HTTPFlow, status: int, body: dict, why: str, headers: dict | None = None) -> None:
         """Answer now, nothing forwarded; compact JSON as vLLM writes its errors (the 404 is its own)."""
         self.state.rejected += 1
-        json_answer(flow, status, fastjson.dumps_bytes(body))
+        json_answer(flow, status, fastjson.dumps_bytes(body), headers)
         log.info("refused %s %s (%s): %s another rollout's stored response", log_safe(flow.request.method, 20),
                  log_safe(flow.request.path.split("?", 1)[0]), status, why)
 
@@ -282,7 +287,10 @@ class Rewrite:
         made it was (see the module's docstring)."""
         action = response_action(flow.request.method, call.path or flow.request.path)  # (the harness's path)
         if action is not None and self.stored.foreign(action[0], call.rollout_id):
-            self._refuse(flow, 404, _not_found(action[0]), f"{action[1]} of")  # (as if it did not exist)
+            if action[1] == "delete":  # what the engine answers a DELETE of any id, its own or none
+                self._refuse(flow, 405, _NOT_ALLOWED, "delete of", {"allow": "GET"})
+            else:
+                self._refuse(flow, 404, _not_found(action[0]), f"{action[1]} of")  # (as if it did not exist)
             return
         if action is None or action[1] not in ("read", "cancel") or not call.inject:
             return
