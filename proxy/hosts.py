@@ -6,7 +6,9 @@ its filters (administration refused, token ids injected) and the attribution add
 for the proxy's own reverse listener itself. Both compare addresses, not spellings: ``127.1``,
 ``LOCALHOST``, ``0.0.0.0``, ``2130706433`` and ``[::ffff:127.0.0.1]`` all reach this machine's
 loopback (``canonical_host``), and a name can stand for it too (``/etc/hosts`` gives the machine's
-own name ``127.0.0.1``), which only a lookup shows (``HostAddresses``). What no lookup can show
+own name ``127.0.0.1``), which only a lookup shows (``HostAddresses``); a connection to such a
+name then uses the address the lookup gave (``HostAddresses.addresses``, routing's ``server_connect``),
+so a name cannot answer one way to the check and another to the connection. What no lookup can show
 (another address of a remote engine, its pod's IP) stays the network's to close.
 """
 
@@ -71,14 +73,22 @@ class HostAddresses:
     WORKERS = 4
 
     def __init__(self) -> None:
-        self.cache: dict[str, tuple[float, frozenset[str] | None]] = {}
+        self.cache: dict[str, tuple[float, tuple[str, ...] | None]] = {}
         self.pending: dict[str, asyncio.Future] = {}
         self.executor = concurrent.futures.ThreadPoolExecutor(self.WORKERS, thread_name_prefix="lh-lookup")
 
     async def of(self, host: str) -> frozenset[str] | None:
+        """The canonical hosts ``host`` reaches (itself if it needs no lookup), None if unknown."""
         name = canonical_host(host)
         if not is_name(name):
             return frozenset((name,))
+        found = await self.addresses(name)
+        return None if found is None else frozenset(map(canonical_host, found))
+
+    async def addresses(self, name: str) -> tuple[str, ...] | None:
+        """The addresses a name stands for, in the resolver's order (what a connection to it should
+        use: the same answer the checks saw), None if unknown."""
+        name = canonical_host(name)
         hit = self.cache.get(name)
         if hit is not None and hit[0] > time.monotonic():
             return hit[1]
@@ -86,12 +96,12 @@ class HostAddresses:
             self.pending[name] = asyncio.ensure_future(self._look_up(name))
         return await asyncio.shield(self.pending[name])
 
-    async def _look_up(self, name: str) -> frozenset[str] | None:
+    async def _look_up(self, name: str) -> tuple[str, ...] | None:
         loop = asyncio.get_running_loop()
         try:
             infos = await asyncio.wait_for(loop.run_in_executor(
                 self.executor, socket.getaddrinfo, name, None, 0, socket.SOCK_STREAM), self.TIMEOUT)
-            found: frozenset[str] | None = frozenset(canonical_host(info[4][0]) for info in infos)
+            found: tuple[str, ...] | None = tuple(dict.fromkeys(info[4][0] for info in infos))
         except TimeoutError:
             return None  # (not remembered: the resolver may answer next time)
         except (OSError, UnicodeError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import time
 import urllib.parse
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import pytest
@@ -50,7 +52,7 @@ def secrets_of(p) -> list[str]:
 class Recorder:
     """An upstream that answers 200 to everything and records method, path and headers."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         seen = self.seen = []
 
         class Handler(BaseHTTPRequestHandler):
@@ -71,8 +73,8 @@ class Recorder:
             def log_message(self, *a):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.url = f"http://{host}:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
@@ -495,6 +497,48 @@ def test_another_spelling_of_the_engines_address_is_filtered_as_the_engine(make_
         assert _raw(fwd.hostname, fwd.port, "POST", target, auth) == 200, name
     spans = read_spans(p)
     assert len(spans) == len(names) + len(own) and {s["rollout_id"] for s in spans} == {"h"}  # each call once
+
+
+def _outward_address() -> str | None:
+    """This machine's address on its way out (not loopback), where it has one: nothing is sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+            return s.getsockname()[0]
+        except OSError:
+            return None
+
+
+def test_a_name_whose_answer_changes_reaches_where_it_was_checked_not_the_engine(make_proxy, recorder):
+    """DNS rebinding. A name on the engine's port that first stood for another machine, then for
+    the engine's address: routing looked it up (elsewhere: forwarded untouched), mitmproxy looked it
+    up again to connect and reached the engine's administration unfiltered. The connection now goes
+    to the address routing judged (the Host header stays the name); and where the answer changed
+    after routing's was forgotten (a held call), the connection is refused."""
+    outward = _outward_address()
+    if outward is None or outward.startswith("127."):
+        pytest.skip("this machine has no address but loopback: nothing else to stand for")
+    port = urllib.parse.urlsplit(recorder.url).port
+    elsewhere = Recorder(outward, port)  # another machine's server on the engine's port
+    try:
+        resolver = {"PYTHONPATH": os.pathsep.join(filter(None, (str(Path(__file__).parent / "support" / "resolver"),
+                                                                os.environ.get("PYTHONPATH")))),
+                    "LH_TEST_ANSWERS": f"rebind.lh.test={outward},127.0.0.1;fixed.lh.test={outward}"}
+        for ttl, status in (("10", 200), ("0", 502)):
+            p = make_proxy(upstreams=[recorder.url], env={**os.environ, **resolver, "LH_TEST_LOOKUP_TTL": ttl})
+            env = p.env_for("h", 0)
+            fwd = urllib.parse.urlsplit(env["HTTP_PROXY"])
+            auth = {"Proxy-Authorization": _basic(urllib.parse.unquote(fwd.username), credential_of(env))}
+            got = _raw(fwd.hostname, fwd.port, "POST", f"http://rebind.lh.test:{port}/collective_rpc",
+                       {**auth, "Host": f"rebind.lh.test:{port}"})
+            assert got == status, ttl
+            assert recorder.seen == [], recorder.seen  # never the engine
+        assert [(s["path"], s["headers"]["Host"]) for s in elsewhere.seen] == [
+            ("/collective_rpc", f"rebind.lh.test:{port}")]
+        got = _raw(fwd.hostname, fwd.port, "GET", f"http://fixed.lh.test:{port}/x", auth)  # a steady name: as before
+        assert got == 200 and elsewhere.seen[-1]["path"] == "/x" and recorder.seen == []
+    finally:
+        elsewhere.close()
 
 
 def test_a_model_call_with_a_trailing_slash_reaches_the_engines_path(make_proxy, recorder):

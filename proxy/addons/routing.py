@@ -14,7 +14,8 @@ the engine would decode and serve unrecorded). Paths are matched whole and a mod
 the engine's own path for it (``_MODEL_PATHS``): a prefix or suffix around an allowed one
 (``/metrics/v1/responses/x``, vLLM's ``/metrics`` mount) reaches no other route. The pool is
 recognised by address however it is spelled or named (``127.1``, ``LOCALHOST``, the machine's own
-name: ``hosts.py``): a forward-mode request to an alias of it is routed and filtered like any other;
+name: ``hosts.py``): a forward-mode request to an alias of it is routed and filtered like any other,
+and a name on a replica's port is dialled at the address it was judged by (``server_connect``);
 an address of the engine no lookup shows (another interface, a pod's IP) is the network's to close.
 """
 
@@ -24,10 +25,11 @@ import fnmatch
 import re
 
 from mitmproxy import http
+from mitmproxy.proxy import server_hooks
 
 from ..assemble import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from ..config import Upstream, parse_upstream
-from ..hosts import canonical_host
+from ..hosts import canonical_host, is_name
 from ..state import META, MODEL, OTHER, ProxyState
 from .answers import json_answer
 
@@ -72,6 +74,7 @@ class Routing:
         self.state = state
         cfg = state.config
         self.pool_addrs = {(canonical_host(u.host), u.port) for u in cfg.upstreams}
+        self.pool_ports = {u.port for u in cfg.upstreams}
         self.patterns = [h.lower() for h in cfg.route_hosts]
         self.reverse_target: Upstream | None = parse_upstream(cfg.reverse_target) if cfg.reverse_target else None
 
@@ -84,22 +87,47 @@ class Routing:
         """What a forward-mode destination is to the pool: ``"replica"`` (``in_pool``, or a name a
         lookup shows to be a replica's: the machine's own name for a pool on loopback), ``"stand-in"``
         (a route host the pool serves), ``"unknown"`` (a name on a replica's port without an answer:
-        it might be one), or None (elsewhere). Looked up only for a port a replica listens on."""
+        it might be one), or None (elsewhere)."""
         if self.in_pool(host, port):
             return "replica"
         if self.route_host(host):
             return "stand-in"
+        return {True: "replica", None: "unknown", False: None}[await self.is_replica(host, port)]
+
+    async def is_replica(self, host: str, port: int) -> bool | None:
+        """``host:port`` reaches a replica (True), does not (False), or might (None: a name without an
+        answer, or a replica's name without one). Looked up only for a port a replica listens on."""
+        if self.in_pool(host, port):
+            return True
         ports = [u for u in self.state.config.upstreams if u.port == port]
         if not ports:
-            return None
+            return False
         dest = await self.state.hosts.of(host)
         if dest is None:
-            return "unknown"
+            return None
         for u in ports:
             pool = await self.state.hosts.of(u.host)
             if pool is None or not dest.isdisjoint(pool):
-                return "replica" if pool is not None else "unknown"
-        return None
+                return True if pool is not None else None
+        return False
+
+    async def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
+        """Dial the address the checks saw, not a second lookup's (DNS rebinding). A name on a
+        replica's port was judged by its looked-up address; mitmproxy would look it up again to
+        connect, and a name whose answer changed in between (a resolver the harness controls, or an
+        answer remembered past its time while the call was held) reached the engine unfiltered. Such
+        a connection is pinned to the name's first address (the Host header and TLS name stay the
+        name), and refused if that address is a replica's. A replica's own configured address is
+        dialled as it is."""
+        host, port = data.server.address
+        if port not in self.pool_ports or self.in_pool(host, port) or not is_name(canonical_host(host)):
+            return
+        found = await self.state.hosts.addresses(host)
+        if not found or await self.is_replica(found[0], port) is not False:
+            data.server.error = (f"lightning-proxy: {host[:200]} " + ("could not be looked up" if not found else
+                                 "now stands for the training engine; only calls routed to it may reach it"))
+            return
+        data.server.address = (found[0], port)
 
     def route_host(self, host: str) -> bool:
         """A host configured for training (``route_hosts``): a hosted API the pool stands in for."""
