@@ -10,6 +10,7 @@ import os
 
 import pytest
 from fixtures_proxy import assert_engine_logprobs, read_spans
+from fixtures_vllm import EAGER
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 CALC = {"name": "calc", "description": "Evaluate an expression",
@@ -251,7 +252,8 @@ def parts_engine(parts_model):
     if os.environ.get("LH_TEST_PARTS_VLLM_URL"):
         yield VLLMEngine.attach(os.environ["LH_TEST_PARTS_VLLM_URL"], served_name="calc-tiny")
         return
-    engine = VLLMEngine.start(parts_model, "calc-tiny", max_model_len=512, log_path=parts_model.parent / "vllm.log")
+    engine = VLLMEngine.start(parts_model, "calc-tiny", max_model_len=512, log_path=parts_model.parent / "vllm.log",
+                                  extra_args=EAGER)
     try:
         yield engine
     finally:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from fixtures_proxy import read_spans
+from fixtures_vllm import EAGER
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -236,7 +237,7 @@ def engine(tiny_model_dir, tmp_path_factory):
         yield VLLMEngine.attach(url, served_name="calc-tiny")
         return
     log = tmp_path_factory.mktemp("vllm-tools") / "vllm.log"
-    eng = VLLMEngine.start(tiny_model_dir, "calc-tiny", max_model_len=512, extra_args=FLAGS, log_path=log,
+    eng = VLLMEngine.start(tiny_model_dir, "calc-tiny", max_model_len=512, extra_args=[*FLAGS, *EAGER], log_path=log,
                            env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})  # (stored responses, background)
     try:
         yield eng

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 from fixtures_proxy import read_spans
 from fixtures_traces import drop_column, rollout, span, write_traces
-from fixtures_vllm import model_logprobs
+from fixtures_vllm import EAGER, model_logprobs
 
 from lightning_harness.proxy.sampling import sampling_json, sampling_settings, unlike_update
 from lightning_harness.trainer.samples import build_samples
@@ -205,7 +205,8 @@ def test_a_request_that_sets_nothing_is_sampled_at_the_rollout_temperature_not_t
     shutil.copytree(tiny_model_dir, model)
     gen = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.3, "top_k": 5}))
-    engine = VLLMEngine.start(model, "calc-tiny", max_model_len=512, log_path=tmp_path / "vllm.log", temperature=0.5)
+    engine = VLLMEngine.start(model, "calc-tiny", max_model_len=512, log_path=tmp_path / "vllm.log", temperature=0.5,
+                                  extra_args=EAGER)
     try:
         assert engine.server_setting("generation_config") == GENERATION_CONFIG
         assert engine.default_sampling() == {"temperature": 0.5}

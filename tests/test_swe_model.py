@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+from fixtures_vllm import EAGER
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "examples" / "swe" / "model"
@@ -34,7 +35,7 @@ def swe_engine(tmp_path_factory):
     from lightning_harness.launcher.engine import VLLMEngine
 
     log = tmp_path_factory.mktemp("vllm-swe") / "vllm.log"
-    engine = VLLMEngine.start(MODEL, SERVED_NAME, max_model_len=2048, extra_args=VLLM_FLAGS, log_path=log)
+    engine = VLLMEngine.start(MODEL, SERVED_NAME, max_model_len=2048, extra_args=[*VLLM_FLAGS, *EAGER], log_path=log)
     try:
         yield engine
     finally:
