@@ -10,6 +10,7 @@ the swe environment (``$LIGHTNING_SWE_PYTHON``).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -230,8 +231,23 @@ def test_no_disk_blocks_past_a_files_end(tmp_path):
     held = sum(f.stat().st_blocks * 512 for f in tmp_path.iterdir())
     assert held < 8 << 20, (held, out)
     assert "plain-ok" in out, out
-    if os.uname().machine in sandbox.FALLOCATE:
+    if os.uname().machine in sandbox.ABIS:
         assert "unsupported" in out or "not supported" in out, out
+
+
+def test_no_pseudo_terminal_or_inotify_instance_the_host_counts(tmp_path):
+    """A command opened 60 ptys (each counted in the host's kernel.pty.nr, against kernel.pty.max
+    4,096 for the whole machine) and 60 inotify instances (counted per host user, 128, shared by every
+    rollout's commands): both are now refused, and the command runs on."""
+    out, code = sh("python -c \"import ctypes, os\n"
+                   "try: os.openpty(); print('pty opened')\n"
+                   "except OSError as e: print('pty refused', e.errno)\n"
+                   "libc = ctypes.CDLL(None, use_errno=True)\n"
+                   "print('inotify', libc.inotify_init(), libc.inotify_init1(0), ctypes.get_errno())\"; echo on",
+                   tmp_path)
+    assert "pty refused" in out and out.rstrip().endswith("on"), out
+    if os.uname().machine in sandbox.ABIS:
+        assert f"inotify -1 -1 {errno.EMFILE}" in out, out
 
 
 @needs_root

@@ -30,6 +30,10 @@ What a command in the sandbox gets:
   --keep-size`, which reserves disk blocks past a file's end that the size limit never sees), open files, output kept
   (`run_capped`), and the caller's wall-clock timeout (killing bubblewrap ends everything inside:
   `--die-with-parent`, pid namespace);
+* nothing the host counts across users: no pseudo-terminal (`/dev/pts` is an empty read-only folder:
+  every pty a command opened counted against the host's `kernel.pty.max`, 4,096, that ssh and every
+  other rollout draw on) and no inotify instance (the seccomp filter: they are counted per host user,
+  and all rollouts' commands run as one);
 * nothing else writable: bubblewrap's own root and `/dev` are memory-backed filesystems of half the
   machine's RAM each, writable by the sandbox user, so they are remounted read-only and `/dev/shm`
   is a bounded tmpfs (without this, a command parked gigabytes in memory past the `/tmp` bound);
@@ -141,6 +145,7 @@ def bwrap_prefix(python: str | None = None, memory_bytes: int = DEFAULT_MEMORY_B
             "--symlink", "usr/lib64", "/lib64", "--ro-bind-try", "/etc/alternatives", "/etc/alternatives",
             "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
             "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm",
+            "--size", "4096", "--tmpfs", "/dev/pts", "--remount-ro", "/dev/pts",
             "--remount-ro", "/dev", "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
     for root in python_roots(str(exe)):
         argv += ["--ro-bind", root, root]
@@ -354,11 +359,13 @@ def launch(argv: list[str]):
                 stage.rmdir()
 
 
-# -- seccomp: no disk blocks past a file's end ---------------------------------------------------------
+# -- seccomp: no disk blocks past a file's end, no inotify ---------------------------------------------
 FALLOC_FL_KEEP_SIZE = 0x01
 X32_SYSCALL_BIT = 0x40000000
-# machine -> (AUDIT_ARCH_*, fallocate's number) of each system-call ABI a process there can use
-FALLOCATE = {"x86_64": ((0xC000003E, 285), (0x40000003, 324)), "aarch64": ((0xC00000B7, 47), (0x40000028, 352))}
+# machine -> each system-call ABI a process there can use: (AUDIT_ARCH_*, fallocate's number, the
+# numbers of inotify_init and inotify_init1 in it)
+ABIS = {"x86_64": ((0xC000003E, 285, (253, 294)), (0x40000003, 324, (291, 332))),
+        "aarch64": ((0xC00000B7, 47, (26,)), (0x40000028, 352, (316, 360)))}
 SECCOMP_FD = 3  # the descriptor bubblewrap reads the filter from (--seccomp)
 _OPEN_FILTER = f'exec {SECCOMP_FD}< "$0" || exit 125; exec "$@"'
 
@@ -369,22 +376,28 @@ def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
 
 def seccomp_filter(machine: str | None = None) -> bytes | None:
     """A classic BPF seccomp program refusing ``fallocate`` with ``FALLOC_FL_KEEP_SIZE`` (EOPNOTSUPP),
-    and x32 system calls (ENOSYS), allowing all else; None on a machine not in ``FALLOCATE``.
+    a new inotify instance (EMFILE, as when the per-user limit is reached) and x32 system calls
+    (ENOSYS), allowing all else; None on a machine not in ``ABIS``.
 
     Why: the file-size limit (``--fsize``) bounds a file's size, and a kept-size ``fallocate`` reserves
     disk blocks past the end without changing the size: ``fallocate --keep-size -l 1G f`` held 1 GiB of
-    the host disk at once (any size asked), before the work folder's next poll (``WORK_BYTES``)."""
-    abis = FALLOCATE.get(machine or os.uname().machine)
+    the host disk at once (any size asked), before the work folder's next poll (``WORK_BYTES``).
+    inotify instances are counted per host user (``fs.inotify.max_user_instances``, 128 here), and
+    every rollout's commands run as the same one: a command holding them all left none to the others."""
+    abis = ABIS.get(machine or os.uname().machine)
     if abis is None:
         return None
     load, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K
     allow, refuse = 0x7FFF0000, 0x00050000 | errno.EOPNOTSUPP  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
     program = _bpf(load, 4)  # seccomp_data.arch
-    for arch, number in abis:
+    for arch, fallocate, inotify in abis:
         block = b""
         if arch == 0xC000003E:  # x86_64: its x32 calls carry the same arch and another number
             block += _bpf(load, 0) + _bpf(jset, X32_SYSCALL_BIT, 0, 1) + _bpf(ret, 0x00050000 | errno.ENOSYS)
-        block += (_bpf(load, 0) + _bpf(jeq, number, 0, 3) + _bpf(load, 24)  # nr; args[1] (mode), low half
+        block += _bpf(load, 0)  # nr
+        for number in inotify:
+            block += _bpf(jeq, number, 0, 1) + _bpf(ret, 0x00050000 | errno.EMFILE)
+        block += (_bpf(jeq, fallocate, 0, 3) + _bpf(load, 24)  # args[1] (mode), low half
                   + _bpf(jset, FALLOC_FL_KEEP_SIZE, 0, 1) + _bpf(ret, refuse) + _bpf(ret, allow))
         program += _bpf(jeq, arch, 0, len(block) // 8) + block
     return program + _bpf(ret, allow)
