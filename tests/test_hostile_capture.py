@@ -132,6 +132,66 @@ def test_oversized_body_gets_413_and_an_error_span(make_proxy):
     assert p.control.state()["rejected"] == 2
 
 
+def _taken_before_cut(port: int, head: bytes, total: int, chunked: bool) -> tuple[int, bytes]:
+    """Send ``head`` and then up to ``total`` body bytes (chunked, or as announced by ``head``) until
+    the proxy stops taking them; return how many it took (the kernel's buffers included) and its answer."""
+    piece = b"x" * 65536
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head)
+        try:
+            while sent < total:
+                s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+                sent += len(piece)
+            s.sendall(b"0\r\n\r\n" if chunked else b"")
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass  # closed (or no longer read): the rest is not taken
+        answer = b""
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+    return sent, answer
+
+
+@pytest.mark.parametrize("case", ["chunked model call", "no credentials", "control, no token", "chunked reward",
+                                  "no model call"])
+def test_a_body_past_its_bound_is_not_read_whole_however_it_comes(make_proxy, case):
+    """mitmproxy holds a request body whole before any addon sees it, and answers a refusal made on
+    the headers only once the body is in. A chunked model call announces no length, and a client
+    with no credentials was refused 401 on its headers yet read whole: 64 MiB sent, 64 MiB (and more)
+    of the proxy's memory. The proxy now stops reading past the call's bound and closes."""
+    p = make_proxy(extra_args=["--max-body-size", str(MiB)])
+    env = p.env_for("cut")
+    model_path = urllib.parse.urlsplit(env["OPENAI_BASE_URL"]).path + "/chat/completions"
+    reward_path = urllib.parse.urlsplit(env["LIGHTNING_REWARD_URL"]).path
+    reverse, forward = p.config.reverse_port, p.config.forward_port
+    port, target, framing = {
+        "chunked model call": (reverse, model_path, "Transfer-Encoding: chunked"),
+        "no credentials": (reverse, "/v1/chat/completions", f"Content-Length: {64 * MiB}"),
+        "control, no token": (forward, "http://lightning.proxy/_lh/state", "Transfer-Encoding: chunked"),
+        "chunked reward": (reverse, reward_path, "Transfer-Encoding: chunked"),
+        "no model call": (reverse, model_path.replace("/v1/chat/completions", "/collective_rpc"),
+                          "Transfer-Encoding: chunked"),  # (the engine's administration: 403 once read)
+    }[case]
+    assert _post(_url(p, "warm"), json=BODY).status_code == 200
+    before = _rss_mib(p.pid)
+    Path(f"/proc/{p.pid}/clear_refs").write_text("5")  # VmHWM restarts from the current RSS
+    head = f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n{framing}\r\n\r\n"
+    taken, answer = _taken_before_cut(port, head.encode(), 64 * MiB, "chunked" in framing)
+    peak = _hwm_mib(p.pid)
+    assert taken < 24 * MiB, f"{taken} bytes taken"  # bound + the kernel's socket buffers
+    assert peak - before < 32, f"RSS peak {peak:.0f} MiB vs {before:.0f} MiB before"
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 413"), answer[:200]  # (a reset may beat the answer)
+    assert _post(_url(p, "after"), json=BODY).status_code == 200  # the proxy still serves
+    assert p.control.state()["rejected"] >= 1
+    if case == "chunked model call":
+        (span,) = _spans_of(p, "cut")
+        assert span["error_kind"] == "too_large" and span["status_code"] == 413
+        assert "past 2097152 bytes" in span["error"]
+
+
 def test_gzip_bomb_gets_413_with_bounded_memory(proxy, stub_server):
     bomb = gzip.compress(b" " * (200 * MiB), compresslevel=9)
     assert len(bomb) < 300 * 1024

@@ -6,7 +6,8 @@ compressed body that expands a thousandfold (a decompression bomb). Model calls 
 413 and an OpenAI-style JSON error when:
 - ``Content-Length`` exceeds ``max_body_size`` (checked on the headers, before the body is used;
   beyond twice the limit the connection is closed at once instead, so the body is never read);
-- a chunked body (no length) turns out longer than ``max_body_size``;
+- a chunked body (no length) turns out longer than ``max_body_size``; past twice that, the
+  connection is closed at once (``read_at_most``), so the rest is never read;
 - a ``Content-Encoding`` body (gzip, deflate, br, zstd) would expand past ``max_decoded_size``:
   it is decompressed with a running cap, never with an uncapped decode.
 An accepted compressed body is forwarded decoded (``identity``): the span, the rewrite addon and
@@ -41,6 +42,9 @@ STREAM_OTHER_ABOVE = 1 << 20  # bytes: larger (or unannounced) answers to other 
 BUDGETED = "lh.budget"  # flow.metadata key: (rollout id, bytes) this call holds of the in-flight budget
 BUDGET_FROM = 64 << 10  # bodies this large or larger count against max_inflight_bytes
 KILL_ABOVE = 2  # a Content-Length over this many times max_body_size: connection closed, body never read
+READ_AT_MOST = "lh.read_at_most"  # flow.metadata key: request body bytes mitmproxy may hold (see bound_reading)
+CUT_READING = "lh.cut_reading"  # flow.metadata key: the bound a request body was cut at (counted, logged)
+ANSWERED_READ = 64 << 10  # ... of a request already refused on its headers (no credentials): its answer waits for it
 
 
 class ByteBudget:
@@ -87,11 +91,53 @@ class ByteBudget:
             self._changed.set()
 
 
+def bound_reading() -> None:
+    """Make mitmproxy stop reading a request body past its flow's ``READ_AT_MOST`` bytes: 413 (its
+    error page) and the connection closed, the rest unread. Installed once, on mitmproxy's per-chunk
+    body check.
+
+    Why: mitmproxy holds a request body whole before any addon sees it, and sends an answer an addon
+    set on the headers only after the whole body came (its own ``body_size_limit`` is one figure for
+    requests and answers, so it would cut downloads through the forward proxy too). A chunked model
+    call announces no length to refuse it by, and a client without credentials, refused with 401 on its
+    headers, had its body read whole all the same: 64 MiB sent to a proxy with a token took 64 MiB of
+    its memory, unbounded, before the 401 went out. It names internals of mitmproxy 11.0.2 (the
+    version pyproject.toml pins); tests/test_hostile_capture.py fails if they move."""
+    from mitmproxy import flow as mitm_flow
+    from mitmproxy.proxy.layers.http import HttpErrorHook, HttpStream, ResponseProtocolError, SendHttp
+
+    check = HttpStream.check_body_size
+    if getattr(check, "bounded", False):
+        return
+
+    def check_body_size(self, request: bool):
+        bound = self.flow.metadata.get(READ_AT_MOST) if request else None
+        if bound is None or len(self.request_body_buf) <= bound:
+            return (yield from check(self, request))
+        answered = self.flow.response
+        why = (f"lightning-proxy: request body past {bound} bytes"
+               + (f" on a call answered {answered.status_code} on its headers" if answered else "")
+               + "; connection closed, the rest unread")
+        self.flow.metadata[REFUSED] = ("too_large", why, 413)
+        self.flow.metadata[CUT_READING] = bound
+        self.request_body_buf.clear()
+        self.flow.error = mitm_flow.Error(why)
+        yield HttpErrorHook(self.flow)  # (capture records a model call's too_large span)
+        yield SendHttp(ResponseProtocolError(self.stream_id, why, 413), self.context.client)
+        self.client_state = self.state_errored
+        self.flow.live = False
+        return True
+
+    check_body_size.bounded = True
+    HttpStream.check_body_size = check_body_size
+
+
 class Limits:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
         self.draining = False  # set by the server on SIGTERM
         self.budget = ByteBudget(state.config.max_inflight_bytes)
+        bound_reading()
 
     @staticmethod
     def _model_call(flow: http.HTTPFlow) -> Call | None:
@@ -101,6 +147,25 @@ class Limits:
         return call
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
+        self._check_headers(flow)
+        flow.metadata[READ_AT_MOST] = self.read_at_most(flow)
+
+    def read_at_most(self, flow: http.HTTPFlow) -> int | None:
+        """How much of this request's body mitmproxy may hold (None: all of it, as an upload through
+        the forward proxy to another host). A body is refused past its bound anyway; twice the bound is
+        read, as for an announced length (``KILL_ABOVE``), so a body a little too large still gets the
+        JSON 413. What the reverse listener gets that is no model call goes to the engine, which takes
+        only reads from a harness."""
+        call = flow.metadata.get(META)
+        if call is None or flow.response is not None and REFUSED not in flow.metadata:
+            return ANSWERED_READ  # answered on its headers (no or bad credentials): the body is not wanted
+        if call.kind == REWARD:
+            return KILL_ABOVE * MAX_REWARD_BYTES
+        if call.kind == OTHER and call.mode == "forward":
+            return None
+        return KILL_ABOVE * self.state.config.max_body_size
+
+    def _check_headers(self, flow: http.HTTPFlow) -> None:
         call = flow.metadata.get(META)
         if call is not None and call.kind == REWARD and flow.response is None:
             self._cut_off_reward(flow)
@@ -141,6 +206,11 @@ class Limits:
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._release(flow)
+        bound = flow.metadata.pop(CUT_READING, None)
+        if bound is not None:
+            self.state.rejected += 1
+            log.info("cut off %s %s: request body past %d bytes", log_safe(flow.request.method), loggable_url(flow),
+                     bound)
 
     def _release(self, flow: http.HTTPFlow) -> None:
         held = flow.metadata.pop(BUDGETED, None)
