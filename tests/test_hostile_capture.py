@@ -9,6 +9,7 @@ the rest a ``shutdown`` span.
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
 import os
@@ -156,7 +157,7 @@ def _taken_before_cut(port: int, head: bytes, total: int, chunked: bool) -> tupl
 
 
 @pytest.mark.parametrize("case", ["chunked model call", "no credentials", "control, no token", "chunked reward",
-                                  "no model call"])
+                                  "no model call", "forward, no model call"])
 def test_a_body_past_its_bound_is_not_read_whole_however_it_comes(make_proxy, case):
     """mitmproxy holds a request body whole before any addon sees it, and answers a refusal made on
     the headers only once the body is in. A chunked model call announces no length, and a client
@@ -167,6 +168,9 @@ def test_a_body_past_its_bound_is_not_read_whole_however_it_comes(make_proxy, ca
     model_path = urllib.parse.urlsplit(env["OPENAI_BASE_URL"]).path + "/chat/completions"
     reward_path = urllib.parse.urlsplit(env["LIGHTNING_REWARD_URL"]).path
     reverse, forward = p.config.reverse_port, p.config.forward_port
+    engine = p.config.upstreams[0].display + "/collective_rpc"
+    proxy_auth = "Proxy-Authorization: Basic " + base64.b64encode(
+        urllib.parse.unquote(env["HTTP_PROXY"].split("//")[1].rsplit("@", 1)[0]).encode()).decode() + "\r\n"
     port, target, framing = {
         "chunked model call": (reverse, model_path, "Transfer-Encoding: chunked"),
         "no credentials": (reverse, "/v1/chat/completions", f"Content-Length: {64 * MiB}"),
@@ -174,6 +178,7 @@ def test_a_body_past_its_bound_is_not_read_whole_however_it_comes(make_proxy, ca
         "chunked reward": (reverse, reward_path, "Transfer-Encoding: chunked"),
         "no model call": (reverse, model_path.replace("/v1/chat/completions", "/collective_rpc"),
                           "Transfer-Encoding: chunked"),  # (the engine's administration: 403 once read)
+        "forward, no model call": (forward, engine, proxy_auth + "Transfer-Encoding: chunked"),
     }[case]
     assert _post(_url(p, "warm"), json=BODY).status_code == 200
     before = _rss_mib(p.pid)
@@ -190,6 +195,50 @@ def test_a_body_past_its_bound_is_not_read_whole_however_it_comes(make_proxy, ca
         (span,) = _spans_of(p, "cut")
         assert span["error_kind"] == "too_large" and span["status_code"] == 413
         assert "past 2097152 bytes" in span["error"]
+
+
+class _Counter:
+    """An upstream elsewhere (not the pool) that reads a request body in pieces and answers its length."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                left, got = int(self.headers["Content-Length"]), 0
+                while left > got:
+                    got += len(self.rfile.read(min(MiB, left - got)))
+                out = json.dumps({"got": got}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/upload"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_an_upload_through_the_forward_proxy_streams_through(make_proxy):
+    """Other traffic (not recorded) to a host that is not the pool's is not held: mitmproxy read an
+    upload whole first (64 MiB: the proxy's peak +128 MiB), as large as a harness chose."""
+    p = make_proxy(extra_args=["--max-body-size", str(MiB)])
+    counter = _Counter()
+    try:
+        with httpx.Client(proxy=p.env_for("up")["HTTP_PROXY"], trust_env=False, timeout=120) as c:
+            assert c.post(counter.url, content=b"warm").json() == {"got": 4}
+            before = _rss_mib(p.pid)
+            Path(f"/proc/{p.pid}/clear_refs").write_text("5")  # VmHWM restarts from the current RSS
+            r = c.post(counter.url, content=b"x" * (64 * MiB))
+        peak = _hwm_mib(p.pid)
+        assert r.status_code == 200 and r.json() == {"got": 64 * MiB}  # all of it arrived, past max_body_size
+        assert peak - before < 32, f"RSS peak {peak:.0f} MiB vs {before:.0f} MiB before"
+    finally:
+        counter.server.shutdown()
+        counter.server.server_close()
 
 
 def test_gzip_bomb_gets_413_with_bounded_memory(proxy, stub_server):

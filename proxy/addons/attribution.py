@@ -156,7 +156,7 @@ class Attribution:
         call = flow.metadata.get(META)
         if call is None or call.done or flow.response is not None or call.rollout_id is None:
             return
-        if call.kind == CONTROL:
+        if call.kind == CONTROL or flow.request.stream:  # (an upload streamed through: checked on its headers)
             return
         ident = self.still_valid(Identity(call.rollout_id, call.attempt, True))
         if not ident.ok:

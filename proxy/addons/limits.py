@@ -150,19 +150,17 @@ class Limits:
         self._check_headers(flow)
         flow.metadata[READ_AT_MOST] = self.read_at_most(flow)
 
-    def read_at_most(self, flow: http.HTTPFlow) -> int | None:
-        """How much of this request's body mitmproxy may hold (None: all of it, as an upload through
-        the forward proxy to another host). A body is refused past its bound anyway; twice the bound is
-        read, as for an announced length (``KILL_ABOVE``), so a body a little too large still gets the
-        JSON 413. What the reverse listener gets that is no model call goes to the engine, which takes
-        only reads from a harness."""
+    def read_at_most(self, flow: http.HTTPFlow) -> int:
+        """How much of this request's body mitmproxy may hold. A body is refused past its bound anyway;
+        twice the bound is read, as for an announced length (``KILL_ABOVE``), so a body a little too
+        large still gets the JSON 413. Other traffic goes to the engine (which takes only reads from a
+        harness) or is an upload to another host, which routing streams through (never held, so never
+        cut)."""
         call = flow.metadata.get(META)
         if call is None or flow.response is not None and REFUSED not in flow.metadata:
             return ANSWERED_READ  # answered on its headers (no or bad credentials): the body is not wanted
         if call.kind == REWARD:
             return KILL_ABOVE * MAX_REWARD_BYTES
-        if call.kind == OTHER and call.mode == "forward":
-            return None
         return KILL_ABOVE * self.state.config.max_body_size
 
     def _check_headers(self, flow: http.HTTPFlow) -> None:
