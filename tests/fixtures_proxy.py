@@ -3,8 +3,9 @@
 ``stub_upstream`` (URL of a session-wide stub, plain http), ``stub_server`` (its controller),
 ``stub_tls_server`` (the same over HTTPS with a self-signed cert), ``proxy`` (a running
 :class:`ProxyProcess` against the stub, traces in ``tmp_path/traces``, routing ``api.openai.com``
-to the stub), ``make_proxy`` (a factory for other settings) and ``upstream`` (a
-:class:`ScriptedUpstream`: raw bytes, for answers no real server sends). Every process started here runs
+to the stub), ``make_proxy`` (a factory for other settings), ``upstream`` (a
+:class:`ScriptedUpstream`: raw bytes, for answers no real server sends) and :class:`Recorder` (an
+upstream that records what reaches it). Every process started here runs
 in its own process group and is stopped at teardown.
 """
 
@@ -20,12 +21,46 @@ import sys
 import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from conftest import free_port
 
 STUB = Path(__file__).parent / "support" / "stub_upstream.py"
+
+
+class Recorder:
+    """An upstream that answers 200 to everything and records method, path and headers."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        seen = self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def _any(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                seen.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
+                             "body": self.rfile.read(n).decode(errors="replace")})
+                out = json.dumps({"id": "x", "object": "chat.completion", "model": "m", "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            do_GET = do_POST = do_PUT = do_DELETE = _any
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.url = f"http://{host}:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 class StubServer:

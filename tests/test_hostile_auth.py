@@ -13,16 +13,14 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
-from fixtures_proxy import read_rewards, read_spans
+from fixtures_proxy import Recorder, read_rewards, read_spans
 
 from lightning_harness.proxy.client import ProxyControl, ProxyError, harness_env
 from lightning_harness.proxy.credentials import (
@@ -47,39 +45,6 @@ def credential_of(env: dict) -> str:
 
 def secrets_of(p) -> list[str]:
     return [p.token, p.control_token]
-
-
-class Recorder:
-    """An upstream that answers 200 to everything and records method, path and headers."""
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        seen = self.seen = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def _any(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                seen.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
-                             "body": self.rfile.read(n).decode(errors="replace")})
-                out = json.dumps({"id": "x", "object": "chat.completion", "model": "m", "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            do_GET = do_POST = do_PUT = do_DELETE = _any
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.url = f"http://{host}:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

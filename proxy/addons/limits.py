@@ -43,7 +43,7 @@ BUDGETED = "lh.budget"  # flow.metadata key: (rollout id, bytes) this call holds
 BUDGET_FROM = 64 << 10  # bodies this large or larger count against max_inflight_bytes
 KILL_ABOVE = 2  # a Content-Length over this many times max_body_size: connection closed, body never read
 READ_AT_MOST = "lh.read_at_most"  # flow.metadata key: request body bytes mitmproxy may hold (see bound_reading)
-CUT_READING = "lh.cut_reading"  # flow.metadata key: the bound a request body was cut at (counted, logged)
+CUT_READING = "lh.cut_reading"  # flow.metadata key: set when bound_reading cut a body (counted, logged by Limits)
 ANSWERED_READ = 64 << 10  # ... of a request already refused on its headers (no credentials): its answer waits for it
 
 
@@ -119,7 +119,7 @@ def bound_reading() -> None:
                + (f" on a call answered {answered.status_code} on its headers" if answered else "")
                + "; connection closed, the rest unread")
         self.flow.metadata[REFUSED] = ("too_large", why, 413)
-        self.flow.metadata[CUT_READING] = bound
+        self.flow.metadata[CUT_READING] = True
         self.request_body_buf.clear()
         self.flow.error = mitm_flow.Error(why)
         yield HttpErrorHook(self.flow)  # (capture records a model call's too_large span)
@@ -204,11 +204,8 @@ class Limits:
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._release(flow)
-        bound = flow.metadata.pop(CUT_READING, None)
-        if bound is not None:
-            self.state.rejected += 1
-            log.info("cut off %s %s: request body past %d bytes", log_safe(flow.request.method), loggable_url(flow),
-                     bound)
+        if flow.metadata.pop(CUT_READING, False):
+            self._count_cut(flow, flow.metadata[REFUSED][1])
 
     def _release(self, flow: http.HTTPFlow) -> None:
         held = flow.metadata.pop(BUDGETED, None)
@@ -254,9 +251,13 @@ class Limits:
         """Close the connection now instead of answering 413. mitmproxy reads a whole body before it
         sends an answer an addon set, so a 413 for a 10 GB body would first hold 10 GB; a body
         announced this far over the limit is not read at all. Capture records a ``too_large`` span."""
-        self.state.rejected += 1
         flow.metadata[REFUSED] = ("too_large", f"{why}; connection closed without reading the body", None)
         flow.kill()
+        self._count_cut(flow, why)
+
+    def _count_cut(self, flow: http.HTTPFlow, why: str) -> None:
+        """A connection closed on a body too large (here, or by ``bound_reading``): counted in ``rejected``, logged."""
+        self.state.rejected += 1
         log.info("cut off %s %s: %s", log_safe(flow.request.method), loggable_url(flow), why)
 
     def refuse(self, flow: http.HTTPFlow, status: int, kind: str, why: str) -> None:
