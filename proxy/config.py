@@ -129,7 +129,8 @@ class ProxyConfig:
     max_inflight_bytes: int = option(
         256 * MiB, "Bytes of large request bodies (64 KiB and up, each costs several times its size while in "
         "flight) processed at once; more calls wait their turn. A rollout's calls beyond its first in flight "
-        "only use the first half, so one rollout cannot stall the others.", minimum=1)
+        "only use the first half, so one rollout cannot stall the others. Also what one rollout's bodies may "
+        "hold at once, however many connections it opens (past it: 413, connection closed).", minimum=1)
     shutdown_grace: float = option(
         5.0, "Seconds SIGTERM waits for calls in flight (the rest: 'shutdown' error spans).", minimum=0)
     ssl_insecure: bool = option(False, "Do not verify upstream TLS certificates (test upstreams only).")

@@ -197,6 +197,63 @@ def test_a_body_past_its_bound_is_not_read_whole_however_it_comes(make_proxy, ca
         assert "past 2097152 bytes" in span["error"]
 
 
+def _stall(port: int, head: bytes, size: int) -> socket.socket | None:
+    """A connection that sends ``head`` and all but the last byte of its ``size``-byte body, then
+    waits; None when the proxy closed it first."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        s.sendall(head + b"x" * (size - 1))
+    except (BrokenPipeError, ConnectionResetError, TimeoutError):
+        s.close()
+        return None
+    return s
+
+
+def test_a_rollouts_bodies_have_one_bound_however_many_connections_it_opens(make_proxy):
+    """Each body is bounded, but mitmproxy holds every body whole before the budget
+    (``max_inflight_bytes``) sees it: a rollout opening 96 connections that each send a body within
+    ``max_body_size`` and hold back its last byte held 96 MiB of the proxy, and as many more as it
+    opened (48 x 4 MiB here: +208 MiB). What a rollout's bodies hold in the proxy at once now has one
+    bound (past it: 413, closed; +35 MiB here, what the connections' reads hold in passing); other
+    rollouts are served meanwhile, and the bytes are the rollout's again once its calls end."""
+    size = 4 * MiB
+    p = make_proxy(extra_args=["--max-body-size", str(size), "--max-inflight-bytes", str(2 * size)])
+    path = urllib.parse.urlsplit(_url(p, "many")).path
+    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {size}\r\n\r\n").encode()
+    assert _post(_url(p, "warm"), json=BODY).status_code == 200
+    before = _rss_mib(p.pid)
+    Path(f"/proc/{p.pid}/clear_refs").write_text("5")  # VmHWM restarts from the current RSS
+    held = [_stall(p.config.reverse_port, head, size) for _ in range(48)]
+    try:
+        time.sleep(1)  # (what the kernel buffered is read)
+        peak = _hwm_mib(p.pid)
+        assert peak - before < 64, f"RSS peak {peak:.0f} MiB vs {before:.0f} MiB before"
+        assert _post(_url(p, "other"), json=BODY).status_code == 200  # another rollout is served
+        big = {**BODY, "messages": [{"role": "user", "content": "x" * (3 * MiB)}]}
+        assert _post(_url(p, "other"), json=big).status_code == 200
+    finally:
+        for s in held:
+            if s is not None:
+                s.close()
+    deadline = time.monotonic() + 10  # the closed calls give their bytes back
+
+    def status(url, **kw):
+        try:
+            return _post(url, **kw).status_code
+        except httpx.HTTPError as exc:  # (cut while sending)
+            return repr(exc)
+
+    while (got := status(_url(p, "many"), json=big)) != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert got == 200
+    cut = [s for s in _spans_of(p, "many", 5) if s["error_kind"] == "too_large"]
+    assert cut and "max_inflight_bytes" in cut[0]["error"], cut[:1]
+    anonymous = f"http://127.0.0.1:{p.config.reverse_port}/v1/chat/completions"
+    for _ in range(160):  # refused on their headers, read to 64 KiB: each gives its bytes back too (9.6 MB)
+        assert status(anonymous, content=b"x" * 60_000) == 401
+
+
 def test_an_upload_through_the_forward_proxy_streams_through(make_proxy):
     """Other traffic (not recorded) to a host that is not the pool's is not held: mitmproxy read an
     upload whole first (64 MiB: the proxy's peak +209 MiB), as large as a harness chose."""

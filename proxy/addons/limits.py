@@ -15,7 +15,8 @@ upstreams that do not read compressed requests (vLLM) all need the plain JSON. W
 drains at shutdown new model calls get 503. Bodies of 64 KiB and more share a budget of
 ``max_inflight_bytes`` being processed at once; past it a call waits its turn, and a rollout's calls
 beyond its first one in flight only use the budget's first half, so one rollout cannot stall the
-others (:class:`ByteBudget`).
+others (:class:`ByteBudget`). What one rollout's bodies hold in the proxy at once, however many
+connections it opens, is bounded by the same figure: past it the body being read is cut (:class:`HeldBodies`).
 Answers to other traffic (not recorded) are streamed rather than held whole. Each refusal is
 counted in ``rejected`` and the capture addon records it as an error span (``too_large``,
 ``malformed_request``, ``shutdown``), so no attributed model call goes unrecorded. Runs before routing and capture.
@@ -42,8 +43,9 @@ STREAM_OTHER_ABOVE = 1 << 20  # bytes: larger (or unannounced) answers to other 
 BUDGETED = "lh.budget"  # flow.metadata key: (rollout id, bytes) this call holds of the in-flight budget
 BUDGET_FROM = 64 << 10  # bodies this large or larger count against max_inflight_bytes
 KILL_ABOVE = 2  # a Content-Length over this many times max_body_size: connection closed, body never read
-READ_AT_MOST = "lh.read_at_most"  # flow.metadata key: request body bytes mitmproxy may hold (see bound_reading)
+READ_AT_MOST = "lh.read_at_most"  # flow.metadata key: (bound, rollout, HeldBodies) of a body mitmproxy reads
 CUT_READING = "lh.cut_reading"  # flow.metadata key: set when bound_reading cut a body (counted, logged by Limits)
+HELD = "lh.held"  # flow.metadata key: bytes of the flow's request body counted in HeldBodies
 ANSWERED_READ = 64 << 10  # ... of a request already refused on its headers (no credentials): its answer waits for it
 
 
@@ -91,6 +93,41 @@ class ByteBudget:
             self._changed.set()
 
 
+class HeldBodies:
+    """Bytes of request bodies each rollout holds in the proxy: being read, waiting for the budget,
+    or in flight until the call ends. Past ``limit`` the body being read is cut (``bound_reading``).
+
+    Why: each body has a bound, but mitmproxy holds a body whole before any addon (or the budget)
+    sees it, so a rollout holding back the last byte of 96 bodies within ``max_body_size`` held
+    96 MiB of the proxy, and as many more as it opened connections. A rollout's bodies now have one
+    bound however many connections it opens; it cuts only that rollout's calls. Calls refused on
+    their headers (no or bad credentials: a rollout id they claim is not theirs) count as one
+    rollout, ``None``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held: dict[str | None, int] = {}
+
+    def grow(self, flow: http.HTTPFlow, rollout: str | None, n: int) -> str | None:
+        """The flow's body is ``n`` bytes so far: counted, or why it may not be (the count unchanged)."""
+        mine = flow.metadata.get(HELD, 0)
+        total = self.held.get(rollout, 0) + n - mine
+        if total > self.limit:
+            return f"the rollout's request bodies in the proxy would pass {self.limit} bytes (max_inflight_bytes)"
+        self.held[rollout] = total
+        flow.metadata[HELD] = n
+        return None
+
+    def give_back(self, flow: http.HTTPFlow) -> None:
+        """The call ended: its body is the rollout's again."""
+        n = flow.metadata.pop(HELD, 0)
+        reading = flow.metadata.get(READ_AT_MOST)
+        if n and reading is not None:
+            left = self.held.pop(reading[1], 0) - n
+            if left > 0:
+                self.held[reading[1]] = left
+
+
 def bound_reading() -> None:
     """Make mitmproxy stop reading a request body past its flow's ``READ_AT_MOST`` bytes: 413 (its
     error page) and the connection closed, the rest unread. Installed once, on mitmproxy's per-chunk
@@ -111,11 +148,16 @@ def bound_reading() -> None:
         return
 
     def check_body_size(self, request: bool):
-        bound = self.flow.metadata.get(READ_AT_MOST) if request else None
-        if bound is None or len(self.request_body_buf) <= bound:
+        reading = self.flow.metadata.get(READ_AT_MOST) if request else None
+        if reading is None:
+            return (yield from check(self, request))
+        bound, rollout, bodies = reading
+        n = len(self.request_body_buf)
+        over = f"request body past {bound} bytes" if n > bound else bodies.grow(self.flow, rollout, n)
+        if over is None:
             return (yield from check(self, request))
         answered = self.flow.response
-        why = (f"lightning-proxy: request body past {bound} bytes"
+        why = (f"lightning-proxy: {over}"
                + (f" on a call answered {answered.status_code} on its headers" if answered else "")
                + "; connection closed, the rest unread")
         self.flow.metadata[REFUSED] = ("too_large", why, 413)
@@ -136,7 +178,9 @@ class Limits:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
         self.draining = False  # set by the server on SIGTERM
-        self.budget = ByteBudget(state.config.max_inflight_bytes)
+        cfg = state.config
+        self.budget = ByteBudget(cfg.max_inflight_bytes)
+        self.bodies = HeldBodies(max(cfg.max_inflight_bytes, KILL_ABOVE * cfg.max_body_size))  # (one call always fits)
         bound_reading()
 
     @staticmethod
@@ -148,20 +192,20 @@ class Limits:
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         self._check_headers(flow)
-        flow.metadata[READ_AT_MOST] = self.read_at_most(flow)
+        flow.metadata[READ_AT_MOST] = (*self.read_at_most(flow), self.bodies)
 
-    def read_at_most(self, flow: http.HTTPFlow) -> int:
-        """How much of this request's body mitmproxy may hold. A body is refused past its bound anyway;
+    def read_at_most(self, flow: http.HTTPFlow) -> tuple[int, str | None]:
+        """How much of this request's body mitmproxy may hold, and whose (``HeldBodies``) it is.
+        A body is refused past its bound anyway;
         twice the bound is read, as for an announced length (``KILL_ABOVE``), so a body a little too
         large still gets the JSON 413. Other traffic goes to the engine (which takes only reads from a
         harness) or is an upload to another host, which routing streams through (never held, so never
         cut)."""
         call = flow.metadata.get(META)
         if call is None or flow.response is not None and REFUSED not in flow.metadata:
-            return ANSWERED_READ  # answered on its headers (no or bad credentials): the body is not wanted
-        if call.kind == REWARD:
-            return KILL_ABOVE * MAX_REWARD_BYTES
-        return KILL_ABOVE * self.state.config.max_body_size
+            return ANSWERED_READ, None  # answered on its headers (no or bad credentials): the body is not wanted
+        bound = KILL_ABOVE * (MAX_REWARD_BYTES if call.kind == REWARD else self.state.config.max_body_size)
+        return bound, call.rollout_id
 
     def _check_headers(self, flow: http.HTTPFlow) -> None:
         call = flow.metadata.get(META)
@@ -208,6 +252,7 @@ class Limits:
             self._count_cut(flow, flow.metadata[REFUSED][1])
 
     def _release(self, flow: http.HTTPFlow) -> None:
+        self.bodies.give_back(flow)
         held = flow.metadata.pop(BUDGETED, None)
         if held is not None:
             self.budget.release(*held)
