@@ -13,8 +13,10 @@ import base64
 import gzip
 import json
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.parse
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fixtures_compat import client_env
 from fixtures_proxy import Recorder, StubServer, read_rewards, read_spans
 
 from lightning_harness.schemas.rewards import MAX_REWARD_BYTES
@@ -252,6 +255,30 @@ def test_a_rollouts_bodies_have_one_bound_however_many_connections_it_opens(make
     anonymous = f"http://127.0.0.1:{p.config.reverse_port}/v1/chat/completions"
     for _ in range(160):  # refused on their headers, read to 64 KiB: each gives its bytes back too (9.6 MB)
         assert status(anonymous, content=b"x" * 60_000) == 401
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
+def test_an_http2_body_past_its_bound_ends_its_stream_at_once(make_proxy, tmp_path):
+    """The same bound for an HTTP/2 client (curl through the forward proxy, ALPN h2 in the tunnel)
+    sending a body of no announced length from a pipe. The 413 went out, but the stream stayed open:
+    curl waited for a window to send the rest in, until its own timeout. The stream is now reset."""
+    p = make_proxy(extra_args=["--max-body-size", str(MiB)])
+    assert _post(_url(p, "warm"), json=BODY).status_code == 200
+    before = _rss_mib(p.pid)
+    Path(f"/proc/{p.pid}/clear_refs").write_text("5")  # VmHWM restarts from the current RSS
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (64 * MiB))
+    with subprocess.Popen(["cat", str(big)], stdout=subprocess.PIPE) as pipe:  # a pipe: no length to announce
+        r = subprocess.run(["curl", "-sS", "--http2", "-o", "/dev/null", "-w", "%{http_code} %{http_version}",
+                            "-H", "Content-Type: application/json", "-T", "-", "-X", "POST",
+                            "https://api.openai.com/v1/chat/completions"],
+                           env=client_env(p.env_for("h2-cut")), stdin=pipe.stdout, capture_output=True, text=True,
+                           timeout=60)
+    assert r.stdout == "413 2", (r.returncode, r.stdout, r.stderr)
+    assert _hwm_mib(p.pid) - before < 32
+    (span,) = _spans_of(p, "h2-cut")
+    assert span["error_kind"] == "too_large" and "past 2097152 bytes; stream reset" in span["error"]
+    assert _post(_url(p, "after"), json=BODY).status_code == 200
 
 
 def test_an_upload_through_the_forward_proxy_streams_through(make_proxy):

@@ -156,16 +156,19 @@ def bound_reading() -> None:
         over = f"request body past {bound} bytes" if n > bound else bodies.grow(self.flow, rollout, n)
         if over is None:
             return (yield from check(self, request))
-        answered = self.flow.response
+        answered, h2 = self.flow.response, self.context.client.alpn == b"h2"
         why = (f"lightning-proxy: {over}"
                + (f" on a call answered {answered.status_code} on its headers" if answered else "")
-               + "; connection closed, the rest unread")
+               + ("; stream reset" if h2 else "; connection closed") + ", the rest unread")
         self.flow.metadata[REFUSED] = ("too_large", why, 413)
         self.flow.metadata[CUT_READING] = True
         self.request_body_buf.clear()
         self.flow.error = mitm_flow.Error(why)
         yield HttpErrorHook(self.flow)  # (capture records a model call's too_large span)
         yield SendHttp(ResponseProtocolError(self.stream_id, why, 413), self.context.client)
+        if h2:  # the answer is sent, the request not: reset the stream, or
+            # an HTTP/2 client waits for a window to send the rest in (curl did, until its own timeout)
+            yield SendHttp(ResponseProtocolError(self.stream_id, why, 413), self.context.client)
         self.client_state = self.state_errored
         self.flow.live = False
         return True
