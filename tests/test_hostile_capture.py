@@ -257,6 +257,28 @@ def test_a_rollouts_bodies_have_one_bound_however_many_connections_it_opens(make
         assert status(anonymous, content=b"x" * 60_000) == 401
 
 
+def test_control_calls_without_the_token_cannot_crowd_out_the_trainers(make_proxy):
+    """A control call is refused on its headers without the control token (it was read first, up to
+    twice max_body_size, and counted with every other call of no rollout): four such bodies held open
+    by anyone on the machine filled that bound, and the trainer's own control calls were cut. Calls
+    refused on their headers are counted apart from the calls that were not."""
+    p = make_proxy(extra_args=["--max-body-size", str(MiB), "--max-inflight-bytes", str(2 * MiB)])
+    head = (f"POST /_lh/reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {MiB}\r\n\r\n").encode()
+    held = [_stall(p.config.reverse_port, head, MiB) for _ in range(4)]
+    small = head.replace(str(MiB).encode(), b"61440")  # within what a refused call's body is read to
+    held += [_stall(p.config.reverse_port, small, 61440) for _ in range(40)]  # 2.4 MB in all
+    try:
+        deadline = time.monotonic() + 10  # their bytes are in once 8 are cut (2.4 MB + 4 MiB, 2 MiB a bound)
+        while p.control.state()["rejected"] < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert p.control.reward("r-ctl", 0, 1.0, {"note": "x" * 62_000})["ok"]  # (more than what is left)
+    finally:
+        for s in held:
+            if s is not None:
+                s.close()
+
+
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
 def test_an_http2_body_past_its_bound_ends_its_stream_at_once(make_proxy, tmp_path):
     """The same bound for an HTTP/2 client (curl through the forward proxy, ALPN h2 in the tunnel)

@@ -84,6 +84,13 @@ class Control:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
 
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        """Refused on its headers without the control token: its body is then not wanted (read to
+        64 KiB at most) and not counted with the trainer's own calls (``limits.HeldBodies``)."""
+        call = flow.metadata.get(META)
+        if call is not None and call.kind == CONTROL and flow.response is None and not self._authorized(flow):
+            json_answer(flow, 401, {"error": "control API needs Authorization: Bearer <control token>"})
+
     async def request(self, flow: http.HTTPFlow) -> None:
         call = flow.metadata.get(META)
         if call is None or call.kind not in (CONTROL, REWARD) or flow.response is not None:

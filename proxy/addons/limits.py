@@ -46,6 +46,7 @@ KILL_ABOVE = 2  # a Content-Length over this many times max_body_size: connectio
 READ_AT_MOST = "lh.read_at_most"  # flow.metadata key: (bound, rollout, HeldBodies) of a body mitmproxy reads
 CUT_READING = "lh.cut_reading"  # flow.metadata key: set when bound_reading cut a body (counted, logged by Limits)
 HELD = "lh.held"  # flow.metadata key: bytes of the flow's request body counted in HeldBodies
+REFUSED_ON_HEADERS = "(refused on headers)"  # HeldBodies' count of such calls: never a rollout id (no spaces)
 ANSWERED_READ = 64 << 10  # ... of a request already refused on its headers (no credentials): its answer waits for it
 
 
@@ -102,7 +103,8 @@ class HeldBodies:
     96 MiB of the proxy, and as many more as it opened connections. A rollout's bodies now have one
     bound however many connections it opens; it cuts only that rollout's calls. Calls refused on
     their headers (no or bad credentials: a rollout id they claim is not theirs) count as one
-    rollout, ``None``."""
+    rollout, ``REFUSED_ON_HEADERS``, apart from the trainer's control calls (``None``, as any call
+    of no rollout): anyone on the machine can send those, and they must not crowd out the trainer."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -206,7 +208,7 @@ class Limits:
         cut)."""
         call = flow.metadata.get(META)
         if call is None or flow.response is not None and REFUSED not in flow.metadata:
-            return ANSWERED_READ, None  # answered on its headers (no or bad credentials): the body is not wanted
+            return ANSWERED_READ, REFUSED_ON_HEADERS  # (no or bad credentials): the body is not wanted
         bound = KILL_ABOVE * (MAX_REWARD_BYTES if call.kind == REWARD else self.state.config.max_body_size)
         return bound, call.rollout_id
 
