@@ -45,7 +45,7 @@ BUDGET_FROM = 64 << 10  # bodies this large or larger count against max_inflight
 KILL_ABOVE = 2  # a Content-Length over this many times max_body_size: connection closed, body never read
 READ_AT_MOST = "lh.read_at_most"  # flow.metadata key: (bound, rollout, HeldBodies) of a body mitmproxy reads
 CUT_READING = "lh.cut_reading"  # flow.metadata key: set when bound_reading cut a body (counted, logged by Limits)
-HELD = "lh.held"  # flow.metadata key: bytes of the flow's request body counted in HeldBodies
+HELD = "lh.held"  # flow.metadata key: (rollout, bytes) of the flow's request body counted in HeldBodies
 REFUSED_ON_HEADERS = "(refused on headers)"  # HeldBodies' count of such calls: never a rollout id (no spaces)
 ANSWERED_READ = 64 << 10  # ... of a request already refused on its headers (no credentials): its answer waits for it
 
@@ -112,22 +112,19 @@ class HeldBodies:
 
     def grow(self, flow: http.HTTPFlow, rollout: str | None, n: int) -> str | None:
         """The flow's body is ``n`` bytes so far: counted, or why it may not be (the count unchanged)."""
-        mine = flow.metadata.get(HELD, 0)
-        total = self.held.get(rollout, 0) + n - mine
+        total = self.held.get(rollout, 0) + n - flow.metadata.get(HELD, (rollout, 0))[1]
         if total > self.limit:
             return f"the rollout's request bodies in the proxy would pass {self.limit} bytes (max_inflight_bytes)"
         self.held[rollout] = total
-        flow.metadata[HELD] = n
+        flow.metadata[HELD] = (rollout, n)
         return None
 
     def give_back(self, flow: http.HTTPFlow) -> None:
         """The call ended: its body is the rollout's again."""
-        n = flow.metadata.pop(HELD, 0)
-        reading = flow.metadata.get(READ_AT_MOST)
-        if n and reading is not None:
-            left = self.held.pop(reading[1], 0) - n
-            if left > 0:
-                self.held[reading[1]] = left
+        rollout, n = flow.metadata.pop(HELD, (None, 0))
+        left = self.held.pop(rollout, 0) - n
+        if left > 0:
+            self.held[rollout] = left
 
 
 def bound_reading() -> None:
@@ -200,12 +197,11 @@ class Limits:
         flow.metadata[READ_AT_MOST] = (*self.read_at_most(flow), self.bodies)
 
     def read_at_most(self, flow: http.HTTPFlow) -> tuple[int, str | None]:
-        """How much of this request's body mitmproxy may hold, and whose (``HeldBodies``) it is.
-        A body is refused past its bound anyway;
-        twice the bound is read, as for an announced length (``KILL_ABOVE``), so a body a little too
-        large still gets the JSON 413. Other traffic goes to the engine (which takes only reads from a
-        harness) or is an upload to another host, which routing streams through (never held, so never
-        cut)."""
+        """How much of this request's body mitmproxy may hold, and whose it is (``HeldBodies``). A
+        body is refused past its bound anyway; twice the bound is read, as for an announced length
+        (``KILL_ABOVE``), so a body a little too large still gets the JSON 413. Other traffic goes to
+        the engine (which takes only reads from a harness) or is an upload to another host, which
+        routing streams through (never held, so never cut)."""
         call = flow.metadata.get(META)
         if call is None or flow.response is not None and REFUSED not in flow.metadata:
             return ANSWERED_READ, REFUSED_ON_HEADERS  # (no or bad credentials): the body is not wanted
