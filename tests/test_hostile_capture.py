@@ -191,13 +191,26 @@ def test_a_body_past_its_bound_is_not_read_whole_however_it_comes(make_proxy, ca
     peak = _hwm_mib(p.pid)
     assert taken < 24 * MiB, f"{taken} bytes taken"  # bound + the kernel's socket buffers
     assert peak - before < 32, f"RSS peak {peak:.0f} MiB vs {before:.0f} MiB before"
-    assert answer == b"" or answer.startswith(b"HTTP/1.1 413"), answer[:200]  # (a reset may beat the answer)
+    status = b"401" if case in ("no credentials", "control, no token") else b"413"  # (refused on its headers:
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 " + status), answer[:200]  # that answer; a reset may beat it)
     assert _post(_url(p, "after"), json=BODY).status_code == 200  # the proxy still serves
     assert p.control.state()["rejected"] >= 1
     if case == "chunked model call":
         (span,) = _spans_of(p, "cut")
         assert span["error_kind"] == "too_large" and span["status_code"] == 413
         assert "past 2097152 bytes" in span["error"]
+
+
+@pytest.mark.parametrize("size", [1000, 200_000, 5_000_000])
+def test_a_client_without_credentials_hears_why_whatever_the_size_of_its_prompt(proxy, size):
+    """A call refused on its headers is read to 64 KiB at most; past that the client got a 413 (the
+    OpenAI SDK: ``APIStatusError: Error code: 413``) and looked for a prompt too large. It now gets the
+    answer its headers got: 401, no rollout credentials."""
+    openai = pytest.importorskip("openai")
+    base = f"http://127.0.0.1:{proxy.config.reverse_port}/v1"
+    client = openai.OpenAI(base_url=base, api_key="sk-x", max_retries=0, http_client=httpx.Client(trust_env=False))
+    with pytest.raises(openai.AuthenticationError, match="no rollout credentials"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * size}])
 
 
 def _stall(port: int, head: bytes, size: int) -> socket.socket | None:

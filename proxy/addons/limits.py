@@ -129,8 +129,8 @@ class HeldBodies:
 
 def bound_reading() -> None:
     """Make mitmproxy stop reading a request body past its flow's ``READ_AT_MOST`` bytes: 413 (its
-    error page) and the connection closed, the rest unread. Installed once, on mitmproxy's per-chunk
-    body check.
+    error page; a call answered on its headers gets that answer) and the connection closed (an
+    HTTP/2 stream reset), the rest unread. Installed once, on mitmproxy's per-chunk body check.
 
     Why: mitmproxy holds a request body whole before any addon sees it, and sends an answer an addon
     set on the headers only after the whole body came (its own ``body_size_limit`` is one figure for
@@ -140,7 +140,15 @@ def bound_reading() -> None:
     its memory, unbounded, before the 401 went out. It names internals of mitmproxy 11.0.2 (the
     version pyproject.toml pins); tests/test_hostile_capture.py fails if they move."""
     from mitmproxy import flow as mitm_flow
-    from mitmproxy.proxy.layers.http import HttpErrorHook, HttpStream, ResponseProtocolError, SendHttp
+    from mitmproxy.proxy.layers.http import (
+        HttpErrorHook,
+        HttpStream,
+        ResponseData,
+        ResponseEndOfMessage,
+        ResponseHeaders,
+        ResponseProtocolError,
+        SendHttp,
+    )
 
     check = HttpStream.check_body_size
     if getattr(check, "bounded", False):
@@ -159,13 +167,19 @@ def bound_reading() -> None:
         why = (f"lightning-proxy: {over}"
                + (f" on a call answered {answered.status_code} on its headers" if answered else "")
                + ("; stream reset" if h2 else "; connection closed") + ", the rest unread")
-        self.flow.metadata[REFUSED] = ("too_large", why, 413)
+        self.flow.metadata.setdefault(REFUSED, ("too_large", why, 413))
         self.flow.metadata[CUT_READING] = True
         self.request_body_buf.clear()
         self.flow.error = mitm_flow.Error(why)
         yield HttpErrorHook(self.flow)  # (capture records a model call's too_large span)
-        yield SendHttp(ResponseProtocolError(self.stream_id, why, 413), self.context.client)
-        if h2:  # the answer is sent, the request not: reset the stream, or
+        if answered:  # its own answer (401: no credentials...), not a 413 that would send the harness's
+            if not h2:  # user looking for a prompt too large (HTTP/2 has no Connection header)
+                answered.headers["Connection"] = "close"
+            for event in (ResponseHeaders(self.stream_id, answered), ResponseData(self.stream_id, answered.raw_content),
+                          ResponseEndOfMessage(self.stream_id)):
+                yield SendHttp(event, self.context.client)
+        yield SendHttp(ResponseProtocolError(self.stream_id, why, 413), self.context.client)  # (closes)
+        if h2 and not answered:  # the answer is sent, the request not: reset the stream, or
             # an HTTP/2 client waits for a window to send the rest in (curl did, until its own timeout)
             yield SendHttp(ResponseProtocolError(self.stream_id, why, 413), self.context.client)
         self.client_state = self.state_errored
