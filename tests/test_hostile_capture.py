@@ -252,14 +252,13 @@ def test_a_rollouts_bodies_have_one_bound_however_many_connections_it_opens(make
         for s in held:
             if s is not None:
                 s.close()
-    deadline = time.monotonic() + 10  # the closed calls give their bytes back
-
     def status(url, **kw):
         try:
             return _post(url, **kw).status_code
         except httpx.HTTPError as exc:  # (cut while sending)
             return repr(exc)
 
+    deadline = time.monotonic() + 10  # the closed calls give their bytes back
     while (got := status(_url(p, "many"), json=big)) != 200 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert got == 200
