@@ -131,6 +131,10 @@ class ProxyConfig:
         "flight) processed at once; more calls wait their turn. A rollout's calls beyond its first in flight "
         "only use the first half, so one rollout cannot stall the others. Also what one rollout's bodies may "
         "hold at once, however many connections it opens (past it: 413, connection closed).", minimum=1)
+    max_connections: int = option(
+        0, "Client connections held open at once; past it the oldest connection of whoever holds the most "
+        "(a rollout, the controller, or all connections no admitted request has named) is closed. 0: from the "
+        "open-file limit (half of it, less 128; at most 8192).", minimum=0)
     shutdown_grace: float = option(
         5.0, "Seconds SIGTERM waits for calls in flight (the rest: 'shutdown' error spans).", minimum=0)
     ssl_insecure: bool = option(False, "Do not verify upstream TLS certificates (test upstreams only).")

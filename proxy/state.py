@@ -113,6 +113,7 @@ class ProxyState:
         self.rewards_captured = 0
         self.errors = 0
         self.rejected = 0
+        self.connections_closed = 0  # by the connections addon at max_connections
         self.revoked = Revocations()  # attempts ended by POST /_lh/end (credentials refused)
         self.hosts = HostAddresses()  # what forward-mode destination names stand for (the pool, the proxy)
         self.started_at = time.time()
@@ -267,6 +268,7 @@ class ProxyState:
             "model_version": self.model_version,
             "errors": self.errors,
             "rejected": self.rejected,
+            "connections_closed": self.connections_closed,
             **self.capture_health(),
             "uptime_s": round(time.time() - self.started_at, 3),
             "forward_port": self.config.forward_port,

@@ -9,6 +9,7 @@ with the old model version). Attribution acts in the earlier
 made with the request's credentials, before routing may replace them); capture precedes rewrite so the span keeps the
 request as the harness sent it and the response with its token ids; encoding sits between them
 (it wraps capture's SSE relay with a decompressor and decodes bodies before rewrite edits them).
+Connections follows control (a connection counts for whoever an admitted request names).
 Limits (body size, decompression bombs, shutdown) answers before routing dials upstream.
 The two Messages addons bracket rewrite: the Anthropic request becomes a chat request before
 rewrite injects into it, and the stripped chat answer becomes a Messages answer after.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from ..state import ProxyState
 from .attribution import Attribution
 from .capture import Capture
+from .connections import Connections
 from .control import Control
 from .encoding import Encoding
 from .gate import Gate
@@ -31,10 +33,11 @@ from .secrets import Secrets
 
 def build_addons(state: ProxyState) -> list:
     return [
-        attribution := Attribution(state), Secrets(), Control(state), Limits(state), Gate(state, attribution),
+        attribution := Attribution(state), Secrets(), Control(state), Connections(state, attribution), Limits(state),
+        Gate(state, attribution),
         Routing(state), Capture(state), Encoding(state), MessagesRequest(), Rewrite(state), MessagesResponse(),
     ]
 
 
-__all__ = ["Attribution", "Capture", "Control", "Encoding", "Gate", "Limits", "MessagesRequest", "MessagesResponse",
-           "Rewrite", "Routing", "Secrets", "build_addons"]
+__all__ = ["Attribution", "Capture", "Connections", "Control", "Encoding", "Gate", "Limits", "MessagesRequest",
+           "MessagesResponse", "Rewrite", "Routing", "Secrets", "build_addons"]

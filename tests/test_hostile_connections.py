@@ -1,0 +1,146 @@
+"""Connections a harness opens cannot take the proxy's from everyone else (``max_connections``).
+
+Each connection costs the proxy a file descriptor. A harness that opened connections and sent
+nothing held each for ``idle_timeout`` (600 s): at the open-file limit every accept failed, and
+another harness's call and the trainer's control calls hung (with the limit at 400 and 600 such
+connections: both timed out after 30 s). Past ``max_connections`` the oldest connection of whoever
+holds the most is closed. Real proxy process, real stub upstream, raw sockets, httpx and the
+OpenAI SDK.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import urllib.parse
+
+import httpx
+import pytest
+from fixtures_proxy import read_spans
+
+from lightning_harness.proxy.locate import proxy_python
+
+pytestmark = pytest.mark.timeout(300)
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+LIMIT = 48
+
+
+def _chat_url(p, rollout: str) -> str:
+    return p.env_for(rollout)["OPENAI_BASE_URL"] + "/chat/completions"
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _closed_by_proxy(socks: list[socket.socket]) -> int:
+    """How many of ``socks`` the proxy has closed (EOF or reset waiting to be read)."""
+    closed = 0
+    for s in socks:
+        s.setblocking(False)
+        try:
+            closed += s.recv(65536) == b""
+        except BlockingIOError:
+            pass
+        except OSError:
+            closed += 1
+    return closed
+
+
+def _slow_call(url: str, out: list) -> threading.Thread:
+    """Another rollout's call in flight throughout (the stub answers after 4 s)."""
+    def run():
+        with httpx.Client(trust_env=False, timeout=60) as c:
+            out.append(c.post(url, json=BODY, headers={"X-Stub-Delay": "4"}))
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_harness_opening_connections_closes_its_own_not_anyone_elses(make_proxy):
+    """300 connections, half sending nothing, half each holding a request of the flooding rollout
+    (headers and part of a body): the proxy's descriptors stay within the bound, another harness
+    is answered at once, a third rollout's call in flight when the flood began completes and is
+    recorded, and the control API answers; what was closed was the flood's."""
+    p = make_proxy(extra_args=["--max-connections", str(LIMIT)])
+    port = p.config.reverse_port
+    path = urllib.parse.urlsplit(_chat_url(p, "flood")).path
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{"
+    answers: list[httpx.Response] = []
+    slow = _slow_call(_chat_url(p, "busy"), answers)
+    time.sleep(0.5)
+    flood = []
+    for i in range(300):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if i % 2:
+            s.sendall(head.encode())
+        flood.append(s)
+    try:
+        time.sleep(1)
+        assert _fds(p.pid) < 2 * LIMIT + 40
+        t0 = time.monotonic()
+        with httpx.Client(trust_env=False, timeout=20) as c:
+            assert c.post(_chat_url(p, "other"), json=BODY).status_code == 200
+        assert time.monotonic() - t0 < 5
+        assert p.control.state()["connections_closed"] >= 300 - LIMIT
+        assert _closed_by_proxy(flood) >= 300 - LIMIT
+    finally:
+        for s in flood:
+            s.close()
+    slow.join(60)
+    assert answers and answers[0].status_code == 200, answers
+    busy = [s for s in read_spans(p) if s["rollout_id"] == "busy"]
+    assert len(busy) == 1 and busy[0]["error_kind"] is None, busy
+
+
+def _tunnels(p, rollout: str, n: int) -> list[socket.socket]:
+    """``n`` CONNECT tunnels opened with ``rollout``'s credentials, then silent."""
+    fwd = urllib.parse.urlsplit(p.env_for(rollout)["HTTPS_PROXY"])
+    user, secret = urllib.parse.unquote(fwd.username), urllib.parse.unquote(fwd.password)
+    auth = base64.b64encode(f"{user}:{secret}".encode()).decode()
+    out = []
+    for _ in range(n):
+        s = socket.create_connection((fwd.hostname, fwd.port), timeout=10)
+        s.sendall(f"CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n"
+                  f"Proxy-Authorization: Basic {auth}\r\n\r\n".encode())
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        out.append(s)
+    return out
+
+
+def test_tunnels_count_for_the_rollout_that_opened_them(make_proxy):
+    """Through the forward proxy: a harness's 10 tunnels opened first (a connection pool) stay open
+    while another rollout opens 200 and is closed its own; a third rollout's call through the
+    forward proxy is answered."""
+    p = make_proxy(extra_args=["--max-connections", str(LIMIT)])
+    pool = _tunnels(p, "busy", 10)
+    flood = _tunnels(p, "flood", 200)
+    try:
+        other = p.env_for("other")
+        tls = ssl.create_default_context(cafile=other["SSL_CERT_FILE"])
+        with httpx.Client(proxy=other["HTTPS_PROXY"], verify=tls, trust_env=False, timeout=20) as c:
+            assert c.post("https://api.openai.com/v1/chat/completions", json=BODY).status_code == 200
+        assert _closed_by_proxy(pool) == 0
+        assert _closed_by_proxy(flood) >= 210 - LIMIT
+        assert _fds(p.pid) < 2 * LIMIT + 40
+    finally:
+        for s in pool + flood:
+            s.close()
+    assert [s["rollout_id"] for s in read_spans(p)] == ["other"]
+
+
+@pytest.mark.parametrize(("soft", "hard", "bound"), [(400, 400, 136), (1024, 20000, 8192), (20000, 20000, 8192)])
+def test_the_default_bound_follows_the_open_file_limit(soft, hard, bound):
+    """``max_connections: 0``: half the open-file limit less a reserve, at most 8192; a soft limit
+    below what that needs is raised toward the hard one."""
+    code = ("import resource; from lightning_harness.proxy.addons.connections import connection_bound as b; "
+            "print(b(0), resource.getrlimit(resource.RLIMIT_NOFILE)[0], b(7))")
+    out = subprocess.run(["prlimit", f"--nofile={soft}:{hard}", proxy_python(), "-c", code],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(bound), str(min(hard, 16512) if soft < 16512 else soft), "7"]
