@@ -315,6 +315,22 @@ def test_an_http2_body_past_its_bound_ends_its_stream_at_once(make_proxy, tmp_pa
     assert _post(_url(p, "after"), json=BODY).status_code == 200
 
 
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
+def test_an_http2_call_refused_on_its_headers_hears_why_at_once(make_proxy, tmp_path):
+    """Over HTTP/2 too, a call refused on its headers (a control call without the control token, in
+    a harness's tunnel) gets its 401 and reason at once, whatever the size of the body it streams."""
+    p = make_proxy(extra_args=["--max-body-size", str(MiB)])
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (64 * MiB))
+    for size in (1000, 64 * MiB):
+        with subprocess.Popen(["head", "-c", str(size), str(big)], stdout=subprocess.PIPE) as pipe:
+            r = subprocess.run(["curl", "-sS", "--http2", "-w", " %{http_code} %{http_version}", "-T", "-", "-X",
+                                "POST", "https://lightning.proxy/_lh/flush"],
+                               env=client_env(p.env_for("h2-refused")), stdin=pipe.stdout, capture_output=True,
+                               text=True, timeout=60)
+        assert r.stdout.endswith(" 401 2") and "needs Authorization: Bearer" in r.stdout, (size, r.stdout, r.stderr)
+
+
 def test_an_upload_through_the_forward_proxy_streams_through(make_proxy):
     """Other traffic (not recorded) to a host that is not the pool's is not held: mitmproxy read an
     upload whole first (64 MiB: the proxy's peak +209 MiB), as large as a harness chose."""
