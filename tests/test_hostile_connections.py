@@ -53,11 +53,11 @@ def _closed_by_proxy(socks: list[socket.socket]) -> int:
     return closed
 
 
-def _slow_call(url: str, out: list) -> threading.Thread:
+def _slow_call(url: str, out: list, body: dict = BODY) -> threading.Thread:
     """Another rollout's call in flight throughout (the stub answers after 4 s)."""
     def run():
         with httpx.Client(trust_env=False, timeout=60) as c:
-            out.append(c.post(url, json=BODY, headers={"X-Stub-Delay": "4"}))
+            out.append(c.post(url, json=body, headers={"X-Stub-Delay": "4"}))
     t = threading.Thread(target=run)
     t.start()
     return t
@@ -97,6 +97,32 @@ def test_a_harness_opening_connections_closes_its_own_not_anyone_elses(make_prox
     assert answers and answers[0].status_code == 200, answers
     busy = [s for s in read_spans(p) if s["rollout_id"] == "busy"]
     assert len(busy) == 1 and busy[0]["error_kind"] is None, busy
+
+
+def test_at_the_bound_with_one_connection_each_the_newcomer_is_the_one_closed(make_proxy, stub_server):
+    """Four rollouts each with one call in flight fill a bound of 4: a fifth, silent connection ties
+    with each of them and is the one closed, not a rollout's. (The calls are watched at the stub:
+    a control call would be a fifth connection itself.)"""
+    p = make_proxy(extra_args=["--max-connections", "4"])
+    marker = f"newcomer-{time.time_ns()}"
+    body = {**BODY, "messages": [{"role": "user", "content": marker}]}
+    answers: list[httpx.Response] = []
+    calls = [_slow_call(_chat_url(p, f"r{i}"), answers, body) for i in range(4)]
+    deadline = time.monotonic() + 20
+    while sum(marker in str(r.get("messages")) for r in stub_server.requests()) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    late = socket.create_connection(("127.0.0.1", p.config.reverse_port), timeout=10)
+    try:
+        late.settimeout(5)
+        assert late.recv(1) == b""  # closed at once
+    except ConnectionResetError:
+        pass
+    finally:
+        late.close()
+    for t in calls:
+        t.join(60)
+    assert [a.status_code for a in answers] == [200] * 4
 
 
 def _tunnels(p, rollout: str, n: int) -> list[socket.socket]:

@@ -8,11 +8,12 @@ harness's calls and the trainer's control calls hung until then.
 
 Nothing on a new connection says whose it is (harnesses all reach the proxy from loopback), so a
 connection cannot be refused by owner. Instead, past ``max_connections`` the oldest connection of
-whoever holds the most is closed. A connection counts for a rollout once a request on it (or the
-CONNECT that opened its tunnel) was admitted for that rollout; the trainer's authenticated control
-calls count apart; every other connection (nothing sent yet, refused, no credentials) counts for
-one holder, ``UNKNOWN``. A harness opening connections thus closes its own: a legitimate client
-sends its request as it connects, and counts for its rollout within milliseconds.
+whoever holds the most is closed (on a tie, the unnamed holder's: at the bound with one connection
+each, a newcomer that has sent nothing is the one closed). A connection counts for a rollout once a
+request on it (or the CONNECT that opened its tunnel) was admitted for that rollout; the trainer's
+authenticated control calls count apart; every other connection (nothing sent yet, refused, no
+credentials) counts for one holder, ``UNKNOWN``. A harness opening connections thus closes its own:
+a legitimate client sends its request as it connects, and counts for its rollout within milliseconds.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class Connections:
                 del self.by_holder[holder]
 
     def _close_oldest_of_most(self, new: connection.Client) -> None:
-        holder = max(self.by_holder, key=lambda h: len(self.by_holder[h]))
+        # the most; on a tie the unnamed (a rollout's connection is worth more than a silent one)
+        holder = max(self.by_holder, key=lambda h: (len(self.by_holder[h]), h == UNKNOWN))
         victim = next(iter(self.by_holder[holder].values()))
         self._release(victim.id)
         self.state.connections_closed += 1
