@@ -4,8 +4,7 @@ Each connection costs the proxy a file descriptor. A harness that opened connect
 nothing held each for ``idle_timeout`` (600 s): at the open-file limit every accept failed, and
 another harness's call and the trainer's control calls hung (with the limit at 400 and 600 such
 connections: both timed out after 30 s). Past ``max_connections`` the oldest connection of whoever
-holds the most is closed. Real proxy process, real stub upstream, raw sockets, httpx and the
-OpenAI SDK.
+holds the most is closed. Real proxy process, real stub upstream, raw sockets and httpx.
 """
 
 from __future__ import annotations
