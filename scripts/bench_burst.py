@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Many clients connecting at once: the proxy against plain mitmproxy, in one run.
+
+Harnesses that start together connect together. Each size N in ``--sizes`` is measured twice on
+each of the proxy's reverse listener and a plain ``mitmdump`` in reverse mode (asyncio's accept
+queue of 100, as the proxy had before it raised its own):
+- connections: N opened at once (non-blocking), seconds until each handshake completed;
+- requests: N opened at once, each sending one GET as soon as it connects; seconds until its
+  answer's first byte (both answer it themselves: the proxy 401, no credentials; mitmdump 502, its
+  upstream is down), so this is the proxy's own pace, no engine involved.
+A handshake dropped at a full queue is retried by the client's kernel after 1 s, then 3 s, 7 s...:
+the `>1 s` column counts those.
+
+    .venv/bin/python scripts/bench_burst.py                    # 1000 and 3000 at once (~1 min)
+    .venv/bin/python scripts/bench_burst.py --sizes 500 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import resource
+import selectors
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_proxy import PlainMitmproxy  # noqa: E402
+
+from lightning_harness.proxy.client import ProxyProcess  # noqa: E402
+
+REQUEST = b"GET /v1/models HTTP/1.1\r\nHost: bench\r\n\r\n"
+DEAD_UPSTREAM = "http://127.0.0.1:9"  # nothing listens: neither process dials an engine that answers
+
+
+def at_once(port: int, n: int, request: bytes | None, timeout: float = 120) -> list[float]:
+    """Open ``n`` connections to ``port`` at once; seconds each took to connect, or with ``request``
+    to get the first byte of its answer. Sorted; a connection that never got there is left out."""
+    sel, started, took = selectors.DefaultSelector(), {}, []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        if s.connect_ex(("127.0.0.1", port)) not in (0, errno.EINPROGRESS):
+            raise OSError(f"connect to {port} failed")
+        started[s] = time.monotonic()
+        sel.register(s, selectors.EVENT_WRITE)
+    deadline = time.monotonic() + timeout
+    while started and time.monotonic() < deadline:
+        for key, events in sel.select(0.05):
+            s = key.fileobj
+            if events & selectors.EVENT_WRITE and request is not None:
+                s.send(request)
+                sel.modify(s, selectors.EVENT_READ)
+                continue
+            sel.unregister(s)
+            took.append(time.monotonic() - started.pop(s))
+            s.close()
+    for s in started:
+        s.close()
+    return sorted(took)
+
+
+def row(what: str, n: int, took: list[float]) -> str:
+    def ms(q: float) -> str:
+        return f"{1000 * took[min(len(took) - 1, int(q * len(took)))]:8.0f}" if took else "       -"
+
+    return (f"| {what:<30} | {n:>5} | {len(took):>5} | {ms(0.5)} | {ms(0.9)} | {ms(1.0)} | "
+            f"{sum(t >= 1 for t in took):>5} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 3000], help="clients at once")
+    a = ap.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # (each client is a descriptor here)
+    work = Path(tempfile.mkdtemp(prefix="bench-burst-"))
+    proxy = ProxyProcess(work / "traces", upstreams=[DEAD_UPSTREAM], confdir=work / "conf",
+                         log_path=work / "proxy.log").start()
+    plain = PlainMitmproxy(DEAD_UPSTREAM, work)
+    print("| clients at once | N | done | p50 ms | p90 ms | slowest ms | >1 s |")
+    print("|---|---|---|---|---|---|---|")
+    try:
+        for n in a.sizes:
+            for kind, request in (("connections", None), ("requests", REQUEST)):
+                for name, port in (("lightning-proxy", proxy.config.reverse_port), ("plain mitmproxy", plain.port)):
+                    print(row(f"{kind}, {name}", n, at_once(port, n, request)), flush=True)
+                    time.sleep(2)  # (the closed connections drain before the next round)
+    finally:
+        proxy.stop()
+        plain.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
