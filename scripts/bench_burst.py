@@ -9,7 +9,7 @@ queue of 100, as the proxy had before it raised its own):
   answer's first byte (both answer it themselves: the proxy 401, no credentials; mitmdump 502, its
   upstream is down), so this is the proxy's own pace, no engine involved.
 A handshake dropped at a full queue is retried by the client's kernel after 1 s, then 3 s, 7 s...:
-the `>1 s` column counts those.
+the `>1 s` column counts those. CPU: the process's, per client, closing included.
 
     .venv/bin/python scripts/bench_burst.py                    # 1000 and 3000 at once (~1 min)
     .venv/bin/python scripts/bench_burst.py --sizes 500 2000
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_proxy import PlainMitmproxy  # noqa: E402
+from bench_proxy import PlainMitmproxy, cpu_seconds  # noqa: E402
 
 from lightning_harness.proxy.client import ProxyProcess  # noqa: E402
 
@@ -66,12 +66,12 @@ def at_once(port: int, n: int, request: bytes | None, timeout: float = 120) -> l
     return sorted(took)
 
 
-def row(what: str, n: int, took: list[float]) -> str:
+def row(what: str, n: int, took: list[float], cpu_s: float) -> str:
     def ms(q: float) -> str:
         return f"{1000 * took[min(len(took) - 1, int(q * len(took)))]:8.0f}" if took else "       -"
 
     return (f"| {what:<30} | {n:>5} | {len(took):>5} | {ms(0.5)} | {ms(0.9)} | {ms(1.0)} | "
-            f"{sum(t >= 1 for t in took):>5} |")
+            f"{sum(t >= 1 for t in took):>5} | {1000 * cpu_s / n:6.2f} |")
 
 
 def main() -> int:
@@ -83,15 +83,19 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-burst-"))
     proxy = ProxyProcess(work / "traces", upstreams=[DEAD_UPSTREAM], confdir=work / "conf",
                          log_path=work / "proxy.log").start()
-    plain = PlainMitmproxy(DEAD_UPSTREAM, work)
-    print("| clients at once | N | done | p50 ms | p90 ms | slowest ms | >1 s |")
-    print("|---|---|---|---|---|---|---|")
+    plain = PlainMitmproxy(DEAD_UPSTREAM, work, ("--set", "connection_strategy=lazy"))  # (as the proxy: no dial
+    # before a request; mitmproxy's default dials the upstream at each connection)
+    print("| clients at once | N | done | p50 ms | p90 ms | slowest ms | >1 s | CPU ms a client |")
+    print("|---|---|---|---|---|---|---|---|")
     try:
         for n in a.sizes:
             for kind, request in (("connections", None), ("requests", REQUEST)):
-                for name, port in (("lightning-proxy", proxy.config.reverse_port), ("plain mitmproxy", plain.port)):
-                    print(row(f"{kind}, {name}", n, at_once(port, n, request)), flush=True)
-                    time.sleep(2)  # (the closed connections drain before the next round)
+                for name, port, pid in (("lightning-proxy", proxy.config.reverse_port, proxy.pid),
+                                        ("plain mitmproxy", plain.port, plain.pid)):
+                    cpu0 = cpu_seconds(pid)
+                    took = at_once(port, n, request)
+                    time.sleep(2)  # (the closed connections drain before the next round, counted in its CPU)
+                    print(row(f"{kind}, {name}", n, took, cpu_seconds(pid) - cpu0), flush=True)
     finally:
         proxy.stop()
         plain.stop()

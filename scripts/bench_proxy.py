@@ -176,7 +176,7 @@ class PlainMitmproxy:
     """``mitmdump`` (the proxy's environment) in reverse mode to the stub: no addons of ours, event
     streams relayed as they come (``flow.response.stream = True``), nothing recorded."""
 
-    def __init__(self, upstream: str, work: Path) -> None:
+    def __init__(self, upstream: str, work: Path, args: tuple[str, ...] = ()) -> None:
         import subprocess
 
         from conftest import free_port
@@ -190,7 +190,7 @@ class PlainMitmproxy:
         self.log = open(work / "mitmdump.log", "ab")
         self.proc = subprocess.Popen(
             [mitmdump, "-q", "--mode", f"reverse:{upstream}", "--listen-host", "127.0.0.1", "--listen-port",
-             str(self.port), "--set", f"confdir={work / 'conf'}", "-s", str(script)],
+             str(self.port), "--set", f"confdir={work / 'conf'}", "-s", str(script), *args],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.proc.pid
         self.url = f"http://127.0.0.1:{self.port}/v1"
