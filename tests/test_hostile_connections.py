@@ -90,8 +90,14 @@ def test_a_harness_opening_connections_closes_its_own_not_anyone_elses(make_prox
         with httpx.Client(trust_env=False, timeout=20) as c:
             assert c.post(_chat_url(p, "other"), json=BODY).status_code == 200
         assert time.monotonic() - t0 < 5
-        assert p.control.state()["connections_closed"] >= 300 - LIMIT
-        assert _closed_by_proxy(flood) >= 300 - LIMIT
+        counted = p.control.state()["connections_closed"]
+        assert counted >= 300 - LIMIT
+        # the flood's sockets seen closed; waited for, as the flood now reaches the proxy all at once
+        # (its accept queue holds it) and a loaded machine may still be closing them
+        deadline = time.monotonic() + 10
+        while (seen := _closed_by_proxy(flood)) < 300 - LIMIT and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert seen >= 300 - LIMIT, (seen, counted)
     finally:
         for s in flood:
             s.close()
