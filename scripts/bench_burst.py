@@ -120,7 +120,7 @@ def main() -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 3000], help="clients at once")
     ap.add_argument("--calls", type=int, default=300, help="forward-proxy calls a round (0: skip)")
     a = ap.parse_args()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # (each client is a descriptor here)
     work = Path(tempfile.mkdtemp(prefix="bench-burst-"))
     stub = StubServer(work)

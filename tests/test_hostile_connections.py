@@ -10,22 +10,25 @@ holds the most is closed. Real proxy process, real stub upstream, raw sockets an
 from __future__ import annotations
 
 import base64
-import errno
 import os
 import resource
-import selectors
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
+from pathlib import Path
 
 import httpx
 import pytest
 from fixtures_proxy import read_spans
 
 from lightning_harness.proxy.locate import proxy_python
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from bench_burst import at_once  # noqa: E402  (the benchmark's N connections at once)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -169,26 +172,6 @@ def test_tunnels_count_for_the_rollout_that_opened_them(make_proxy):
     assert [s["rollout_id"] for s in read_spans(p)] == ["other"]
 
 
-def _connect_all_at_once(port: int, n: int) -> list[float]:
-    """Open ``n`` connections to ``port`` at once (non-blocking); the seconds each handshake took."""
-    sel, started, took = selectors.DefaultSelector(), {}, []
-    for _ in range(n):
-        s = socket.socket()
-        s.setblocking(False)
-        assert s.connect_ex(("127.0.0.1", port)) in (0, errno.EINPROGRESS)
-        started[s] = time.monotonic()
-        sel.register(s, selectors.EVENT_WRITE)
-    deadline = time.monotonic() + 30
-    while started and time.monotonic() < deadline:
-        for key, _ in sel.select(0.05):
-            sel.unregister(key.fileobj)
-            took.append(time.monotonic() - started.pop(key.fileobj))
-            key.fileobj.close()
-    for s in started:
-        s.close()
-    return took
-
-
 def test_a_thousand_connections_at_once_are_not_kept_waiting_for_the_kernel_to_retry(make_proxy):
     """Harnesses starting together connect together. With mitmproxy's accept queue of 100, a
     handshake arriving past it was dropped and retried by the client's kernel a second later
@@ -202,7 +185,7 @@ def test_a_thousand_connections_at_once_are_not_kept_waiting_for_the_kernel_to_r
     try:
         p = make_proxy()
         for port in (p.config.reverse_port, p.config.forward_port):
-            took = _connect_all_at_once(port, 1000)
+            took = at_once(port, 1000, None, timeout=30)
             assert len(took) == 1000 and max(took) < 0.8, (port, sorted(took)[-5:], sum(t >= 0.8 for t in took))
         with httpx.Client(trust_env=False, timeout=20) as c:
             assert c.post(_chat_url(p, "after"), json=BODY).status_code == 200
