@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fixtures_proxy import read_spans
+from fixtures_proxy import in_proxy_env, read_spans
 
 from lightning_harness.proxy.locate import proxy_python
 
@@ -95,12 +95,11 @@ def test_a_harness_opening_connections_closes_its_own_not_anyone_elses(make_prox
         assert time.monotonic() - t0 < 5
         counted = p.control.state()["connections_closed"]
         assert counted >= 300 - LIMIT
-        # the flood's sockets seen closed; waited for, as the flood now reaches the proxy all at once
-        # (its accept queue holds it) and a loaded machine may still be closing them
+        # each close counted is one of the flood's sockets closed (a loaded machine may still be closing them)
         deadline = time.monotonic() + 10
-        while (seen := _closed_by_proxy(flood)) < 300 - LIMIT and time.monotonic() < deadline:
+        while (seen := _closed_by_proxy(flood)) < counted and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert seen >= 300 - LIMIT, (seen, counted)
+        assert seen >= counted, (seen, counted)
     finally:
         for s in flood:
             s.close()
@@ -108,6 +107,51 @@ def test_a_harness_opening_connections_closes_its_own_not_anyone_elses(make_prox
     assert answers and answers[0].status_code == 200, answers
     busy = [s for s in read_spans(p) if s["rollout_id"] == "busy"]
     assert len(busy) == 1 and busy[0]["error_kind"] is None, busy
+
+
+def test_a_request_read_before_its_connection_was_closed_does_not_count_it_again():
+    """mitmproxy runs each request hook as a task of its own, so a flood's request read just before
+    the bound closed its connection reached ``requestheaders`` after the close, at times after the
+    connection was gone, and was counted again. That slot outlived the connection; chosen later, it
+    closed nothing, and the flood kept more connections than the bound (300 against 48: up to 57 open,
+    about one run in 80 of the test above). Now only a connection still held is counted anew, and a
+    close counts only what it closed. Run where the proxy runs (mitmproxy's environment); mitmproxy's
+    abort is recorded instead (the test above runs the real one)."""
+    code = """
+from types import SimpleNamespace as NS
+import lightning_harness.proxy.addons.connections as m
+from lightning_harness.proxy.state import META, Call
+class Conn:
+    def __init__(self, id):
+        self.id = id
+served, closed = {}, []  # mitmproxy's handlers by connection; the connections aborted
+def connect(x):
+    io = NS(writer=NS(transport=NS(abort=lambda: closed.append(x.id))))
+    served[x.id] = NS(client=x, transports={x: io})
+    c.client_connected(x)
+def request(x):
+    c.requestheaders(NS(metadata={META: Call(rollout_id="flood")}, response=None, client_conn=x))
+m.ctx = NS(master=NS(addons=NS(get=lambda name: NS(connections=served))))
+state = NS(config=NS(max_connections=2), connections_closed=0)
+c = m.Connections(state, NS(by_conn={}))
+a, b, d, e, f, g = map(Conn, "abdefg")
+for x in (a, b):
+    connect(x)
+    request(x)
+connect(d)  # a, the oldest of the flood's two, is closed
+request(a)  # its request, read before the close, reaches the hook after it
+served.pop("a")
+c.client_disconnected(a)
+request(a)  # or after the connection is gone
+request(d)
+connect(e)  # b is closed
+request(e)
+connect(f)  # d is closed, not the slot a would hold
+served.pop("f")  # (mitmproxy served f no more without saying so)
+connect(g)  # f chosen: nothing to close, not counted
+print(closed, state.connections_closed, sorted(c.holder_of))
+"""
+    assert in_proxy_env(code).strip() == "['a', 'b', 'd'] 3 ['e', 'g']"
 
 
 def test_at_the_bound_with_one_connection_each_the_newcomer_is_the_one_closed(make_proxy, stub_server):

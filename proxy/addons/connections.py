@@ -106,8 +106,9 @@ class Connections:
         log.info("accept queues of %d listening sockets raised to %d", widen_accept_queues(), cap)
 
     def client_connected(self, client: connection.Client) -> None:
-        self._hold(client, UNKNOWN)
-        if len(self.holder_of) > self.limit:
+        self.holder_of[client.id] = UNKNOWN
+        self.by_holder.setdefault(UNKNOWN, {})[client.id] = client
+        while len(self.holder_of) > self.limit:
             self._close_oldest_of_most(client)
 
     def client_disconnected(self, client: connection.Client) -> None:
@@ -116,7 +117,7 @@ class Connections:
     def http_connect(self, flow: http.HTTPFlow) -> None:
         ident = self.attribution.by_conn.get(flow.client_conn.id)
         if flow.response is None and ident is not None and ident.rollout_id is not None:
-            self._hold(flow.client_conn, ident.rollout_id)
+            self._move(flow.client_conn, ident.rollout_id)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         """After attribution and the control token's check: an admitted request names its holder."""
@@ -125,10 +126,14 @@ class Connections:
             return
         holder = call.rollout_id if call.rollout_id is not None else CONTROLLER if call.kind == CONTROL else None
         if holder is not None:
-            self._hold(flow.client_conn, holder)
+            self._move(flow.client_conn, holder)
 
-    def _hold(self, client: connection.Client, holder: str) -> None:
-        if self.holder_of.get(client.id) == holder:
+    def _move(self, client: connection.Client, holder: str) -> None:
+        """Count a held connection for ``holder``. One no longer held (closed here, or gone) stays out:
+        mitmproxy runs each request hook as a task of its own, so a request read before its connection
+        was closed here still reaches this hook afterwards, and counting it again would hold a slot for
+        a connection that no longer exists (under a flood, dozens a second)."""
+        if self.holder_of.get(client.id, holder) == holder:
             return
         self._release(client.id)
         self.holder_of[client.id] = holder
@@ -147,19 +152,27 @@ class Connections:
         holder = max(self.by_holder, key=lambda h: (len(self.by_holder[h]), h == UNKNOWN))
         victim = next(iter(self.by_holder[holder].values()))
         self._release(victim.id)
+        if victim is new:  # (in its own client_connected hook: refused before it starts)
+            new.error = "max_connections"
+        elif not _abort(victim):
+            return  # gone already (its slot was freed above): nothing closed, nothing counted
         self.state.connections_closed += 1
         if time.monotonic() >= self.quiet_until:
             self.quiet_until = time.monotonic() + 10
             log.warning("max_connections (%d) reached: closed the oldest of the %d connections of %s "
                         "(%d closed so far)", self.limit, len(self.by_holder.get(holder, ())) + 1, holder,
                         self.state.connections_closed)
-        if victim is new:  # (in its own client_connected hook: refused before it starts)
-            new.error = "max_connections"
-            return
-        # mitmproxy 11 has no command that closes a client connection. Its socket is aborted, which
-        # mitmproxy then reads as the client gone (cancelling its task instead missed the connections
-        # accepted but not yet started: their task does not exist until their first event is handled)
-        handler = ctx.master.addons.get("proxyserver").connections.get(victim.id)
-        io = handler.transports.get(handler.client) if handler is not None else None
-        if io is not None and io.writer is not None:
-            io.writer.transport.abort()
+
+
+def _abort(client: connection.Client) -> bool:
+    """Close a client connection mitmproxy still serves; False if it serves it no more.
+
+    mitmproxy 11 has no command that closes a client connection. Its socket is aborted, which
+    mitmproxy then reads as the client gone (cancelling its task instead missed the connections
+    accepted but not yet started: their task does not exist until their first event is handled)."""
+    handler = ctx.master.addons.get("proxyserver").connections.get(client.id)
+    io = handler.transports.get(handler.client) if handler is not None else None
+    if io is None or io.writer is None:
+        return False
+    io.writer.transport.abort()
+    return True
