@@ -117,11 +117,18 @@ class LinesPerSite(logging.Filter):
         self.sites[site] = (allowed - 1, now, 0)
         return True
 
+    def left_out(self) -> dict[str, int]:
+        """Lines left out and not yet reported, by call site (``file:line``): said once at shutdown."""
+        return {f"{Path(site[2]).name}:{site[3]}": n for site, (_, _, n) in self.sites.items() if n}
+
+
+LINES = LinesPerSite()
+
 
 def _setup_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.addFilter(LinesPerSite())
+    handler.addFilter(LINES)
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
@@ -278,6 +285,8 @@ async def _serve(config: ProxyConfig) -> int:
         await master.run()
     finally:
         state.close()
+        if LINES.left_out():
+            log.info("log lines left out since their last line: %s", LINES.left_out())
         log.info("lightning-proxy stopped: %s", state.snapshot())
     return 0
 
