@@ -95,8 +95,8 @@ class LinesPerSite(logging.Filter):
     cuts or records an error, and each of those logs a line. Refused calls from one client as fast
     as the proxy answered them (2,000 in 4.7 s) wrote 312 KB of log, ~65 KB a second or ~5.6 GB a
     day, to a file nothing trims. What each line reports is counted anyway (the control API's
-    state, the error spans)
-    A call site (logger, level, file, line) is the key, not the message: a set that cannot grow."""
+    state, the error spans). A call site (logger, level, file, line) is the key, not the message:
+    a set that cannot grow."""
 
     def __init__(self, burst: int = 100, per_second: float = 1.0) -> None:
         super().__init__()
@@ -112,8 +112,11 @@ class LinesPerSite(logging.Filter):
             self.sites[site] = (allowed, now, left_out + 1)
             return False
         if left_out:
-            record.msg = f"{record.getMessage()} [{left_out} more lines from here not logged]"
-            record.args = None
+            try:
+                text = record.getMessage()
+            except Exception:  # (a broken call: the formatter reports it as ever)
+                text = str(record.msg)
+            record.msg, record.args = f"{text} [{left_out} more lines from here not logged]", None
         self.sites[site] = (allowed - 1, now, 0)
         return True
 

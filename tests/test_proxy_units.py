@@ -527,3 +527,27 @@ def test_bench_assembly_measures_packed_against_plain_lists():
     plain, packed, ratio = map(float, rows["tracked objects/token"])
     assert plain > 2.9 and packed < 0.5 and ratio < 0.2, out.stdout  # (the last 392 of 5,000 not yet packed)
     assert float(rows["bytes/token"][2]) < 0.6, out.stdout
+
+
+def test_log_lines_per_call_site_are_bounded_and_what_was_left_out_is_said():
+    """``LinesPerSite``: a burst of 2 then one a second (clock stepped by hand); the line let through
+    after says how many were left out, even from a broken logging call; the rest is kept for
+    shutdown. Run where the proxy runs (its environment has mitmproxy)."""
+    code = """
+import logging, time
+from lightning_harness.proxy import server
+now = [0.0]
+time.monotonic = lambda: now[0]
+f = server.LinesPerSite(burst=2, per_second=1)
+def rec(msg, *args):
+    return logging.LogRecord("lightning.proxy", logging.INFO, "/x/attribution.py", 7, msg, args, None)
+out = [f.filter(rec("n=%d", i)) for i in range(5)]
+now[0] = 1.0
+broken = rec("n=%d and %s", 9)
+out.append(f.filter(broken))
+out.append(f.filter(rec("n=%d", 10)))
+print(out, repr(broken.getMessage()), f.left_out())
+"""
+    assert in_proxy_env(code).strip() == (
+        "[True, True, False, False, False, True, False] 'n=%d and %s [3 more lines from here not logged]' "
+        "{'attribution.py:7': 1}")
