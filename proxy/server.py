@@ -288,8 +288,8 @@ async def _serve(config: ProxyConfig) -> int:
         await master.run()
     finally:
         state.close()
-        if LINES.left_out():
-            log.info("log lines left out since their last line: %s", LINES.left_out())
+        if left_out := LINES.left_out():
+            log.info("log lines left out since their last line: %s", left_out)
         log.info("lightning-proxy stopped: %s", state.snapshot())
     return 0
 

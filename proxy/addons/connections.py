@@ -106,8 +106,7 @@ class Connections:
         log.info("accept queues of %d listening sockets raised to %d", widen_accept_queues(), cap)
 
     def client_connected(self, client: connection.Client) -> None:
-        self.holder_of[client.id] = UNKNOWN
-        self.by_holder.setdefault(UNKNOWN, {})[client.id] = client
+        self._add(client, UNKNOWN)
         while len(self.holder_of) > self.limit:
             self._close_oldest_of_most(client)
 
@@ -136,6 +135,9 @@ class Connections:
         if self.holder_of.get(client.id, holder) == holder:
             return
         self._release(client.id)
+        self._add(client, holder)
+
+    def _add(self, client: connection.Client, holder: str) -> None:
         self.holder_of[client.id] = holder
         self.by_holder.setdefault(holder, {})[client.id] = client
 
