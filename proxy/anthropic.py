@@ -447,9 +447,8 @@ class EventTranslator:
     Reasoning deltas open a ``thinking`` block, text deltas a ``text`` block, each tool call a
     ``tool_use`` block (its argument pieces are ``input_json_delta``); a block is stopped when the
     next kind starts or the answer ends.
-    The answer ends as the span's does (``StreamAssembler``): choice 0 with its ``finish_reason``
-    chunk, the usage with the first one given once every choice has ended (that chunk's own, or
-    vLLM's usage-only chunk after it). Then ``message_delta`` (stop reason, output tokens) and
+    The answer ends as the span's does (:class:`AnswerEnd`): once choice 0 has ended and the usage
+    of the whole answer is in, ``message_delta`` (stop reason, output tokens) and
     ``message_stop`` go out, and what a hostile upstream sends after them (more deltas, another
     final chunk or usage) is not translated: the client and the span keep the same answer. Only an
     error still counts (the span says so too): an ``error`` event. ``finish()`` (on ``[DONE]``)
@@ -470,9 +469,7 @@ class EventTranslator:
         self.tool_args: list[str] | None = None  # the last tool call's argument pieces (None: no call)
         self.index = -1  # content block index
         self.choice: dict = {}
-        self.ended: dict[Any, bool] = {}  # each choice seen: whether its final chunk came
-        self.usage: Any = {}
-        self.usage_final = False  # the usage of the whole answer is in: later ones are ignored
+        self.end_rule = AnswerEnd()
 
     def chunk(self, obj: dict) -> Iterator[bytes]:
         if self.finished:
@@ -488,24 +485,15 @@ class EventTranslator:
         for ch in _list(obj.get("choices")):
             if isinstance(ch, dict):
                 yield from self._choice(ch)
-        if obj.get("usage") and not self.usage_final:
-            self.usage = obj["usage"]
-            self.usage_final = self._all_ended()
-        if self.ended.get(0) and self.usage_final:
+        self.end_rule.take_usage(obj.get("usage"))
+        if self.end_rule.ended.get(0) and self.end_rule.usage_final:
             yield from self._stop()
-
-    def _all_ended(self) -> bool:
-        """Every choice seen has had its final chunk (``StreamAssembler.finished``)."""
-        return bool(self.ended) and all(self.ended.values())
 
     def _choice(self, ch: dict) -> Iterator[bytes]:
         """One choice of a chunk: choice 0's deltas as events, up to and with its final chunk; the
         end of every choice is noted (the usage is the answer's once all have ended)."""
         idx = ch.get("index", 0)
-        if self.ended.get(idx):  # the choice has ended: nothing after its final chunk is part of it
-            return
-        self.ended[idx] = ch.get("finish_reason") is not None
-        if idx != 0:
+        if not self.end_rule.choice(idx, ch.get("finish_reason")) or idx != 0:
             return
         delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
         reasoning = delta.get("reasoning_content") or delta.get("reasoning")
@@ -567,7 +555,7 @@ class EventTranslator:
     def end(self) -> Iterator[bytes]:
         """The upstream stream is over: an answer whose choices all ended is whole (the span says
         so too, ``[DONE]`` or not); any other was cut short, and gets an ``error`` event."""
-        if self.stopped or self._all_ended():
+        if self.stopped or self.end_rule.finished:
             yield from self.finish()
         else:
             yield from self.fail("the upstream event stream ended before the answer was complete")
@@ -583,7 +571,7 @@ class EventTranslator:
         used = self.tool_args is not None
         reason, sequence = stop_reason(self.choice, self.stop, tool_used=used,
                                        tool_complete=used and _is_json("".join(self.tool_args)))
-        usage = _usage(self.usage)
+        usage = _usage(self.end_rule.usage)
         yield sse_event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason or "end_turn",
                                                                               "stop_sequence": sequence},
                                           "usage": usage})
@@ -668,6 +656,36 @@ def stream_error(obj: dict, message: Any) -> str:
     if isinstance(obj.get("error"), dict):
         message = obj["error"].get("message", message)
     return f"upstream sent an error event mid-stream: {str(message)[:500]}"
+
+
+class AnswerEnd:
+    """Where a streamed chat or completions answer ends, one rule for the span (``StreamAssembler``)
+    and for the client's Messages stream (``EventTranslator``), so the two cannot disagree: a choice
+    ends with its ``finish_reason`` chunk (nothing of it after that is part of the answer), and the
+    usage is the first one given once every choice has ended (that chunk's own, or vLLM's usage-only
+    chunk after it)."""
+
+    def __init__(self) -> None:
+        self.ended: dict[Any, bool] = {}  # each choice seen: whether its final chunk came
+        self.usage: Any = None
+        self.usage_final = False  # the usage of the whole answer is in: later ones are ignored
+
+    def choice(self, index: Any, finish_reason: Any) -> bool:
+        """Note a choice's chunk; False if that choice had ended already (the chunk is no part of it)."""
+        if self.ended.get(index):
+            return False
+        self.ended[index] = finish_reason is not None
+        return True
+
+    def take_usage(self, usage: Any) -> None:
+        if usage and not self.usage_final:
+            self.usage = usage
+            self.usage_final = self.finished
+
+    @property
+    def finished(self) -> bool:
+        """Every choice seen has had its final chunk (a stream cut short has not)."""
+        return bool(self.ended) and all(self.ended.values())
 
 
 class MessageAssembler:

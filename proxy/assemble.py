@@ -23,7 +23,7 @@ import marshal
 import math
 from typing import Any
 
-from .anthropic import MESSAGES, MessageAssembler, message_token_fields, stream_error, to_chat
+from .anthropic import MESSAGES, AnswerEnd, MessageAssembler, message_token_fields, stream_error, to_chat
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
@@ -212,17 +212,15 @@ def _materialize(acc: dict) -> dict:
 class StreamAssembler:
     """Folds ``chat.completion.chunk`` / ``text_completion`` chunks into one completion object.
 
-    A choice ends with its ``finish_reason`` chunk, and the usage with the first one given once every
-    choice has ended (that chunk's own, or vLLM's usage-only chunk right after it): what a hostile
-    upstream sends after them (more content or token ids, another final chunk) is no part of the
-    answer the client kept (one may stop reading there), so it changes nothing; an error still counts."""
+    The answer ends where :class:`AnswerEnd` says: what a hostile upstream sends after that (more
+    content or token ids, another final chunk) is no part of the answer the client kept (one may
+    stop reading there), so it changes nothing; an error still counts."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.head: dict[str, Any] = {}
         self.choices: dict[int, dict[str, Any]] = {}
-        self.usage: dict | None = None
-        self.usage_final = False  # the usage of the whole answer is in: later ones are ignored
+        self.end_rule = AnswerEnd()
         self.prompt_token_ids: list | None = None
         self.head_missing = ["id", "created", "model", "system_fingerprint"]
         self.chunks = 0
@@ -241,18 +239,16 @@ class StreamAssembler:
             self.prompt_token_ids = chunk["prompt_token_ids"]
         for ch in get("choices") or ():
             self._add_choice(ch)
-        if get("usage") and not self.usage_final:
-            self.usage = chunk["usage"]
-            self.usage_final = self.finished
+        self.end_rule.take_usage(get("usage"))
 
     def _add_choice(self, ch: dict) -> None:
         get = ch.get
         idx = get("index", 0)
+        if not self.end_rule.choice(idx, get("finish_reason")):
+            return
         acc = self.choices.get(idx)
         if acc is None:
             acc = self.choices[idx] = {"index": idx}
-        elif "finish_reason" in acc:  # the choice has ended: nothing after its final chunk is part of it
-            return
         if get("finish_reason") is not None:  # (two plain lookups: this runs once per event)
             acc["finish_reason"] = ch["finish_reason"]
         if get("stop_reason") is not None:
@@ -273,7 +269,7 @@ class StreamAssembler:
     @property
     def finished(self) -> bool:
         """Every choice got its ``finish_reason`` (a stream cut short has none)."""
-        return bool(self.choices) and all(c.get("finish_reason") is not None for c in self.choices.values())
+        return self.end_rule.finished
 
     def _add_logprobs(self, acc: dict, lp: dict) -> None:
         dst = acc.get("logprobs")
@@ -324,8 +320,8 @@ class StreamAssembler:
         obj["choices"] = [_materialize(self.choices[i]) for i in sorted(self.choices)]
         if self.prompt_token_ids is not None:
             obj["prompt_token_ids"] = self.prompt_token_ids
-        if self.usage is not None:
-            obj["usage"] = self.usage
+        if self.end_rule.usage is not None:
+            obj["usage"] = self.end_rule.usage
         return obj
 
 
