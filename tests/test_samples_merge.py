@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from fixtures_traces import chat_bodies, rollout, span, tiny_ids
@@ -297,3 +298,105 @@ def test_retokenising_an_echoed_completion_keeps_only_the_generated_text(tiny_to
     with pytest.raises(ValueError, match="include_reasoning"):
         retokenize(tok, json.dumps({"messages": [{"role": "user", "content": "two"}], "include_reasoning": False}),
                    json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "three"}}]}))
+
+
+SWE_MODEL = Path(__file__).resolve().parent.parent / "examples" / "swe" / "model"  # a byte-level BPE tokenizer
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace: a word's leading space is its piece's ``▁``), whose
+    decode of one token drops that space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", "a", "\u2581a", "b", "\u2581b", "\u2581", "\u2581\u2581b"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("which", ["byte-level", "metaspace"])
+def test_a_token_is_spelled_as_vllm_spells_it_in_its_logprob_entries(which):
+    """The builder keeps a retokenised call's logprobs only where each entry names its rebuilt token,
+    which it reads as vLLM writes it: checked against vLLM's own function on every token of both
+    kinds of tokenizer (a SentencePiece decode drops a leading space vLLM gives back)."""
+    from transformers import AutoTokenizer
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    from lightning_harness.trainer.samples import _as_vllm_spells
+
+    tok = AutoTokenizer.from_pretrained(str(SWE_MODEL)) if which == "byte-level" else _metaspace_tokenizer()
+    ids = list(range(min(len(tok), 2000)))
+    assert [_as_vllm_spells(tok, i) for i in ids] == convert_ids_list_to_tokens(tok, ids)
+    if which == "metaspace":
+        assert _as_vllm_spells(tok, 5) == " b" and _as_vllm_spells(tok, 7) == "  b" and _as_vllm_spells(tok, 4) == "b"
+
+
+def test_logprobs_of_tokens_that_spell_the_same_text_otherwise_are_not_kept():
+    """The engine generated 'a', '    ' (four spaces), 'b'; the text rebuilds as 'a', '   ', ' b': the
+    same text, other tokens. Compared without their whitespace every entry matched, and the logprob
+    of 'b' went onto ' b'. Entries that spell the rebuilt tokens keep theirs."""
+    from transformers import AutoTokenizer
+
+    from lightning_harness.trainer.samples import retokenize
+
+    tok = AutoTokenizer.from_pretrained(str(SWE_MODEL))
+    generated = [tok.convert_tokens_to_ids(t) for t in ("a", "\u0120\u0120\u0120\u0120", "b")] + [tok.eos_token_id]
+    assert tok.decode(generated[:3]) == "a    b"
+    lps = [-0.1, -0.2, -0.3, -0.4]
+    body = chat_bodies([{"role": "user", "content": "hi"}], "a    b", logprobs=lps,
+                       tokens=[tok.decode([i]) for i in generated])
+    _, response, kept = retokenize(tok, body["request_json"], body["response_json"])
+    assert response != generated and tok.decode(response[:3]) == "a    b"
+    assert kept is None  # before the fix: [-0.1, -0.2, -0.3, -0.4], on other tokens
+    body = chat_bodies([{"role": "user", "content": "hi"}], "a    b", logprobs=lps,
+                       tokens=[tok.decode([i]) for i in response])
+    assert retokenize(tok, body["request_json"], body["response_json"])[2] == lps
+
+
+def test_a_completions_prompt_is_read_as_the_engine_reads_it(tiny_tokenizer_dir):
+    """vLLM reads a list of strings as text prompts (a batch; the first choice is the first's), never
+    as numbers: ``["12"]`` was rebuilt as the token id 12. What is neither text nor ids is refused."""
+    from transformers import AutoTokenizer
+
+    from lightning_harness.trainer.samples import retokenize
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    answer = json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": " five"}]})
+    text = tiny_ids("two", "plus", "three")
+    for prompt, want in [("two plus three", text), (["two plus three"], text), (["two plus three", "hello"], text),
+                         ([[12, 13, 14]], [12, 13, 14]), ([12, 13, 14], [12, 13, 14]), (["12"], tiny_ids("[UNK]"))]:
+        assert retokenize(tok, json.dumps({"prompt": prompt}), answer)[0] == want, prompt
+    for prompt in ([12, "13"], [1.5], {"a": 1}, [True]):
+        with pytest.raises(ValueError, match="neither text nor token ids"):
+            retokenize(tok, json.dumps({"prompt": prompt}), answer)
+
+
+def test_a_chat_call_without_the_generation_prompt_is_not_rebuilt(make_traces, tiny_tokenizer_dir):
+    """With ``add_generation_prompt: false`` vLLM renders no assistant header: the model writes it, and
+    its answer's text does not show it. Rebuilt with the header, the answer was trained on a context
+    the engine never saw; the call is dropped and counted instead."""
+    body = chat_bodies([{"role": "user", "content": "hello"}], "hi")
+    request = json.loads(body["request_json"])
+    d = make_traces(spans=[span("r", 0, None, None, logprobs=None,
+                                **{**body, "request_json": json.dumps({**request, "add_generation_prompt": False})}),
+                           span("s", 0, None, None, logprobs=None, **body)],
+                    rollouts=[rollout("r", reward=1.0), rollout("s", reward=0.0)])
+    table, stats = build_samples(d, tokenizer=str(tiny_tokenizer_dir))
+    assert [r["rollout_id"] for r in table.to_pylist()] == ["s"]
+    assert stats["retokenize_failed"] == 1
+
+
+def test_a_call_with_an_empty_prompt_is_dropped_not_the_step(make_traces):
+    """No engine serves an empty prompt, yet a span may say so: its sample made the update refuse the
+    whole table ("empty prompt_token_ids"), stopping the loop. Such a call counts as one without token
+    ids: dropped and counted."""
+    from lightning_harness.trainer.update import table_to_samples
+
+    d = make_traces(spans=[span("a", 0, [], [5, 6]), span("b", 0, [1], [2])],
+                    rollouts=[rollout("a", reward=1.0), rollout("b", reward=0.0)])
+    table, stats = build_samples(d)
+    assert [r["rollout_id"] for r in table.to_pylist()] == ["b"] and stats["calls_dropped_no_token_ids"] == 1
+    samples, _ = table_to_samples(table, None)
+    assert [s.rollout_id for s in samples] == ["b~0"]

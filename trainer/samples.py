@@ -397,10 +397,7 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     if "messages" in req:
         prompt, response = _rebuild_chat(tokenizer, req, choice)
     else:
-        p = req.get("prompt", "")
-        if isinstance(p, list) and p and isinstance(p[0], list):
-            p = p[0]
-        prompt = [int(x) for x in p] if isinstance(p, list) else _encode(tokenizer, str(p))
+        prompt = _completion_prompt(tokenizer, req.get("prompt", ""))
         response = _encode(tokenizer, _answer_text(req, choice.get("text") or ""))
         ended = choice.get("finish_reason") == "stop" and "stop_reason" in choice and choice["stop_reason"] is None
         if ended and tokenizer.eos_token_id is not None:  # vLLM stopped on EOS, which the text does not show
@@ -408,6 +405,19 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     if logprobs is not None and not _spelled_alike(tokenizer, _logprob_tokens(choice), response):
         logprobs = None  # the engine's logprobs belong to other tokens than the rebuilt ones
     return prompt, response, logprobs
+
+
+def _completion_prompt(tokenizer: Any, p: Any) -> list[int]:
+    """A completions call's prompt as the engine read it for its first choice: text, token ids, or a
+    batch of either (its first: the first choice's). vLLM reads a list of strings as text prompts,
+    never as numbers."""
+    if isinstance(p, list) and p and isinstance(p[0], list | str):
+        p = p[0]
+    if isinstance(p, str):
+        return _encode(tokenizer, p)
+    if isinstance(p, list) and all(type(x) is int for x in p):
+        return list(p)
+    raise ValueError(f"a completions prompt of {type(p).__name__} is neither text nor token ids")
 
 
 def _rebuild_chat(tokenizer: Any, req: dict, choice: dict) -> tuple[list[int], list[int]]:
@@ -426,6 +436,9 @@ def _rebuild_chat(tokenizer: Any, req: dict, choice: dict) -> tuple[list[int], l
     # a prefill (an Anthropic call's last assistant message): the answer continues it, in its turn
     prefill = bool(req.get("continue_final_message")) and last.get("role") == "assistant" and isinstance(
         last.get("content"), (str, list))
+    if req.get("add_generation_prompt", True) is not True and not prefill:  # (vLLM reads the request's own
+        raise ValueError("add_generation_prompt: false: the model wrote its turn's header itself, which "  # flag)
+                         "its answer's text does not show; it cannot be rebuilt")
     prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
                                                 **({"continue_final_message": True} if prefill else {}), **kw)
     prompt = _encode(tokenizer, prompt_text)
@@ -473,13 +486,24 @@ def _logprob_tokens(choice: dict) -> list | None:
 def _spelled_alike(tokenizer: Any, spelled: list | None, ids: list[int]) -> bool:
     """Whether the engine's logprob entries name the rebuilt tokens, one by one: an equal count is not
     enough (a stop string left out of the text rebuilt the end-of-turn token where the engine had
-    generated the stop token: the stop token's logprob went onto a token never generated)."""
+    generated the stop token: the stop token's logprob went onto a token never generated). Each entry
+    must be the token as vLLM spells it, exactly: ``decode([id])``, with the leading spaces a
+    SentencePiece tokenizer's decode drops given back (its piece's leading ``▁``). Whitespace is no
+    exception: spaces moved between neighbouring tokens (``'    ', 'b'`` generated, ``'   ', ' b'``
+    rebuilt) spell the same text with other tokens."""
     if spelled is None or len(spelled) != len(ids):
         return False
-    for s, i in zip(spelled, ids):
-        if not isinstance(s, str) or (s != f"token_id:{i}" and s.strip() != tokenizer.decode([i]).strip()):
-            return False
-    return True
+    return all(isinstance(s, str) and (s == f"token_id:{i}" or s == _as_vllm_spells(tokenizer, i))
+               for s, i in zip(spelled, ids))
+
+
+def _as_vllm_spells(tokenizer: Any, token_id: int) -> str:
+    """A token's text in vLLM's logprob entries (``convert_ids_list_to_tokens``)."""
+    text = tokenizer.decode([token_id])
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    markers = len(piece) - len(piece.lstrip("\u2581")) if isinstance(piece, str) else 0
+    missing = markers - (len(text) - len(text.lstrip(" ")))
+    return " " * missing + text if missing > 0 else text
 
 
 def _answer_text(req: dict, text: str) -> str:
@@ -695,8 +719,12 @@ def _whole(column: str) -> str:
 
 
 def _without_ids(calls: pa.Table) -> np.ndarray:
+    """Calls without usable token ids: none recorded, or a prompt of none (no engine serves one; the
+    update would refuse the whole step for it)."""
+    empty = pc.fill_null(pc.equal(pc.list_value_length(calls["prompt_token_ids"]), 0), False)
     return (calls["prompt_token_ids"].is_null().to_numpy(zero_copy_only=False)
-            | calls["response_token_ids"].is_null().to_numpy(zero_copy_only=False))
+            | calls["response_token_ids"].is_null().to_numpy(zero_copy_only=False)
+            | empty.to_numpy(zero_copy_only=False))
 
 
 def _fill_token_ids(con, calls: pa.Table, tokenizer: Any, stats: dict, drift_check: int) -> tuple[pa.Table, np.ndarray]:
