@@ -42,6 +42,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from .lax import engine_flag, engine_int, reads_as_bool
 from .sse import EVENT_END
 
 MESSAGES = "messages"  # the span's endpoint for Anthropic Messages calls
@@ -224,8 +225,8 @@ def _thinking(thinking: Any, max_tokens: int) -> dict:
         return {"reasoning_effort": "none"}
     if kind != "enabled":
         raise MessagesError("thinking: expected {'type': 'enabled', 'budget_tokens': ...}, 'disabled' or 'adaptive'")
-    budget = thinking.get("budget_tokens")
-    if isinstance(budget, bool) or not isinstance(budget, int) or not 1024 <= budget < max_tokens:
+    budget = engine_int(thinking.get("budget_tokens"))
+    if budget is None or not 1024 <= budget < max_tokens:
         raise MessagesError("thinking.budget_tokens: an integer of at least 1024 and less than max_tokens is required")
     return {"thinking_token_budget": budget}
 
@@ -234,7 +235,10 @@ def _thinking(thinking: Any, max_tokens: int) -> dict:
 def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
     """(chat ``tool_choice``, ``parallel_tool_calls`` or None)."""
     kind = choice.get("type") if isinstance(choice, dict) else None
-    parallel = False if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") else None
+    no_parallel = choice.get("disable_parallel_tool_use") if isinstance(choice, dict) else None
+    if not reads_as_bool(no_parallel):
+        raise MessagesError("tool_choice.disable_parallel_tool_use: a boolean is required")
+    parallel = False if engine_flag(no_parallel) else None
     if kind in ("auto", "any"):
         return {"auto": "auto", "any": "required"}[kind], parallel
     if kind == "none":
@@ -269,9 +273,11 @@ def to_chat(req: Any) -> dict:
         raise MessagesError("the body must be a JSON object")
     if not isinstance(req.get("model"), str) or not req["model"]:
         raise MessagesError("model: a string is required")
-    max_tokens = req.get("max_tokens")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+    max_tokens = engine_int(req.get("max_tokens")) if not isinstance(req.get("max_tokens"), bool) else None
+    if max_tokens is None or max_tokens < 1:
         raise MessagesError("max_tokens: a positive integer is required")
+    if not reads_as_bool(req.get("stream")):
+        raise MessagesError("stream: a boolean is required")
     if not isinstance(req.get("messages"), list):
         raise MessagesError("messages: a list is required")
     messages = []
@@ -304,7 +310,7 @@ def to_chat(req: Any) -> dict:
     chat.update(_output_config(req.get("output_config")))
     if req.get("thinking") is not None:  # after the effort: disabled thinking overrides it, as in vLLM
         chat.update(_thinking(req["thinking"], max_tokens))
-    if req.get("stream"):
+    if engine_flag(req.get("stream")):
         chat["stream"] = True
         # usage on every chunk: message_start can then say how long the prompt is
         chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
@@ -448,7 +454,7 @@ class EventTranslator:
     ``tool_use`` block (its argument pieces are ``input_json_delta``); a block is stopped when the
     next kind starts or the answer ends.
     The answer ends as the span's does (:class:`AnswerEnd`): once choice 0 has ended and the usage
-    of the whole answer is in, ``message_delta`` (stop reason, output tokens) and
+    of the whole answer is in (or at ``[DONE]``), ``message_delta`` (stop reason, output tokens) and
     ``message_stop`` go out, and what a hostile upstream sends after them (more deltas, another
     final chunk or usage) is not translated: the client and the span keep the same answer. Only an
     error still counts (the span says so too): an ``error`` event. ``finish()`` (on ``[DONE]``)
@@ -485,7 +491,7 @@ class EventTranslator:
         for ch in _list(obj.get("choices")):
             if isinstance(ch, dict):
                 yield from self._choice(ch)
-        self.end_rule.take_usage(obj.get("usage"))
+        self.end_rule.take_usage(obj.get("usage"), bool(_list(obj.get("choices"))))
         if self.end_rule.ended.get(0) and self.end_rule.usage_final:
             yield from self._stop()
 
@@ -661,14 +667,17 @@ def stream_error(obj: dict, message: Any) -> str:
 class AnswerEnd:
     """Where a streamed chat or completions answer ends, one rule for the span (``StreamAssembler``)
     and for the client's Messages stream (``EventTranslator``), so the two cannot disagree: a choice
-    ends with its ``finish_reason`` chunk (nothing of it after that is part of the answer), and the
-    usage is the first one given once every choice has ended (that chunk's own, or vLLM's usage-only
-    chunk after it)."""
+    ends with its ``finish_reason`` chunk (nothing of it after that is part of the answer). The
+    usage is that of the chunk that ended the last choice, or else of the usage-only chunk vLLM
+    sends right after it (``include_usage``); with several choices that chunk's wins: with
+    ``continuous_usage_stats`` each chunk holds its own choice's running count, and only the last
+    one the whole answer's. Nothing after it counts."""
 
     def __init__(self) -> None:
         self.ended: dict[Any, bool] = {}  # each choice seen: whether its final chunk came
         self.usage: Any = None
         self.usage_final = False  # the usage of the whole answer is in: later ones are ignored
+        self._over = False  # every choice had ended before the chunk now read
 
     def choice(self, index: Any, finish_reason: Any) -> bool:
         """Note a choice's chunk; False if that choice had ended already (the chunk is no part of it)."""
@@ -677,10 +686,17 @@ class AnswerEnd:
         self.ended[index] = finish_reason is not None
         return True
 
-    def take_usage(self, usage: Any) -> None:
-        if usage and not self.usage_final:
-            self.usage = usage
-            self.usage_final = self.finished
+    def take_usage(self, usage: Any, with_choices: bool) -> None:
+        """A chunk's usage, after its choices were noted."""
+        if self.usage_final:
+            return
+        if not self._over:
+            if usage:
+                self.usage = usage
+            self._over = self.finished  # one choice: its own count is the answer's
+            self.usage_final = self._over and bool(usage) and len(self.ended) == 1
+        elif usage and not with_choices:
+            self.usage, self.usage_final = usage, True
 
     @property
     def finished(self) -> bool:

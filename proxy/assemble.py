@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 import marshal
-import math
 from typing import Any
 
 from .anthropic import MESSAGES, AnswerEnd, MessageAssembler, message_token_fields, stream_error, to_chat
+from .lax import engine_flag, engine_float
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
@@ -239,7 +239,7 @@ class StreamAssembler:
             self.prompt_token_ids = chunk["prompt_token_ids"]
         for ch in get("choices") or ():
             self._add_choice(ch)
-        self.end_rule.take_usage(get("usage"))
+        self.end_rule.take_usage(get("usage"), bool(get("choices")))
 
     def _add_choice(self, ch: dict) -> None:
         get = ch.get
@@ -363,26 +363,6 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
                                   count_ids=len(choices) == 1), obj)
 
 
-def engine_flag(value: Any) -> bool:
-    """A request flag as vLLM reads it: its request models are lax pydantic, so ``"false"``, ``0`` and
-    ``"off"`` are false and ``"true"``, ``1`` and ``"yes"`` true. The proxy must read a harness's
-    flags the same way (``return_token_ids: "false"`` was taken as set: nothing was injected, and the
-    engine's logprobs were later put on tokens rebuilt from text)."""
-    if isinstance(value, str):
-        return value.strip().lower() in ("true", "1", "yes", "on", "t", "y")
-    return value is True or (type(value) in (int, float) and value == 1)
-
-
-def _engine_float(value: Any) -> float | None:
-    """A number as vLLM reads it (``"0"``, ``false`` and ``0`` are all 0.0), or None."""
-    try:
-        return float(value.strip() if isinstance(value, str) else value) if value is not None else None
-    except OverflowError:  # an integer of 309 digits or more: beyond every float
-        return math.inf if value > 0 else -math.inf
-    except (TypeError, ValueError):
-        return None
-
-
 def behaviour_logprobs(request: Any, endpoint: str | None, lps: list[float] | None) -> list[float] | None:
     """The recorded logprobs as those of the policy that chose the tokens (the update's mu). The engine
     returns the sampling distribution's (launcher/engine.py), except where nothing was sampled: at
@@ -393,7 +373,7 @@ def behaviour_logprobs(request: Any, endpoint: str | None, lps: list[float] | No
     if lps is None or not isinstance(request, dict):
         return lps
     beam = endpoint != RESPONSES and engine_flag(request.get("use_beam_search"))  # (Responses has no such field)
-    if _engine_float(request.get("temperature")) == 0.0 or beam:
+    if engine_float(request.get("temperature")) == 0.0 or beam:
         return [0.0] * len(lps)
     if endpoint == RESPONSES and engine_flag(request.get("ignore_eos")) and any(x != x for x in lps):
         return None

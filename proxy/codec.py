@@ -9,6 +9,7 @@ a 200 KB gzip body can expand to gigabytes) and to turn bytes into text without 
 from __future__ import annotations
 
 import importlib.util
+import json
 import zlib
 
 
@@ -178,6 +179,20 @@ def join_chunks(*parts) -> bytes | list[bytes]:
     """Combine relay outputs (bytes or list of bytes); an empty list means 'nothing yet'."""
     out = [p for part in parts for p in (part if isinstance(part, list) else [part]) if p]
     return b"".join(out) if out else []
+
+
+def json_text(raw: bytes) -> tuple[str, bool]:
+    """A request body as the engine's JSON reader takes it (FastAPI's ``json.loads`` of the bytes:
+    UTF-8 with or without a byte-order mark, or UTF-16/32), and whether it had to be salvaged (not
+    valid in that encoding: the engine refuses such a body with 400; its text keeps U+FFFD where
+    bytes were bad)."""
+    encoding = json.detect_encoding(raw)
+    if encoding == "utf-8":
+        return utf8_text(raw)
+    try:
+        return raw.decode(encoding), False
+    except UnicodeDecodeError:
+        return raw.decode(encoding, errors="replace"), True
 
 
 def utf8_text(raw: bytes) -> tuple[str, bool]:

@@ -82,8 +82,15 @@ def _fit(out: bytes) -> bytes:
 
 
 def dumps_exact(obj: Any, fast: bool) -> bytes:
-    """Compact UTF-8 JSON of a value :func:`loads_exact` read, its numbers exactly as they came."""
-    return _fit(orjson.dumps(obj)) if fast and orjson is not None else _compact(obj).encode()
+    """Compact UTF-8 JSON of a value :func:`loads_exact` read, its numbers exactly as they came; with
+    a lone surrogate (the valid escape ``\\ud800`` in a harness's field) everything non-ASCII is
+    written as escapes, which read back as the same value."""
+    if fast and orjson is not None:
+        return _fit(orjson.dumps(obj))
+    try:
+        return _compact(obj).encode()
+    except UnicodeEncodeError:
+        return _compact_ascii(obj).encode()
 
 
 def dumps_bytes(obj: Any) -> bytes:

@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from .assemble import CHAT, COMPLETIONS, RESPONSES, _engine_float, engine_flag
+from .assemble import CHAT, COMPLETIONS, RESPONSES
+from .lax import engine_flag, engine_float
 
 # neutral value of each numeric setting (vLLM's defaults with --generation-config vllm); top_k: 0 and -1 are off
 NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0.0, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -112,7 +113,7 @@ def sampling_settings(request: Any, endpoint: str | None = CHAT) -> dict[str, An
     for name in _FIELDS.get(endpoint, _OTHER_FIELDS):
         value = request.get(name)
         if name in NEUTRAL:
-            v = _engine_float(value)
+            v = engine_float(value)
             if v is not None:
                 out[name] = _finite(v)
         elif name in _SIZED:

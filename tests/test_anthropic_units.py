@@ -219,6 +219,54 @@ def test_malformed_requests_name_the_rule(bad, rule):
         to_chat(bad)
 
 
+LAX = [  # (field, value): how vLLM's own /v1/messages (lax pydantic) reads values of other JSON types
+    *[("stream", v) for v in ("false", "no", "0", "off", "true", "yes", 1, 0, 1.0, "maybe", 2, " true")],
+    *[("max_tokens", v) for v in ("4096", 4096.0, " 4096 ", "4096.0", 4096.5, "1e3", "4k", [4096])],
+    *[("budget_tokens", v) for v in ("2000", 1500.0, "1500.0", 1500.5, "2e3")],
+    *[("disable_parallel_tool_use", v) for v in ("false", "true", "no", 0, 1, "maybe", 2)],
+]
+
+
+def _lax_body(field: str, value) -> dict:
+    body = _req(max_tokens=4096)
+    if field == "budget_tokens":
+        body["thinking"] = {"type": "enabled", "budget_tokens": value}
+    elif field == "disable_parallel_tool_use":
+        body["tools"] = [{"name": "t", "input_schema": {"type": "object"}}]
+        body["tool_choice"] = {"type": "auto", field: value}
+    else:
+        body[field] = value
+    return body
+
+
+@pytest.mark.parametrize("field, value", LAX, ids=[f"{f}={v!r}" for f, v in LAX])
+def test_request_values_are_read_as_vllms_own_messages_endpoint_reads_them(field, value):
+    """A value vLLM's Messages endpoint reads (``stream: "false"``, ``max_tokens: "4096"``) is read the
+    same way, and one it refuses is refused: ``stream: "false"`` was answered as an event stream where
+    the engine answers JSON, and ``max_tokens: "4096"`` was refused where the engine answers."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    body = _lax_body(field, value)
+    try:
+        engine = AnthropicMessagesRequest.model_validate(json.loads(json.dumps(body)))
+    except ValueError:
+        engine = None
+    try:
+        chat = to_chat(json.loads(json.dumps(body)))
+    except MessagesError:
+        chat = None
+    assert (engine is None) == (chat is None), (engine, chat)
+    if engine is not None:
+        no_parallel = getattr(engine.tool_choice, "disable_parallel_tool_use", None)
+        read = (bool(engine.stream), engine.max_tokens, (engine.thinking.budget_tokens if engine.thinking else None),
+                bool(no_parallel))
+        assert read == (chat.get("stream", False), chat["max_tokens"], chat.get("thinking_token_budget"),
+                        chat.get("parallel_tool_calls") is False)
+
+
 def test_answer_translation():
     chat = {"id": "chatcmpl-1", "model": "asked", "usage": {"prompt_tokens": 5, "completion_tokens": 2},
             "choices": [{"finish_reason": "stop", "stop_reason": "END", "message": {
@@ -333,7 +381,12 @@ LATE = [_piece(0, " LATE"), _piece(0, " AGAIN", "length", usage=_usage(7, 9))]
     ([_piece(0, "w0 "), _piece(0, "w1", "stop"), {"id": "x", "choices": [], "usage": _usage(3, 2)}, *LATE], 2),
     ([_piece(0, "w0 "), _piece(1, "x"), _piece(0, "w1", "stop", usage=_usage(3, 3)),
       _piece(1, "y", "length", usage=_usage(3, 4)), *LATE], 4),
-], ids=["usage-on-the-final-chunk", "usage-only-chunk-after-it", "another-choice-still-going"])
+    # continuous_usage_stats with n=2: each chunk holds its choice's running count, the usage-only chunk the total
+    ([_piece(0, "w0 ", usage=_usage(3, 1)), _piece(1, "x", usage=_usage(3, 1)),
+      _piece(0, "w1", "stop", usage=_usage(3, 2)), _piece(1, "y", "length", usage=_usage(3, 2)),
+      {"id": "x", "choices": [], "usage": _usage(3, 4)}, *LATE,
+      {"id": "x", "choices": [], "usage": _usage(3, 99)}], 4),
+], ids=["usage-on-the-final-chunk", "usage-only-chunk-after-it", "another-choice-still-going", "running-counts"])
 def test_the_translated_stream_ends_where_the_spans_answer_does(chunks, output_tokens):
     """What an upstream sent after choice 0's final chunk (more text, another finish reason and
     usage) reached the client up to [DONE] ("w0 w1 LATE AGAIN", max_tokens, 9 tokens) while the

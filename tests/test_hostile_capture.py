@@ -69,22 +69,49 @@ def _spans_of(p, rollout: str, n: int = 1, timeout: float = 30) -> list[dict]:
 
 
 # -- salvage -----------------------------------------------------------------------------------------
-def test_request_with_invalid_utf8_is_salvaged(proxy):
+def test_request_with_invalid_utf8_goes_upstream_as_sent_and_is_recorded_salvaged(proxy, stub_server):
+    """vLLM refuses a body that is not UTF-8 (400). Salvaged (U+FFFD) and rewritten with token ids
+    asked for, it became a call the engine served; now it goes upstream byte for byte (the stub reads
+    bodies as vLLM does), and its span keeps the salvaged text as a malformed request."""
     raw = json.dumps(BODY).encode().replace(b'"hi"', b'"h\xffi"')
     r = _post(_url(proxy, "bad-req-bytes"), content=raw, headers={"Content-Type": "application/json"})
-    assert r.status_code == 200
+    assert r.status_code == 400  # before the fix: 200
     (span,) = _spans_of(proxy, "bad-req-bytes")
-    assert span["salvaged"] is True and span["error_kind"] is None
-    assert "h\ufffdi" in span["request_json"] and span["response_token_ids"] == [100, 101, 102]
+    assert span["salvaged"] is True and span["error_kind"] == "malformed_request" and "UTF-8" in span["error"]
+    assert "h\ufffdi" in span["request_json"] and span["response_token_ids"] is None
+    sent = stub_server.requests()[-1]
+    assert "h\ufffdi" in sent["_raw"] and "return_token_ids" not in sent["_raw"]
 
 
-def test_lone_surrogate_escape_is_salvaged(proxy):
-    raw = b'{"model": "m\\ud800", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32-be"])
+def test_a_body_the_engine_reads_in_another_unicode_encoding_is_recorded(proxy, stub_server, encoding):
+    """vLLM reads a JSON body as ``json.loads`` of its bytes does: a UTF-8 byte-order mark, UTF-16 or
+    UTF-32 are JSON to it. The proxy called them "not JSON": served, never recorded with token ids
+    (a harness could hide its calls from training that way)."""
+    rollout = f"enc-{encoding}"
+    r = _post(_url(proxy, rollout), content=json.dumps(BODY).encode(encoding),
+              headers={"Content-Type": "application/json"})
+    assert r.status_code == 200
+    (span,) = _spans_of(proxy, rollout)
+    assert span["error_kind"] is None and span["salvaged"] is False, span["error"]
+    assert json.loads(span["request_json"]) == BODY and span["response_token_ids"] == [100, 101, 102]
+    assert stub_server.requests()[-1]["return_token_ids"] is True
+
+
+def test_lone_surrogate_escape_is_salvaged(proxy, stub_server):
+    """A lone surrogate's escape is valid JSON with no UTF-8 form: the rewrite raised on it, so the
+    call went upstream as sent (no token ids asked for, the model not mapped) while its span said
+    token ids were injected. It is now written back as escapes."""
+    raw = (b'{"model": "m\\ud800", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+           b'"user": "a\\udfffb"}')
     r = _post(_url(proxy, "surrogate"), content=raw, headers={"Content-Type": "application/json"})
     assert r.status_code == 200
     (span,) = _spans_of(proxy, "surrogate")
     assert span["salvaged"] is True and span["model"] == "m?"
     assert span["request_json"] == raw.decode()  # the escape itself is valid text: kept as sent
+    assert span["token_ids_injected"] is True and span["response_token_ids"] == [100, 101]  # before: None
+    sent = stub_server.requests()[-1]
+    assert (sent["model"], sent["user"], sent["return_token_ids"]) == ("m\ud800", "a\udfffb", True)
 
 
 @pytest.mark.parametrize("stream", [False, True])

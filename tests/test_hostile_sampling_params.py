@@ -97,6 +97,9 @@ CASES = {
     "own_token_ids": (CHAT, {**C, "return_token_ids": True}, "ref"),
     "token_fields_false": (CHAT, {**C, "return_token_ids": False, "logprobs": False}, "ref"),
     "top_logprobs_without_logprobs": (CHAT, {**C, "top_logprobs": 2}, "ref"),  # 400 from vLLM, and through the proxy
+    "top_logprobs_0_without_logprobs": (CHAT, {**C, "top_logprobs": 0}, "ref"),  # served: injected (was not)
+    "logprob_token_ids_empty": (CHAT, {**C, "logprob_token_ids": []}, "ref"),  # served: injected (was not)
+    "user_lone_surrogate": (CHAT, {**C, "user": "a\ud800b"}, "ref"),  # the rewrite raised: sent as it came
     "best_of": (CHAT, {**C, "best_of": 2}, "ref"),
     "user_metadata_store": (CHAT, {**C, "user": "u1", "metadata": {"a": "b"}, "store": True}, "ref"),
     "n_2": (CHAT, {**C, "n": 2}, "ref"),
@@ -118,6 +121,7 @@ CASES = {
     "completion_stop": (CMPL, {**P, "stop": ["7"]}, "ref"),
     "completion_logprobs_2": (CMPL, {**P, "logprobs": 2}, "ref"),
     "completion_logprobs_false": (CMPL, {**P, "logprobs": False}, "ref"),
+    "completion_logprob_token_ids_without_logprobs": (CMPL, {**P, "logprob_token_ids": [5]}, "ref"),  # 400 (was 200)
     "completion_prompt_ids": (CMPL, {**P, "prompt": [343, 342, 223, 19, 20]}, "ref"),
     "completion_add_special_tokens": (CMPL, {**P, "add_special_tokens": False}, "ref"),
     "completion_truncate_prompt_tokens": (CMPL, {**P, "truncate_prompt_tokens": 4}, "ref"),

@@ -23,8 +23,9 @@ from mitmproxy import http
 from mitmproxy.connection import ConnectionState
 
 from .. import fastjson
-from ..assemble import RESPONSES, assembler_for, behaviour_logprobs, engine_flag, token_fields, unfinished_response
-from ..codec import TooLarge, client_accepts, decode_body, utf8_text
+from ..assemble import RESPONSES, assembler_for, behaviour_logprobs, token_fields, unfinished_response
+from ..codec import TooLarge, client_accepts, decode_body, json_text, utf8_text
+from ..lax import engine_flag
 from ..sampling import sampling_json
 from ..sse import SSERelay
 from ..state import META, MODEL, Call, ProxyState
@@ -136,10 +137,13 @@ class Capture:
             self._start(call)
             self._finish(flow, call, "client_disconnect", f"client disconnected while held: {flow.error.msg}")
             return
-        text, bad = utf8_text(flow.request.raw_content or b"")
+        text, bad = json_text(flow.request.raw_content or b"")
         call.salvaged |= bad
         call.request_text = text
-        self._parse_request(call, text)
+        if bad:  # the engine refuses it (400): nothing here may make a call of it by rewriting it
+            call.request_error = "request body is not valid UTF-8 (or UTF-16/32); forwarded unchanged"
+        else:
+            self._parse_request(call, text)
         self._start(call)
         self.state.begin(call)  # (the encoding addon asks upstream for an uncompressed body)
 

@@ -34,9 +34,10 @@ import logging
 from mitmproxy import http
 
 from .. import fastjson
-from ..assemble import CHAT, COMPLETIONS, LOGPROBS_INCLUDE, RESPONSES, engine_flag
+from ..assemble import CHAT, COMPLETIONS, LOGPROBS_INCLUDE, RESPONSES
 from ..credentials import log_safe
 from ..filters import make_model_restorer, make_responses_stripper, make_stripper
+from ..lax import engine_flag, engine_int, reads_as_bool
 from ..sse import SSERelay
 from ..state import META, MODEL, OTHER, Call, ProxyState
 from .answers import json_answer
@@ -52,39 +53,23 @@ STORED_IDS = 100_000
 _REQUIRED = {CHAT: "messages", RESPONSES: "input"}
 _FLAGS = {CHAT: ("return_token_ids", "logprobs"), COMPLETIONS: ("return_token_ids",),
           RESPONSES: ("enable_response_messages",)}  # the booleans the proxy may write over
-_BOOL_WORDS = frozenset(("0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"))
 
 
 def _changes_the_answer(endpoint: str | None, obj: dict) -> bool:
     """Whether injecting would change what the harness gets beyond the fields stripped again: vLLM
     blanks the echoed prompt of a completions call with ``echo`` once token ids are asked for (the
-    harness read "111" for "1+1=111"), and a chat call with ``top_logprobs`` but no ``logprobs``,
-    which plain vLLM refuses (400), would succeed. Such a call goes upstream as sent; the trainer
-    rebuilds its token ids from the text."""
+    harness read "111" for "1+1=111"), and a call plain vLLM refuses (400) for asking logprobs' details
+    without ``logprobs`` would succeed once ``logprobs`` is injected (chat: ``top_logprobs`` above 0
+    or -1, or ``logprob_token_ids``; completions: ``logprob_token_ids``), read as vLLM 0.32's checks
+    read them. Such a call goes upstream as sent; the trainer rebuilds its token ids from the text.
+    ``top_logprobs: 0`` or ``logprob_token_ids: []`` the engine serves either way: injected."""
     if endpoint == CHAT:
-        asks = ("top_logprobs", "logprob_token_ids")
-        return not engine_flag(obj.get("logprobs")) and any(obj.get(k) is not None for k in asks)
+        top = obj.get("top_logprobs")
+        details = bool(obj.get("logprob_token_ids")) or (type(top) in (int, float, bool) and (top == -1 or top > 0))
+        return details and not obj.get("logprobs")
+    if endpoint == COMPLETIONS and obj.get("logprob_token_ids") and obj.get("logprobs") is None:
+        return True
     return endpoint != RESPONSES and engine_flag(obj.get("echo"))
-
-
-def _reads_as_bool(value) -> bool:
-    """Whether vLLM's request models (lax pydantic) read ``value`` as a boolean or null; they refuse
-    anything else (``"maybe"``, ``2``, ``" true"``) with 400."""
-    if value is None or isinstance(value, bool):
-        return True
-    if type(value) in (int, float):
-        return value in (0, 1)
-    return isinstance(value, str) and value.lower() in _BOOL_WORDS
-
-
-def _reads_as_int(value) -> bool:
-    """Whether lax pydantic reads ``value`` as an integer (``21``, ``21.0``, ``"21"``, ``true``)."""
-    if isinstance(value, int):
-        return True
-    try:
-        return isinstance(value, float | str) and float(value).is_integer()
-    except ValueError:
-        return False
 
 
 def _injectable(endpoint: str | None, obj: dict) -> bool:
@@ -97,7 +82,7 @@ def _injectable(endpoint: str | None, obj: dict) -> bool:
         return False
     if endpoint == RESPONSES and not isinstance(obj.get("include"), list | None):
         return False
-    return all(_reads_as_bool(obj.get(k)) for k in _FLAGS.get(endpoint, ()))
+    return all(reads_as_bool(obj.get(k)) for k in _FLAGS.get(endpoint, ()))
 
 
 def _inject_responses(call: Call, obj: dict) -> bool:
@@ -113,7 +98,7 @@ def _inject_responses(call: Call, obj: dict) -> bool:
     if LOGPROBS_INCLUDE not in include:
         obj["include"] = [*include, LOGPROBS_INCLUDE]
         call.injected_logprobs = changed = True
-        if obj.get("top_logprobs") not in (None, 0) and _reads_as_int(obj["top_logprobs"]):
+        if obj.get("top_logprobs") not in (None, 0) and engine_int(obj["top_logprobs"]) is not None:
             obj["top_logprobs"] = 0
     return changed
 
