@@ -183,16 +183,13 @@ def join_chunks(*parts) -> bytes | list[bytes]:
 
 def json_text(raw: bytes) -> tuple[str, bool]:
     """A request body as the engine's JSON reader takes it (FastAPI's ``json.loads`` of the bytes:
-    UTF-8 with or without a byte-order mark, or UTF-16/32), and whether it had to be salvaged (not
-    valid in that encoding: the engine refuses such a body with 400; its text keeps U+FFFD where
-    bytes were bad)."""
+    UTF-8 with or without a byte-order mark, or UTF-16/32, lone surrogates let through), and whether
+    it is no text in that encoding at all (the engine answers 400; the text keeps U+FFFD there)."""
     encoding = json.detect_encoding(raw)
-    if encoding == "utf-8":
-        return utf8_text(raw)
     try:
-        return raw.decode(encoding), False
+        return raw.decode(encoding, "surrogatepass"), False
     except UnicodeDecodeError:
-        return raw.decode(encoding, errors="replace"), True
+        return raw.decode(encoding, "replace"), True
 
 
 def utf8_text(raw: bytes) -> tuple[str, bool]:

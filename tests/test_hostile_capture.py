@@ -69,18 +69,30 @@ def _spans_of(p, rollout: str, n: int = 1, timeout: float = 30) -> list[dict]:
 
 
 # -- salvage -----------------------------------------------------------------------------------------
-def test_request_with_invalid_utf8_goes_upstream_as_sent_and_is_recorded_salvaged(proxy, stub_server):
-    """vLLM refuses a body that is not UTF-8 (400). Salvaged (U+FFFD) and rewritten with token ids
-    asked for, it became a call the engine served; now it goes upstream byte for byte (the stub reads
-    bodies as vLLM does), and its span keeps the salvaged text as a malformed request."""
+def test_request_with_invalid_utf8_is_refused_and_recorded_salvaged(proxy, stub_server):
+    """vLLM refuses a body that is no text (400). Salvaged (U+FFFD) and rewritten with token ids
+    asked for, it became a call the engine served; sent on as it came, it skipped every check that
+    reads the request. The proxy refuses it (400) and its span keeps the salvaged text."""
+    seen = len(stub_server.requests())
     raw = json.dumps(BODY).encode().replace(b'"hi"', b'"h\xffi"')
     r = _post(_url(proxy, "bad-req-bytes"), content=raw, headers={"Content-Type": "application/json"})
-    assert r.status_code == 400  # before the fix: 200
+    assert r.status_code == 400 and "not valid text" in r.json()["error"]["message"]  # before the fix: 200
     (span,) = _spans_of(proxy, "bad-req-bytes")
-    assert span["salvaged"] is True and span["error_kind"] == "malformed_request" and "UTF-8" in span["error"]
+    assert span["salvaged"] is True and span["error_kind"] == "malformed_request" and "not valid text" in span["error"]
     assert "h\ufffdi" in span["request_json"] and span["response_token_ids"] is None
+    assert len(stub_server.requests()) == seen  # nothing sent
+
+
+def test_the_bytes_of_a_lone_surrogate_are_read_as_the_engine_reads_them(proxy, stub_server):
+    """``json.loads`` of a body's bytes (the engine's reader, and the stub's) lets the UTF-8 bytes of
+    a lone surrogate through: the call is served, so it is read, injected and recorded as any other."""
+    raw = json.dumps(BODY).encode()[:-1] + b', "x": "\xed\xa0\x80"}'
+    r = _post(_url(proxy, "surrogate-bytes"), content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200
+    (span,) = _spans_of(proxy, "surrogate-bytes")
+    assert span["error_kind"] is None and span["response_token_ids"] == [100, 101, 102], span["error"]
     sent = stub_server.requests()[-1]
-    assert "h\ufffdi" in sent["_raw"] and "return_token_ids" not in sent["_raw"]
+    assert sent["x"] == "\ud800" and sent["return_token_ids"] is True
 
 
 @pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32-be"])

@@ -386,6 +386,44 @@ def test_a_create_naming_another_rollouts_stored_response_is_refused(rproxy, ups
     assert [b.get("previous_response_id") for b in upstream.bodies[-2:]] == ["resp_b", None]
 
 
+def test_an_id_the_harness_chose_is_its_own_before_the_answer_comes(rproxy, upstream):
+    """A create naming its own id (``request_id``) was owned only once its answer came back through
+    the proxy: a harness that hung up first (a ``background`` call, an untouched stream) left the
+    engine's stored answer to whichever rollout named it. It is owned when the create goes upstream."""
+    upstream.json({"error": {"message": "engine busy", "type": "server_error", "code": 500}}, status=500)
+    _send(rproxy, "r-a", "POST", "/responses", {**STORE, "request_id": "resp_chosen", "background": True})
+    seen = len(upstream.bodies)
+    assert (_send(rproxy, "r-b", "GET", "/responses/resp_chosen").status_code,
+            _send(rproxy, "r-b", "POST", "/responses", {**STORE, "previous_response_id": "resp_chosen"}).status_code
+            ) == (404, 404)  # before the fix: both forwarded
+    assert len(upstream.bodies) == seen
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-16"])
+def test_bytes_of_a_lone_surrogate_skip_no_check(rproxy, upstream, encoding):
+    """The engine reads a body as ``json.loads`` of its bytes, which lets the bytes of a lone
+    surrogate through (``ED A0 80`` in UTF-8): such a create, naming B's stored response, was sent on
+    unread as "not valid UTF-8" and served B's conversation to A. It is read as the engine reads it,
+    and refused as any other naming B's; a body that is no text at all is refused by the proxy (400)."""
+    upstream.json(_response(id="resp_b"))
+    assert _send(rproxy, "r-b", "POST", "/responses", STORE).status_code == 200
+    seen = len(upstream.bodies)
+    body = json.dumps({**STORE, "previous_response_id": "resp_b", "x": "\ud800"}, ensure_ascii=False)
+    raw = body.encode(encoding, "surrogatepass")
+    assert json.loads(raw)["x"] == "\ud800"  # (what the engine's reader makes of it)
+    with httpx.Client(trust_env=False, timeout=20) as c:
+        url = rproxy.env_for("r-a")["OPENAI_BASE_URL"] + "/responses"
+        r = c.post(url, content=raw, headers={"Content-Type": "application/json"})
+        assert (r.status_code, r.content) == (404, _not_found())  # before the fix: 200, B's answer
+        r = c.post(url, content=raw.replace(b"hello", b"hel\xffo") if encoding == "utf-8" else raw[:-1],
+                   headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "not valid text" in r.json()["error"]["message"]
+    assert len(upstream.bodies) == seen
+    spans = [s for s in read_spans(rproxy) if s["rollout_id"] == "r-a"]
+    assert [(s["error_kind"], s["status_code"]) for s in spans] == [("malformed_request", 404),
+                                                                     ("malformed_request", 400)]
+
+
 def test_stored_answers_hold_a_digest_of_an_id_a_harness_made_long():
     """vLLM takes the response id from the create (``request_id``), so a harness picks its length: the
     proxy kept every id whole (1,000 ids of 10,000 characters: 10 MB, unbounded with longer ones).

@@ -29,7 +29,7 @@ from ..lax import engine_flag
 from ..sampling import sampling_json
 from ..sse import SSERelay
 from ..state import META, MODEL, Call, ProxyState
-from .answers import ANSWERED
+from .answers import ANSWERED, error_answer
 from .limits import REFUSED
 
 log = logging.getLogger("lightning.proxy")
@@ -140,12 +140,22 @@ class Capture:
         text, bad = json_text(flow.request.raw_content or b"")
         call.salvaged |= bad
         call.request_text = text
-        if bad:  # the engine refuses it (400): nothing here may make a call of it by rewriting it
-            call.request_error = "request body is not valid UTF-8 (or UTF-16/32); forwarded unchanged"
-        else:
-            self._parse_request(call, text)
+        if bad:  # the engine refuses it (400), so does the proxy: a body it cannot read skips no check
+            self._refuse_unreadable(flow, call)
+            return
+        self._parse_request(call, text)
         self._start(call)
         self.state.begin(call)  # (the encoding addon asks upstream for an uncompressed body)
+
+    def _refuse_unreadable(self, flow: http.HTTPFlow, call: Call) -> None:
+        """400 for a body that is no text in its encoding (vLLM's JSON reader refuses it too). Sent on
+        as it came, it skipped every check that reads the request (another rollout's stored response
+        named); salvaged and sent rewritten, the engine served a call it would have refused."""
+        why = "the request body is not valid text (UTF-8, or UTF-16/32 by its byte-order mark)"
+        self.state.rejected += 1
+        error_answer(flow, 400, "invalid_request_error", f"lightning-proxy: {why}")
+        self._start(call)
+        self._finish(flow, call, "malformed_request", why, flow.response.get_text(strict=False), 400)
 
     @staticmethod
     def _parse_request(call: Call, text: str) -> None:

@@ -254,6 +254,8 @@ class Rewrite:
             flow.metadata[STORED] = entry
             if call.event_filters:  # (a stream rewritten anyway; the JSON answer's id: response)
                 call.event_filters.append(self.stored.remembering(entry))
+            if isinstance(obj.get("request_id"), str):  # the answer's id, chosen by the harness: owned now,
+                self.stored.put(obj["request_id"], entry)  # not once an answer it may hang up on comes back
 
     def _map_model(self, call: Call, obj: dict) -> bool:
         """``model`` as the pool serves it (``model_map``, then ``served_model``); whether it changed."""
