@@ -18,6 +18,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -233,6 +234,48 @@ def test_no_disk_blocks_past_a_files_end(tmp_path):
     assert "plain-ok" in out, out
     if os.uname().machine in sandbox.ABIS:
         assert "unsupported" in out or "not supported" in out, out
+
+
+@pytest.mark.skipif(os.uname().machine not in sandbox.ABIS, reason="no seccomp filter known for this machine")
+def test_no_io_uring_and_no_keyring(tmp_path):
+    """An io_uring request reserved 512 MiB past a file's end in one call (``IORING_OP_FALLOCATE``:
+    the seccomp filter sees system calls, not the ring's requests), and the launcher's session
+    keyring was the sandbox's: a command read its keys and left keys the next rollout read. Both
+    are refused as a kernel without them does (ENOSYS)."""
+    keyctl = sandbox.ABIS[os.uname().machine][0][3][2]
+    out, _ = sh("python -c \"import ctypes, os\n"
+                "libc = ctypes.CDLL(None, use_errno=True)\n"
+                "params = ctypes.create_string_buffer(120)\n"
+                "print('uring', libc.syscall(425, 4, params), ctypes.get_errno())\n"
+                f"print('keyctl', libc.syscall({keyctl}, 0, -3, 0), ctypes.get_errno())\"", tmp_path)
+    assert f"uring -1 {errno.ENOSYS}" in out and f"keyctl -1 {errno.ENOSYS}" in out, out
+
+
+def test_the_folder_watch_follows_no_folder_swapped_for_a_symlink(tmp_path):
+    """The watch (run as the harness's user: root) listed a folder, then opened what it found by path:
+    a command swapping that folder for a symlink in between had the watch count a host folder the
+    sandbox cannot see (its size said to the agent). Swapped as fast as a thread can, 3 s."""
+    host, work = tmp_path / "host", tmp_path / "work"
+    host.mkdir()
+    work.mkdir()
+    (host / "blob").write_bytes(b"\1" * (32 << 20))
+    (work / "real").mkdir()
+    (work / "link").symlink_to(host)
+    stop = time.monotonic() + 3
+
+    def swap() -> None:
+        while time.monotonic() < stop:
+            os.rename(work / "real", work / "d")
+            os.rename(work / "d", work / "real")
+            os.rename(work / "link", work / "d")
+            os.rename(work / "d", work / "link")
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    seen = []
+    while swapper.is_alive():
+        seen.append(sandbox.folder_usage(work, 1000)[0])
+    assert len(seen) > 100 and max(seen) < 1 << 20, (len(seen), max(seen))  # before the fix: 32 MiB seen
 
 
 def test_no_pseudo_terminal_or_inotify_instance_the_host_counts(tmp_path):

@@ -255,26 +255,43 @@ def folder_usage(folder: str | Path, max_entries: int) -> tuple[int, int]:
 
 
 def _usage(folder: str | Path, max_entries: int) -> tuple[int, int, str]:
-    """(bytes allocated, entries, the first folder that could not be listed or "") under folder."""
-    used, entries, stack, hidden = 0, 0, [str(folder)], ""
+    """(bytes allocated, entries, the first folder that could not be listed or "") under folder.
+
+    Each folder is opened from its parent's descriptor, following no symlink (as ``settle`` walks): by
+    path, a command swapped a folder for a symlink mid-walk and the walk, run as root, reported a host
+    folder's size to it. A folder swapped so counts as gone (the symlink itself is an entry)."""
+    used, entries, hidden = 0, 0, ""
+    stack = [(_Anchor(None), str(folder), ".")]
     while stack and entries <= max_entries:
-        path = stack.pop()
+        anchor, name, rel = stack.pop()
         try:
-            with os.scandir(path) as it:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=anchor.fd)
+        except (FileNotFoundError, NotADirectoryError):  # gone meanwhile
+            continue
+        except OSError as exc:
+            hidden = hidden or ("" if exc.errno == errno.ELOOP else rel)  # (ELOOP: now a symlink)
+            continue
+        finally:
+            anchor.release()
+        below = _Anchor(fd)  # held by this scan, and by each subfolder waiting
+        try:
+            with os.scandir(fd) as it:
                 for entry in it:
                     entries += 1
                     try:
                         used += entry.stat(follow_symlinks=False).st_blocks * 512
                         if entry.is_dir(follow_symlinks=False):
-                            stack.append(entry.path)
+                            below.waiting += 1
+                            stack.append((below, entry.name, os.path.join(rel, entry.name)))
                     except OSError:  # gone meanwhile
                         continue
                     if entries > max_entries:
                         break
-        except FileNotFoundError:  # gone meanwhile
-            continue
         except OSError:
-            hidden = hidden or os.path.relpath(path, folder)
+            hidden = hidden or rel
+        below.release()
+    for anchor, _, _ in stack:  # (stopped at max_entries)
+        anchor.release()
     return used, entries, hidden
 
 
@@ -363,9 +380,10 @@ def launch(argv: list[str]):
 FALLOC_FL_KEEP_SIZE = 0x01
 X32_SYSCALL_BIT = 0x40000000
 # machine -> each system-call ABI a process there can use: (AUDIT_ARCH_*, fallocate's number, the
-# numbers of inotify_init and inotify_init1 in it)
-ABIS = {"x86_64": ((0xC000003E, 285, (253, 294)), (0x40000003, 324, (291, 332))),
-        "aarch64": ((0xC00000B7, 47, (26,)), (0x40000028, 352, (316, 360)))}
+# numbers of inotify_init and inotify_init1 in it, the numbers of add_key, request_key and keyctl)
+ABIS = {"x86_64": ((0xC000003E, 285, (253, 294), (248, 249, 250)), (0x40000003, 324, (291, 332), (286, 287, 288))),
+        "aarch64": ((0xC00000B7, 47, (26,), (217, 218, 219)), (0x40000028, 352, (316, 360), (309, 310, 311)))}
+IO_URING = (425, 426, 427)  # io_uring_setup, _enter, _register: the same numbers in every ABI above
 SECCOMP_FD = 3  # the descriptor bubblewrap reads the filter from (--seccomp)
 _OPEN_FILTER = f'exec {SECCOMP_FD}< "$0" || exit 125; exec "$@"'
 
@@ -376,27 +394,33 @@ def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
 
 def seccomp_filter(machine: str | None = None) -> bytes | None:
     """A classic BPF seccomp program refusing ``fallocate`` with ``FALLOC_FL_KEEP_SIZE`` (EOPNOTSUPP),
-    a new inotify instance (EMFILE, as when the per-user limit is reached) and x32 system calls
-    (ENOSYS), allowing all else; None on a machine not in ``ABIS``.
+    a new inotify instance (EMFILE, as when the per-user limit is reached), io_uring, the kernel's
+    keyrings and x32 system calls (ENOSYS, as a kernel without them), allowing all else; None on a
+    machine not in ``ABIS``.
 
     Why: the file-size limit (``--fsize``) bounds a file's size, and a kept-size ``fallocate`` reserves
     disk blocks past the end without changing the size: ``fallocate --keep-size -l 1G f`` held 1 GiB of
-    the host disk at once (any size asked), before the work folder's next poll (``WORK_BYTES``).
-    inotify instances are counted per host user (``fs.inotify.max_user_instances``, 128 here), and
-    every rollout's commands run as the same one: a command holding them all left none to the others."""
+    the host disk at once (any size asked), before the work folder's next poll (``WORK_BYTES``); an
+    io_uring request (``IORING_OP_FALLOCATE``) did the same past this filter, which sees only system
+    calls. inotify instances are counted per host user (``fs.inotify.max_user_instances``, 128 here),
+    and every rollout's commands run as the same one: a command holding them all left none to the
+    others. A keyring the launcher has (a login's or a service's session keyring) was the sandbox's:
+    a command read the launcher's keys and left keys the next rollout's commands read."""
     abis = ABIS.get(machine or os.uname().machine)
     if abis is None:
         return None
     load, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K
     allow, refuse = 0x7FFF0000, 0x00050000 | errno.EOPNOTSUPP  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
     program = _bpf(load, 4)  # seccomp_data.arch
-    for arch, fallocate, inotify in abis:
+    for arch, fallocate, inotify, keys in abis:
         block = b""
         if arch == 0xC000003E:  # x86_64: its x32 calls carry the same arch and another number
             block += _bpf(load, 0) + _bpf(jset, X32_SYSCALL_BIT, 0, 1) + _bpf(ret, 0x00050000 | errno.ENOSYS)
         block += _bpf(load, 0)  # nr
         for number in inotify:
             block += _bpf(jeq, number, 0, 1) + _bpf(ret, 0x00050000 | errno.EMFILE)
+        for number in (*keys, *IO_URING):
+            block += _bpf(jeq, number, 0, 1) + _bpf(ret, 0x00050000 | errno.ENOSYS)
         block += (_bpf(jeq, fallocate, 0, 3) + _bpf(load, 24)  # args[1] (mode), low half
                   + _bpf(jset, FALLOC_FL_KEEP_SIZE, 0, 1) + _bpf(ret, refuse) + _bpf(ret, allow))
         program += _bpf(jeq, arch, 0, len(block) // 8) + block
