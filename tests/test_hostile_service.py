@@ -26,6 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import yaml
 from fixtures_proxy import read_spans
 
 from lightning_harness.launcher.service import SERVICE_VAR, HarnessService
@@ -47,8 +48,9 @@ SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 class Upstream(ThreadingHTTPServer):
     """``plans[cred]``: the answers, in order, to the calls made with base URL ``/<cred>/v1``, or through the
     proxy with ``PLAN-<name>`` in the task text (``plans["PLAN-<name>"]``), then submit.
-    An answer is ``{"command": ...}``, ``{"text": ...}`` (no tool call: a format error) or ``{"status": N}``,
-    each with an optional ``delay`` in seconds. ``calls``: (cred, monotonic time, Authorization) of every call."""
+    An answer is ``{"command": ...}``, ``{"commands": [...]}`` (tool calls in one reply), ``{"text": ...}`` (no
+    tool call: a format error) or ``{"status": N, "message": ...}``, each with an optional ``delay`` in seconds.
+    ``calls``: (cred, monotonic time, Authorization) of every call."""
 
     daemon_threads = True
 
@@ -84,14 +86,16 @@ class _Handler(BaseHTTPRequestHandler):
         answer = plan[n] if n < len(plan) else {"command": SUBMIT}
         time.sleep(answer.get("delay", 0))
         if "status" in answer:
-            return self._send(answer["status"], {"error": {"message": "upstream trouble", "type": "server_error"}})
+            return self._send(answer["status"], {"error": {"message": answer.get("message", "upstream trouble"),
+                                                           "type": "server_error"}})
         message = {"role": "assistant", "content": answer.get("text")}
-        if "command" in answer:
+        commands = answer["commands"] if "commands" in answer else [answer["command"]] if "command" in answer else []
+        if commands:
             message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function", "function": {
-                "name": "bash", "arguments": json.dumps({"command": answer["command"]})}}]
+                "name": "bash", "arguments": json.dumps({"command": command})}} for command in commands]
         self._send(200, {"id": "chatcmpl-x", "object": "chat.completion", "created": int(time.time()),
                          "model": body.get("model", "m"), "choices": [{"index": 0, "message": message,
-                         "finish_reason": "tool_calls" if "command" in answer else "stop"}],
+                         "finish_reason": "tool_calls" if commands else "stop"}],
                          "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
 
     def _send(self, code: int, body: dict) -> None:
@@ -122,14 +126,14 @@ def service(tmp_path_factory):
 
 
 def client(service_path: str, folder: Path, base_url: str | None, key: str = "x", task: dict = TASK,
-           **popen) -> subprocess.Popen:
+           args: tuple[str, ...] = (), **popen) -> subprocess.Popen:
     """A rollout's harness command, as the launcher runs it (its own folder, URL and key)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "LIGHTNING_"))}
     env.update({SERVICE_VAR: service_path, "OPENAI_API_KEY": key, "LIGHTNING_OUTPUT_DIR": str(folder),
                 "LIGHTNING_TASK": json.dumps(task)})
     if base_url is not None:
         env["OPENAI_BASE_URL"] = base_url
-    return subprocess.Popen([str(SWE_PY), str(SWE / "harness.py")], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([str(SWE_PY), str(SWE / "harness.py"), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **popen)
 
 
@@ -246,6 +250,30 @@ def test_a_model_command_bash_cannot_take_is_an_observation_not_a_failed_rollout
     seen = [str(m["content"]) for m in messages if m["role"] == "tool"]
     assert len(seen) == 5 and all("was not run" in text for text in seen), seen
     assert not any((tmp_path / "nul" / "repo" / name).exists() for name in ("nul.txt", "sur.txt", "long.txt"))
+
+
+def test_an_episode_past_the_context_window_or_its_wall_time_is_scored_not_failed(service, upstream, tmp_path):
+    """Two more ways a policy dodged its 0.0: a conversation past the engine's context window (its 400
+    was raised out of the episode: the harness exited 1, the attempt failed), and many commands in one
+    reply (mini-swe-agent checks its wall time only before a model call: ten ``sleep 99`` ran the episode
+    past the launcher's timeout). Both now end the episode as mini's own limits do: exit 0, scored."""
+    upstream.plans["past-context"] = [{"command": "echo one"}, {"status": 400, "message": (
+        "This model's maximum context length is 2048 tokens. However, your request has 2101 input tokens. "
+        "Please reduce the length of the input messages.")}]
+    proc = client(service.socket_path, tmp_path / "ctx", upstream.url("past-context"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and json.loads(out)["exit_status"] == "ContextWindowExceeded", err[-2000:]
+    config = yaml.safe_load((SWE / "mini.yaml").read_text())
+    config["agent"]["wall_time_limit_seconds"] = 4
+    (tmp_path / "mini.yaml").write_text(yaml.safe_dump(config))
+    upstream.plans["many-in-one"] = [{"commands": ["sleep 99"] * 10}]
+    start = time.monotonic()
+    proc = client(service.socket_path, tmp_path / "many", upstream.url("many-in-one"),
+                  args=("--config", str(tmp_path / "mini.yaml")))
+    out, err = proc.communicate(timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == 0 and json.loads(out)["exit_status"] == "TimeExceeded", err[-2000:]
+    assert took < 30, took  # before the fix: ten commands of 20 s each (the sandbox's per-command bound)
 
 
 # -- rollouts side by side: nothing of one reaches another ---------------------------------------------

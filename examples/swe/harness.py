@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -77,15 +78,14 @@ def build_agent(config: dict, workdir: Path, name: str, output_path: Path | None
     import litellm
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.environments.extra.bubblewrap import BubblewrapEnvironment
-    from minisweagent.exceptions import InterruptAgentFlow
+    from minisweagent.exceptions import InterruptAgentFlow, LimitsExceeded, TimeExceeded
     from minisweagent.models.litellm_model import LitellmModel
 
     litellm.suppress_debug_info = True  # its "Provider List" banner on every unpriced call
 
     def check_cancel() -> None:
         if cancel is not None and cancel.is_set():  # the rollout's process is gone
-            raise InterruptAgentFlow({"role": "exit", "content": "Cancelled",
-                                      "extra": {"exit_status": "Cancelled", "submission": ""}})
+            raise InterruptAgentFlow(_exit("Cancelled"))
 
     class CancellableEnvironment(BubblewrapEnvironment):
         def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict:
@@ -114,9 +114,34 @@ def build_agent(config: dict, workdir: Path, name: str, output_path: Path | None
         def _query(self, messages: list[dict], **kwargs):
             """No model call once the rollout's process is gone (service mode): neither the next one (a reply
             without a tool call is followed by another call, no command in between) nor a retry of this one
-            (mini-swe-agent retries errors for minutes). Each would go out with the ended attempt's credential."""
+            (mini-swe-agent retries errors for minutes). Each would go out with the ended attempt's credential.
+            A conversation past the engine's context window ends the episode as a limit does: the engine's
+            400 was raised out of the episode, so the attempt failed and was never scored (a policy could
+            dodge its 0.0 by printing enough)."""
             check_cancel()
-            return super()._query(messages, **kwargs)
+            try:
+                return super()._query(messages, **kwargs)
+            except litellm.exceptions.ContextWindowExceededError as exc:
+                raise LimitsExceeded(_exit("ContextWindowExceeded")) from exc
+
+    class WallTimedAgent(DefaultAgent):
+        def execute_actions(self, message: dict) -> list[dict]:
+            """Each command of a reply within the episode's wall time: mini-swe-agent checks it only before a
+            model call, so ten ``sleep 99`` in one reply ran the episode past the launcher's timeout (timed
+            out, never scored: another way to dodge a 0.0). Past the time, the episode ends as mini's does."""
+            outputs = [self.env.execute(action, timeout=self._time_left())
+                       for action in message.get("extra", {}).get("actions", [])]
+            observed = self.model.format_observation_messages(message, outputs, self.get_template_vars())
+            return self.add_messages(*observed)
+
+        def _time_left(self) -> int | None:
+            limit = self.config.wall_time_limit_seconds
+            if limit <= 0:
+                return None
+            left = limit - int(time.time() - self._start_time)
+            if left <= 0:
+                raise TimeExceeded(_exit("TimeExceeded"))
+            return min(left, self.env.config.timeout)
 
         def serialize(self) -> dict:
             """The config as saved in trajectory.json, without the key and the base URL (which
@@ -141,7 +166,12 @@ def build_agent(config: dict, workdir: Path, name: str, output_path: Path | None
     agent_cfg = {k: v for k, v in config["agent"].items() if k != "mode"}
     if output_path is not None:
         agent_cfg["output_path"] = output_path
-    return DefaultAgent(UnrecordedCredentials(**model_cfg), env, **agent_cfg)
+    return WallTimedAgent(UnrecordedCredentials(**model_cfg), env, **agent_cfg)
+
+
+def _exit(status: str) -> dict:
+    """The message mini-swe-agent ends an episode with (its own limits' shape)."""
+    return {"role": "exit", "content": status, "extra": {"exit_status": status, "submission": ""}}
 
 
 MAX_COMMAND_BYTES = 128 << 10  # the kernel's bound on one argument (MAX_ARG_STRLEN), its final NUL included
