@@ -201,6 +201,24 @@ def test_the_scored_module_cannot_reach_the_hidden_tests(tmp_path):
     assert reward.score({"project": "demo", "hidden_tests": tests}, folder, timeout=60)[0] == 1.0  # it does search
 
 
+def test_the_module_never_computes_with_a_tests_expected_value(tmp_path):
+    """``abs(c_to_f(37) - 98.6) < 1e-9`` sent 98.6 to the module's object, whose ``__sub__`` answered 0:
+    a wrong module passed. Arithmetic between the module's object and a test's value is refused (the
+    test fails); between the module's objects, and a plain result, it works as before."""
+    tests = ("from demo import c_to_f, Vec\n\n\ndef test_close():\n    assert abs(c_to_f(37) - 98.6) < 1e-9\n\n\n"
+             "def test_vectors():\n    assert (Vec(1) + Vec(2)).x == 3 and abs(-Vec(1)).x == 1\n")
+    honest = ("class Vec:\n    def __init__(self, x):\n        self.x = x\n    def __add__(self, o):\n"
+              "        return Vec(self.x + o.x)\n    def __neg__(self):\n        return Vec(-self.x)\n"
+              "    def __abs__(self):\n        return Vec(abs(self.x))\n\n\n")
+    close = "class Close:\n    def __sub__(self, other):\n        return 0.0\n\n\n"
+    folder = tmp_path / "demo"
+    folder.mkdir()
+    for module, want in ((honest + "def c_to_f(c):\n    return c * 9 / 5 + 32\n", 1.0),
+                         (honest + close + "def c_to_f(c):\n    return Close()\n", 0.0)):  # before the fix: 1.0
+        (folder / "demo.py").write_text(module)
+        assert reward.score({"project": "demo", "hidden_tests": tests}, folder, timeout=60)[0] == want
+
+
 def test_the_agents_sandbox_shows_no_task_row(tmp_path):
     """During the episode (the harness's sandbox, with mini-swe-agent's Python) no task file is in sight
     (a checkout under /usr would be: the sandbox binds all of /usr) and no file outside the system trees

@@ -9,7 +9,8 @@ whose functions, classes and objects are remote references. Each call crosses th
 data (None, bool, int, float, str, bytes, and lists, tuples, dicts and sets of them); anything else
 the module returns stays in ``serve`` and comes back as a reference, so an ``assert`` compares
 values the module computed and never runs the module's code. A reference equals only a reference
-(the module's own ``__eq__`` decides between its objects), never a plain value. An exception
+(the module's own ``__eq__`` decides between its objects), never a plain value, and meets a plain
+value in no arithmetic (the module would see the test's expected value and choose the result). An exception
 comes back as the nearest built-in ``Exception`` class by name (never ``SystemExit``;
 ``StopIteration`` as ``RuntimeError``, so it cannot end a test's ``map`` early). Lists,
 dicts and sets passed as arguments are copied back after the call, as a function that sorts or
@@ -207,8 +208,8 @@ def _copy_back(mine, theirs) -> None:
 
 class Remote:
     """A function, class or object living in serve. Calls, attribute reads, iteration, indexing and
-    arithmetic go there; a comparison only with another remote object (there too): nothing is
-    evaluated here with the module's code."""
+    unary arithmetic go there; a comparison or binary arithmetic only with another remote object
+    (there too): nothing is evaluated here with the module's code."""
 
     def __init__(self, link: Link, n: int) -> None:
         object.__setattr__(self, "_link", link)
@@ -257,10 +258,11 @@ def _forward(op: str, remote_only: bool = False):
     return method
 
 
-for _op in ("len", "bool", "int", "float", "index", "abs", "neg", "getitem", "setitem", "delitem", "contains",
-            "add", "sub", "mul", "truediv", "floordiv", "mod"):
+for _op in ("len", "bool", "int", "float", "index", "abs", "neg", "getitem", "setitem", "delitem", "contains"):
     setattr(Remote, f"__{_op}__", _forward(_op))
-for _op in ("eq", "ne", "lt", "le", "gt", "ge"):
+# arithmetic only between the module's objects: with a plain operand the module saw the test's expected
+# value and chose the result (``abs(c_to_f(37) - 98.6) < 1e-9`` passed for an object whose __sub__ gave 0)
+for _op in ("eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "truediv", "floordiv", "mod"):
     setattr(Remote, f"__{_op}__", _forward(_op, remote_only=True))
 
 
