@@ -381,10 +381,12 @@ def test_a_chat_call_without_the_generation_prompt_is_not_rebuilt(make_traces, t
     request = json.loads(body["request_json"])
     d = make_traces(spans=[span("r", 0, None, None, logprobs=None,
                                 **{**body, "request_json": json.dumps({**request, "add_generation_prompt": False})}),
-                           span("s", 0, None, None, logprobs=None, **body)],
-                    rollouts=[rollout("r", reward=1.0), rollout("s", reward=0.0)])
+                           span("s", 0, None, None, logprobs=None, **body),
+                           span("t", 0, None, None, logprobs=None,  # read as vLLM reads it: true
+                                **{**body, "request_json": json.dumps({**request, "add_generation_prompt": "true"})})],
+                    rollouts=[rollout("r", reward=1.0), rollout("s", reward=0.0), rollout("t", reward=0.0)])
     table, stats = build_samples(d, tokenizer=str(tiny_tokenizer_dir))
-    assert [r["rollout_id"] for r in table.to_pylist()] == ["s"]
+    assert sorted(r["rollout_id"] for r in table.to_pylist()) == ["s", "t"]
     assert stats["retokenize_failed"] == 1
 
 

@@ -71,6 +71,7 @@ import pyarrow.compute as pc
 
 from ..proxy.anthropic import BILLING_HEADER
 from ..proxy.assemble import CHAT, as_chat, token_fields
+from ..proxy.lax import engine_flag
 from ..proxy.sampling import unlike_update
 from ..schemas import SAMPLES
 from . import advantages as adv_mod
@@ -436,8 +437,8 @@ def _rebuild_chat(tokenizer: Any, req: dict, choice: dict) -> tuple[list[int], l
     # a prefill (an Anthropic call's last assistant message): the answer continues it, in its turn
     prefill = bool(req.get("continue_final_message")) and last.get("role") == "assistant" and isinstance(
         last.get("content"), (str, list))
-    if req.get("add_generation_prompt", True) is not True and not prefill:  # (vLLM reads the request's own
-        raise ValueError("add_generation_prompt: false: the model wrote its turn's header itself, which "  # flag)
+    if not engine_flag(req.get("add_generation_prompt", True)) and not prefill:  # (the request's own flag)
+        raise ValueError("add_generation_prompt: false: the model wrote its turn's header itself, which "
                          "its answer's text does not show; it cannot be rebuilt")
     prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
                                                 **({"continue_final_message": True} if prefill else {}), **kw)

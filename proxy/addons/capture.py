@@ -29,9 +29,10 @@ from ..lax import engine_flag
 from ..sampling import sampling_json
 from ..sse import SSERelay
 from ..state import META, MODEL, Call, ProxyState
-from .answers import ANSWERED, error_answer
-from .limits import REFUSED
+from .answers import ANSWERED
+from .limits import REFUSED, refuse
 
+UNREADABLE = "the request body is not valid text (UTF-8, or UTF-16/32 by its byte-order mark)"
 log = logging.getLogger("lightning.proxy")
 
 MAX_ERROR_BODY = 500
@@ -124,11 +125,8 @@ class Capture:
         if call is None or call.kind != MODEL or call.done:
             return
         self._note_size(len(flow.request.raw_content or b""))
-        refused = flow.metadata.get(REFUSED)
-        if refused is not None:  # answered by the limits addon (too large, shutting down, bad coding)
-            kind, why, status = refused
-            self._start(call)
-            self._finish(flow, call, kind, why, response_json=flow.response.get_text(strict=False), status=status)
+        if REFUSED in flow.metadata:  # answered by the limits addon (too large, shutting down, bad coding)
+            self._record_refused(flow, call)
             return
         if flow.response is not None:  # answered by routing (no upstream configured): no span, as ever
             self.live.pop(id(call), None)
@@ -140,22 +138,21 @@ class Capture:
         text, bad = json_text(flow.request.raw_content or b"")
         call.salvaged |= bad
         call.request_text = text
-        if bad:  # the engine refuses it (400), so does the proxy: a body it cannot read skips no check
-            self._refuse_unreadable(flow, call)
+        if bad:
+            # the engine refuses it (400), so does the proxy: sent on unread, it skipped every check that
+            # reads a request (another rollout's stored response named); salvaged and rewritten, the
+            # engine served a call it would have refused
+            refuse(self.state, flow, 400, "malformed_request", UNREADABLE)
+            self._record_refused(flow, call)
             return
         self._parse_request(call, text)
         self._start(call)
         self.state.begin(call)  # (the encoding addon asks upstream for an uncompressed body)
 
-    def _refuse_unreadable(self, flow: http.HTTPFlow, call: Call) -> None:
-        """400 for a body that is no text in its encoding (vLLM's JSON reader refuses it too). Sent on
-        as it came, it skipped every check that reads the request (another rollout's stored response
-        named); salvaged and sent rewritten, the engine served a call it would have refused."""
-        why = "the request body is not valid text (UTF-8, or UTF-16/32 by its byte-order mark)"
-        self.state.rejected += 1
-        error_answer(flow, 400, "invalid_request_error", f"lightning-proxy: {why}")
+    def _record_refused(self, flow: http.HTTPFlow, call: Call) -> None:
+        kind, why, status = flow.metadata[REFUSED]
         self._start(call)
-        self._finish(flow, call, "malformed_request", why, flow.response.get_text(strict=False), 400)
+        self._finish(flow, call, kind, why, response_json=flow.response.get_text(strict=False), status=status)
 
     @staticmethod
     def _parse_request(call: Call, text: str) -> None:

@@ -321,8 +321,12 @@ class Limits:
         log.info("cut off %s %s: %s", log_safe(flow.request.method), loggable_url(flow), why)
 
     def refuse(self, flow: http.HTTPFlow, status: int, kind: str, why: str) -> None:
-        """Answer the call now with an OpenAI-style error; capture turns it into an error span."""
-        self.state.rejected += 1
-        flow.metadata[REFUSED] = (kind, why, status)
-        error_answer(flow, status, kind, f"lightning-proxy: {why}")
-        log.info("refused %s %s: %s", log_safe(flow.request.method), loggable_url(flow), why)
+        refuse(self.state, flow, status, kind, why)
+
+
+def refuse(state: ProxyState, flow: http.HTTPFlow, status: int, kind: str, why: str) -> None:
+    """Answer the call now with an OpenAI-style error; capture turns it into an error span."""
+    state.rejected += 1
+    flow.metadata[REFUSED] = (kind, why, status)
+    error_answer(flow, status, kind, f"lightning-proxy: {why}")
+    log.info("refused %s %s: %s", log_safe(flow.request.method), loggable_url(flow), why)
