@@ -257,6 +257,12 @@ def test_a_prefill_call_is_retokenised_as_the_engine_continued_it(tiny_tokenizer
     assert prompt == tiny_ids("<|im_start|>", "user", "what", "is", "two", "plus", "three", "<|im_end|>",
                               "<|im_start|>", "assistant", "answer")
     assert response == tiny_ids("five", "<|im_end|>")
+    # a chat call's own flag, read as vLLM reads it: "true" continues the turn, "false" does not
+    chat = {**request, "add_generation_prompt": False}
+    assert retokenize(tok, json.dumps({**chat, "continue_final_message": "true"}), json.dumps(answer)) \
+        == (prompt, response, None)
+    with pytest.raises(ValueError, match="add_generation_prompt: false"):  # before the fix: read as a prefill
+        retokenize(tok, json.dumps({**chat, "continue_final_message": "false"}), json.dumps(answer))
 
 
 def test_a_call_is_retokenised_with_its_chat_template_kwargs(tiny_tokenizer_dir):

@@ -435,7 +435,7 @@ def _rebuild_chat(tokenizer: Any, req: dict, choice: dict) -> tuple[list[int], l
     messages = _as_engine_reads(req["messages"], content_format)
     last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
     # a prefill (an Anthropic call's last assistant message): the answer continues it, in its turn
-    prefill = bool(req.get("continue_final_message")) and last.get("role") == "assistant" and isinstance(
+    prefill = engine_flag(req.get("continue_final_message")) and last.get("role") == "assistant" and isinstance(
         last.get("content"), (str, list))
     if not engine_flag(req.get("add_generation_prompt", True)) and not prefill:  # (the request's own flag)
         raise ValueError("add_generation_prompt: false: the model wrote its turn's header itself, which "
