@@ -35,12 +35,19 @@ class Recorder:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         seen = self.seen = []
+        redirects = self.redirects = {}  # path -> the Location of a 307 answered to it
 
         class Handler(BaseHTTPRequestHandler):
             def _any(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 seen.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
                              "body": self.rfile.read(n).decode(errors="replace")})
+                if self.path in redirects:
+                    self.send_response(307)
+                    self.send_header("Location", redirects[self.path])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 out = json.dumps({"id": "x", "object": "chat.completion", "model": "m", "choices": [
                     {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}).encode()
                 self.send_response(200)

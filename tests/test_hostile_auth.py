@@ -545,6 +545,20 @@ def test_a_model_call_with_a_trailing_slash_reaches_the_engines_path(make_proxy,
     assert [s["status_code"] for s in read_spans(p)] == [200]
 
 
+def test_a_redirect_from_the_engine_names_a_path_not_the_engine(make_proxy, recorder):
+    """vLLM answers 'GET /v1/models/' with a 307 to its own address: the harness learnt where to reach
+    the engine around the proxy. The Location now keeps the path and query only; another host's stays."""
+    p = make_proxy(upstreams=[recorder.url])
+    base = p.env_for("h", 0)["OPENAI_BASE_URL"]
+    recorder.redirects.update({"/v1/models/": recorder.url + "/v1/models?a=1",
+                               "/health/": "https://example.com:8443/health"})
+    with httpx.Client(trust_env=False, timeout=30) as c:
+        got = c.get(base + "/models/")
+        elsewhere = c.get(base.rsplit("/v1", 1)[0] + "/health/")
+    assert (got.status_code, got.headers["Location"]) == (307, "/v1/models?a=1")  # before: the engine's URL
+    assert elsewhere.headers["Location"] == "https://example.com:8443/health"
+
+
 def test_a_tunnel_to_the_engine_carries_http_through_the_filters_however_it_is_split(make_proxy, recorder):
     """CONNECT to the engine, then a request whose first write is 'PO' (or starts with a CRLF):
     mitmproxy took the tunnel for raw TCP and passed it through, so '/collective_rpc' ran and a

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import urllib.parse
 
 from mitmproxy import http
 from mitmproxy.proxy import server_hooks
@@ -191,6 +192,22 @@ class Routing:
         call.inject = target.inject_token_ids if target.inject_token_ids is not None else cfg.inject_token_ids
         if call.kind == MODEL:
             call.served_model = None  # decided by rewrite once the body is parsed
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        """A redirect from the pool names a path, not the engine: vLLM answers '/v1/models/' with a
+        307 to 'http://<its own address>/v1/models', which told the harness where to reach the
+        engine around the proxy. Its Location keeps the path and query (a client follows it
+        through the proxy, as it came)."""
+        call, resp = flow.metadata.get(META), flow.response
+        if call is None or call.upstream is None or resp is None or not 300 <= resp.status_code < 400 \
+                or not (where := urllib.parse.urlsplit(resp.headers.get("Location", ""))).hostname:
+            return
+        try:
+            port = where.port or {"http": 80, "https": 443}.get(where.scheme.lower())
+        except ValueError:  # not a port: not the engine's address either
+            return
+        if self.in_pool(where.hostname, port):
+            resp.headers["Location"] = urllib.parse.urlunsplit(("", "", where.path or "/", where.query, where.fragment))
 
     @staticmethod
     def _refuse_admin(flow: http.HTTPFlow) -> None:
