@@ -339,9 +339,9 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
     if not isinstance(obj, dict):
         return out
     if endpoint == RESPONSES:
-        return _checked(_responses_token_fields(obj, out), obj)
+        return _checked(_responses_token_fields(obj, out))
     if endpoint == MESSAGES:
-        return _checked(message_token_fields(obj, out), obj)
+        return _checked(message_token_fields(obj, out))
     choices = obj.get("choices") if isinstance(obj.get("choices"), list) else []
     out["n_choices"] = len(choices) if isinstance(obj.get("choices"), list) else None
     first = choices[0] if choices and isinstance(choices[0], dict) else {}
@@ -360,7 +360,7 @@ def token_fields(obj: dict | None, endpoint: str | None) -> dict[str, Any]:
     out["response_logprobs"] = _answer_logprobs(out["response_logprobs"], out["response_token_ids"],
                                                 out["prompt_token_ids"])
     return _checked(_token_counts(out, obj.get("usage"), "prompt_tokens", "completion_tokens",
-                                  count_ids=len(choices) == 1), obj)
+                                  count_ids=len(choices) == 1))
 
 
 def behaviour_logprobs(request: Any, endpoint: str | None, lps: list[float] | None) -> list[float] | None:
@@ -690,7 +690,7 @@ def _ints(value: Any) -> list[int] | None:
         return None
 
 
-def _checked(out: dict[str, Any], obj: dict) -> dict[str, Any]:
+def _checked(out: dict[str, Any]) -> dict[str, Any]:
     """Fields of a hostile or broken answer that the columns cannot hold become null (the answer
     itself stays in response_json); ``salvaged`` tells the span so."""
     dropped = False

@@ -188,7 +188,7 @@ class ProxyConfig:
             if isinstance(values.get(key), str):
                 values[key] = [values[key]]
         if isinstance(values.get("model_map"), list):  # repeated --model-map NAME=SERVED
-            values["model_map"] = parse_model_map(values["model_map"])
+            values["model_map"] = parse_pairs(values["model_map"], "--model-map", "NAME=SERVED", strip=True)
         problems = [p for f in dataclasses.fields(cls) if f.name in values
                     for p in [check_option(f, values[f.name])] if p]
         if problems:
@@ -297,10 +297,6 @@ def _without_userinfo(url: str) -> str:
     if "@" in netloc:
         netloc = "***@" + netloc.rpartition("@")[2]
     return f"{scheme}{sep}{netloc}{slash}{path}"
-
-
-def parse_model_map(items: Iterable[str]) -> dict[str, str]:
-    return parse_pairs(items, "--model-map", "NAME=SERVED", strip=True)
 
 
 def parse_pairs(items: Iterable[str], flag: str, shape: str = "KEY=VALUE", *, strip: bool = False) -> dict[str, str]:

@@ -84,6 +84,12 @@ class Call:
     secrets: set[str] = field(default_factory=set)
     salvaged: bool = False  # some bytes were not valid UTF-8 (decoded with replacement) or a field was out of range
 
+    def answer_failed(self, message: str) -> None:
+        """The answer failed mid-way (a stream's error, or events that cannot be read): the first
+        such message is the span's error."""
+        if self.response_error is None:
+            self.response_error = message
+
 
 class ProxyState:
     """Process-wide state: config, Parquet writers, counters and the pause gate."""

@@ -152,7 +152,7 @@ class PartWriter:
                     self._oldest = time.monotonic()
             due = len(self._rows) >= self.flush_rows or self._bytes >= self.flush_bytes
         if full:
-            self._refuse(rows, size)
+            self._refuse(rows)
         elif due:
             self._auto_flush()
 
@@ -241,7 +241,7 @@ class PartWriter:
             self._bytes += sum(_row_bytes(r) for r in rows)
             self._oldest = oldest if oldest is not None else (self._oldest or time.monotonic())
 
-    def _refuse(self, rows: list[dict[str, Any]], size: int) -> None:
+    def _refuse(self, rows: list[dict[str, Any]]) -> None:
         exc = BufferFull(
             f"{self.table}: {self._bytes:,} bytes already wait to be written (max_buffer_bytes="
             f"{self.max_buffer_bytes:,}); {len(rows)} new row(s) refused; last error: {self.last_error}"

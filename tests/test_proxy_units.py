@@ -18,7 +18,7 @@ from lightning_harness.proxy.assemble import (
     token_fields,
 )
 from lightning_harness.proxy.client import harness_env
-from lightning_harness.proxy.config import ProxyConfig, parse_model_map
+from lightning_harness.proxy.config import ProxyConfig
 from lightning_harness.proxy.filters import make_model_restorer, make_responses_stripper, make_stripper
 from lightning_harness.proxy.redact import MASK, Redactor
 from lightning_harness.proxy.sse import SSERelay
@@ -230,7 +230,7 @@ def test_config_load_and_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown proxy config keys"):
         ProxyConfig.from_mapping({"nope": 1})
     with pytest.raises(ValueError, match="NAME=SERVED"):
-        parse_model_map(["bad"])
+        ProxyConfig.from_mapping({"model_map": ["bad"]})
     with pytest.raises(ValueError, match="expected http"):
         ProxyConfig.from_mapping({"upstreams": ["ftp://x"]})
     with pytest.raises(ValueError, match="upstream 'http://h:notaport'"):

@@ -188,20 +188,12 @@ class Capture:
         ctype = flow.response.headers.get("Content-Type", "")
         if "text/event-stream" in ctype:
             asm = assembler_for(call.endpoint)
-            relay = SSERelay(asm.add, call.event_filters, on_error=self._sse_error(call),
+            relay = SSERelay(asm.add, call.event_filters, on_error=call.answer_failed,
                              max_event=self.state.config.max_decoded_size)
             call.sse = (relay, asm)
             flow.response.stream = relay
             if call.event_filters:  # events rewritten (injected fields stripped): not the bytes upstream
                 flow.response.headers.pop("Content-Length", None)  # counted; the body ends with the connection
-
-    @staticmethod
-    def _sse_error(call: Call):
-        def on_error(msg: str) -> None:
-            if call.response_error is None:
-                call.response_error = msg
-
-        return on_error
 
     @_guarded
     def response(self, flow: http.HTTPFlow) -> None:

@@ -62,8 +62,7 @@ class Encoding:
                 failed.append(exc)
                 if isinstance(exc, TooLarge):
                     call.sse[0].oversize = True  # capture records too_large
-                if call.response_error is None:
-                    call.response_error = f"cannot decode {coding} event stream: {exc}"
+                call.answer_failed(f"cannot decode {coding} event stream: {exc}")
                 return [] if chunk else relay(b"")
             return join_chunks(relay(rest) if rest else [], relay(b""))
 

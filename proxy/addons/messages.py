@@ -40,16 +40,6 @@ def _stops(call: Call):
     return (call.api_request or {}).get("stop_sequences")
 
 
-def _reporter(call: Call):
-    """Where the translated stream reports an answer that failed mid-way (capture's error span)."""
-
-    def on_error(message: str) -> None:
-        if call.response_error is None:
-            call.response_error = message
-
-    return on_error
-
-
 class MessagesRequest:
     """Messages request -> chat-completions request, for calls routed to the training pool."""
 
@@ -84,7 +74,7 @@ class MessagesRequest:
         call: Call | None = flow.metadata.get(META)
         if call is None or call.api != MESSAGES or call.sse is None or flow.response.stream is None:
             return
-        translator = EventTranslator(call.model, _stops(call), on_error=_reporter(call))
+        translator = EventTranslator(call.model, _stops(call), on_error=call.answer_failed)
         flow.response.stream = EventStream(flow.response.stream, translator, max_event=call.sse[0].max_event)
         flow.response.headers["Content-Type"] = "text/event-stream; charset=utf-8"
         # the events sent are not the bytes upstream counted: the body ends with the connection
