@@ -273,7 +273,7 @@ def to_chat(req: Any) -> dict:
         raise MessagesError("the body must be a JSON object")
     if not isinstance(req.get("model"), str) or not req["model"]:
         raise MessagesError("model: a string is required")
-    max_tokens = engine_int(req.get("max_tokens")) if not isinstance(req.get("max_tokens"), bool) else None
+    max_tokens = engine_int(req.get("max_tokens"))
     if max_tokens is None or max_tokens < 1:
         raise MessagesError("max_tokens: a positive integer is required")
     if not reads_as_bool(req.get("stream")):

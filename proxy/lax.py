@@ -13,7 +13,8 @@ import math
 import re
 from typing import Any
 
-_INT_TEXT = re.compile(r"\s*([+-]?[0-9](?:_?[0-9])*)(?:\.0+)?\s*", re.ASCII)
+_INT_TEXT = re.compile(r"([+-]?)([0-9](?:_?[0-9])*)(?:\.0+)?", re.ASCII)
+_MAX_DIGITS = 4300  # an integer's digits past its leading zeros: pydantic's limit, and Python's int()
 _BOOL_WORDS = frozenset(("0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"))
 
 
@@ -35,14 +36,15 @@ def reads_as_bool(value: Any) -> bool:
 
 
 def engine_int(value: Any) -> int | None:
-    """An integer as the engine reads it (``21``, ``21.0``, ``"21"``, ``" 21.0 "``, ``true``), or None
-    where it would refuse the value (``21.5``, ``"1e3"``, a list)."""
+    """An integer as the engine reads it (``21``, ``21.0``, ``"21"``, ``" 21.0 "``, ``"00021"``,
+    ``true``), or None where it would refuse the value (``21.5``, ``"1e3"``, a list, 4,301 digits)."""
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
         return int(value) if value.is_integer() and abs(value) < 2.0**63 else None
-    m = _INT_TEXT.fullmatch(value) if isinstance(value, str) else None
-    return int(m[1]) if m else None
+    m = _INT_TEXT.fullmatch(value.strip()) if isinstance(value, str) else None  # (any Unicode space)
+    digits = m[2].replace("_", "").lstrip("0") or "0" if m else ""
+    return int(m[1] + digits) if m and len(digits) <= _MAX_DIGITS else None
 
 
 def engine_float(value: Any) -> float | None:

@@ -83,8 +83,8 @@ def _tool_constraint(request: dict) -> str | None:
         return "tool_choice"
     if not isinstance(tools, list) or not tools or choice == "none":
         return None
-    if any(isinstance(t, dict) and (t.get("strict") is True or isinstance(t.get("function"), dict)
-                                    and t["function"].get("strict") is True) for t in tools):
+    if any(isinstance(t, dict) and (engine_flag(t.get("strict")) or isinstance(t.get("function"), dict)
+                                    and engine_flag(t["function"].get("strict"))) for t in tools):
         return "strict_tools"
     parallel = request.get("parallel_tool_calls")
     return "single_tool_call" if parallel is not None and not engine_flag(parallel) else None

@@ -197,7 +197,7 @@ def test_an_empty_answer_is_one_empty_text_block():
 
 @pytest.mark.parametrize("bad, rule", [
     ([], "JSON object"), ({"max_tokens": 1, "messages": []}, "model"), (_req(max_tokens=0), "max_tokens"),
-    (_req(max_tokens=True), "max_tokens"), (_req(messages="hi"), "messages"),
+    (_req(max_tokens=-1), "max_tokens"), (_req(messages="hi"), "messages"),
     (_req(messages=[{"role": "tool", "content": "x"}]), "role"),
     (_req(messages=[{"role": "system", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]}]),
      r"messages\[0\].content\[0\]: expected a text block"),
@@ -221,8 +221,9 @@ def test_malformed_requests_name_the_rule(bad, rule):
 
 LAX = [  # (field, value): how vLLM's own /v1/messages (lax pydantic) reads values of other JSON types
     *[("stream", v) for v in ("false", "no", "0", "off", "true", "yes", 1, 0, 1.0, "maybe", 2, " true")],
-    *[("max_tokens", v) for v in ("4096", 4096.0, " 4096 ", "4096.0", 4096.5, "1e3", "4k", [4096])],
-    *[("budget_tokens", v) for v in ("2000", 1500.0, "1500.0", 1500.5, "2e3")],
+    *[("max_tokens", v) for v in ("4096", 4096.0, " 4096 ", "4096.0", 4096.5, "1e3", "4k", [4096], True, "4_096",
+                                  "\u00a04096\u2003", "0" * 4999 + "1", "1" * 4301, "-0" + "0" * 5000)],
+    *[("budget_tokens", v) for v in ("2000", 1500.0, "1500.0", 1500.5, "2e3", "0" * 5000 + "2000")],
     *[("disable_parallel_tool_use", v) for v in ("false", "true", "no", 0, 1, "maybe", 2)],
 ]
 
@@ -239,7 +240,7 @@ def _lax_body(field: str, value) -> dict:
     return body
 
 
-@pytest.mark.parametrize("field, value", LAX, ids=[f"{f}={v!r}" for f, v in LAX])
+@pytest.mark.parametrize("field, value", LAX, ids=[f"{f}={v!r:.24}" for f, v in LAX])
 def test_request_values_are_read_as_vllms_own_messages_endpoint_reads_them(field, value):
     """A value vLLM's Messages endpoint reads (``stream: "false"``, ``max_tokens: "4096"``) is read the
     same way, and one it refuses is refused: ``stream: "false"`` was answered as an event stream where

@@ -399,6 +399,47 @@ def test_an_id_the_harness_chose_is_its_own_before_the_answer_comes(rproxy, upst
     assert len(upstream.bodies) == seen
 
 
+def test_a_create_the_engine_refuses_for_its_store_flag_claims_no_id(rproxy, upstream):
+    """``store: " true"`` reads as true to a lenient eye, but vLLM refuses it (400): such a create
+    claimed its ``request_id`` for its rollout, and another rollout's create with that id got the
+    proxy's 400 where the engine serves it."""
+    upstream.json({"error": {"message": "store: input should be a valid boolean", "type": "BadRequestError",
+                             "code": 400}}, status=400)
+    assert _send(rproxy, "r-a", "POST", "/responses", {**STORE, "store": " true", "request_id": "resp_x"}
+                 ).status_code == 400
+    upstream.json(_response(id="resp_x"))
+    assert _send(rproxy, "r-b", "POST", "/responses", {**STORE, "request_id": "resp_x"}).status_code == 200
+
+
+_UNFORESEEN = """
+import sys
+from mitmproxy.test import tflow
+from lightning_harness.proxy.addons.rewrite import Rewrite
+from lightning_harness.proxy.config import ProxyConfig, parse_upstream
+from lightning_harness.proxy.state import META, MODEL, Call, ProxyState
+
+class Unforeseen(dict):  # a request value no rule foresaw: reading it raises
+    def get(self, *args):
+        raise RuntimeError("unforeseen")
+
+flow = tflow.tflow()
+sent = flow.request.content
+call = Call(kind=MODEL, endpoint="chat.completions", upstream=parse_upstream("http://127.0.0.1:9"), inject=True,
+            in_flight=True, request_obj=Unforeseen(model="m"))
+flow.metadata[META] = call
+Rewrite(ProxyState(ProxyConfig(traces=sys.argv[1]))).request(flow)
+print(flow.response.status_code, flow.request.content == sent, call.request_obj, call.request_error)
+"""
+
+
+def test_a_request_the_proxy_fails_to_rewrite_is_answered_never_sent_half_done(tmp_path):
+    """A rewrite that raised (a bug, or an input nobody foresaw: a 5,000-digit ``top_logprobs``
+    did) let mitmproxy send the request on as it stood: unrewritten, while the call said injected.
+    It is answered 500 and recorded as an error span instead."""
+    out = in_proxy_env(_UNFORESEEN, str(tmp_path)).split()
+    assert out[:3] == ["500", "True", "None"] and "rewriting the request failed" in " ".join(out[3:])
+
+
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-16"])
 def test_bytes_of_a_lone_surrogate_skip_no_check(rproxy, upstream, encoding):
     """The engine reads a body as ``json.loads`` of its bytes, which lets the bytes of a lone

@@ -117,11 +117,16 @@ CASES = {
     "echo_prefill_own_logprobs": (CHAT, {**C, "messages": PREFILL, "add_generation_prompt": False,
                                          "continue_final_message": True, "echo": True, "logprobs": True}, "ref"),
     "logprobs_false_string": (CHAT, {**C, "logprobs": "false"}, "ref"),  # vLLM reads false: injected, stripped
+    # and ignores top_logprobs; injected with logprobs it was checked (25 > 20: 400) and -1 asked for all
+    "logprobs_false_string_top_25": (CHAT, {**C, "logprobs": "false", "top_logprobs": 25}, "ref"),
+    "logprobs_false_string_top_all": (CHAT, {**C, "logprobs": "false", "top_logprobs": -1}, "ref"),
     "completion": (CMPL, P, "ref"),
     "completion_stop": (CMPL, {**P, "stop": ["7"]}, "ref"),
     "completion_logprobs_2": (CMPL, {**P, "logprobs": 2}, "ref"),
     "completion_logprobs_false": (CMPL, {**P, "logprobs": False}, "ref"),
     "completion_logprob_token_ids_without_logprobs": (CMPL, {**P, "logprob_token_ids": [5]}, "ref"),  # 400 (was 200)
+    # vLLM refuses any logprobs with beam search and a raw echo ("false" too): sent as it came (was 400)
+    "completion_beam_echo_false_string": (CMPL, {**P, "use_beam_search": True, "echo": "false"}, "unknown"),
     "completion_prompt_ids": (CMPL, {**P, "prompt": [343, 342, 223, 19, 20]}, "ref"),
     "completion_add_special_tokens": (CMPL, {**P, "add_special_tokens": False}, "ref"),
     "completion_truncate_prompt_tokens": (CMPL, {**P, "truncate_prompt_tokens": 4}, "ref"),
@@ -182,6 +187,8 @@ def _post(url: str, body: dict, stream: bool = False):
 def _injected(path: str, body: dict) -> dict:
     """The request as the proxy sends it upstream (proxy/addons/rewrite.py)."""
     out = dict(body)
+    if path == CMPL and body.get("use_beam_search") and body.get("echo") and body.get("logprobs") is None:
+        return out  # (vLLM would refuse it with logprobs: sent as it came)
     if path == RESP:
         out["enable_response_messages"] = True
         if "message.output_text.logprobs" not in (out.get("include") or []):
@@ -190,8 +197,10 @@ def _injected(path: str, body: dict) -> dict:
                 out["top_logprobs"] = 0  # (the engine checks it only with the include)
     else:
         out["return_token_ids"] = True
-        if path == CHAT and not out.get("logprobs"):
+        if path == CHAT and out.get("logprobs") is not True:
             out["logprobs"] = True
+            if out.get("top_logprobs") not in (None, 0):
+                out["top_logprobs"] = 0  # (logprobs the harness did not ask for: the sampled token's)
         elif path == CMPL and out.get("logprobs") is None:
             out["logprobs"] = 0
     return out

@@ -301,9 +301,13 @@ def test_retokenising_an_echoed_completion_keeps_only_the_generated_text(tiny_to
                              json.dumps({**answer, "choices": [{"index": 0, "text": " five"}]}))
     _, echoed, _ = retokenize(tok, json.dumps({"prompt": "two plus", "echo": True}), json.dumps(answer))
     assert echoed == plain == tiny_ids("five")  # before the fix: "two plus five"
-    with pytest.raises(ValueError, match="include_reasoning"):
-        retokenize(tok, json.dumps({"messages": [{"role": "user", "content": "two"}], "include_reasoning": False}),
-                   json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "three"}}]}))
+    _, echo_off, _ = retokenize(tok, json.dumps({"prompt": "two plus", "echo": "false"}),
+                                json.dumps({**answer, "choices": [{"index": 0, "text": " five"}]}))
+    assert echo_off == plain  # (read as vLLM reads it; before: the prompt looked for, the call dropped)
+    for hidden in (False, "false", 0, "off"):  # read as vLLM reads it
+        with pytest.raises(ValueError, match="include_reasoning"):
+            retokenize(tok, json.dumps({"messages": [{"role": "user", "content": "two"}], "include_reasoning": hidden}),
+                       json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "three"}}]}))
 
 
 SWE_MODEL = Path(__file__).resolve().parent.parent / "examples" / "swe" / "model"  # a byte-level BPE tokenizer

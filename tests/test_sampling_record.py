@@ -46,6 +46,8 @@ STRICT = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": Tr
     ("responses", {"tools": TOOLS, "tool_choice": {"type": "custom", "name": "calc"}}, {"constraint": "tool_choice"}),
     # a grammar vLLM puts on tool_choice "auto" with a strict tool or one call at most (hermes and others)
     ("chat.completions", {"tools": STRICT}, {"constraint": "strict_tools"}),
+    ("chat.completions", {"tools": [{**STRICT[0], "function": {**STRICT[0]["function"], "strict": "yes"}}]},
+     {"constraint": "strict_tools"}),  # (read as vLLM reads it: a "yes" is strict too)
     ("chat.completions", {"tools": TOOLS, "parallel_tool_calls": "false"}, {"constraint": "single_tool_call"}),
     ("chat.completions", {"tools": STRICT, "tool_choice": "none"}, None),
     ("chat.completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "sk-secret"}}},

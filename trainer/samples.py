@@ -428,7 +428,7 @@ def _rebuild_chat(tokenizer: Any, req: dict, choice: dict) -> tuple[list[int], l
     tokens plus EOS when the template cannot be split that way. A request with
     ``continue_final_message`` (a Messages prefill) is rendered as the engine did: the last
     assistant message left open, the answer continuing it."""
-    if req.get("include_reasoning") is False:  # the engine generated reasoning the answer does not show
+    if not engine_flag(req.get("include_reasoning", True)):  # the engine generated reasoning the answer does not show
         raise ValueError("include_reasoning: false hides tokens the model generated; its answer cannot be rebuilt")
     kw = _template_kwargs(req)
     content_format = _content_format(tokenizer, kw.get("tools"))
@@ -510,7 +510,7 @@ def _as_vllm_spells(tokenizer: Any, token_id: int) -> str:
 def _answer_text(req: dict, text: str) -> str:
     """A completion's generated text: with ``echo`` the text starts with the prompt, which the model
     did not generate (the proxy does not ask such a call for token ids: vLLM would blank the echo)."""
-    if not req.get("echo"):
+    if not engine_flag(req.get("echo")):
         return text
     prompt = req.get("prompt")
     if not isinstance(prompt, str) or not text.startswith(prompt):

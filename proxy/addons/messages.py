@@ -32,7 +32,7 @@ from ..anthropic import (
 )
 from ..assemble import CHAT
 from ..state import META, MODEL, Call
-from .answers import json_answer
+from .answers import json_answer, rewrite_failed
 from .limits import REFUSED
 
 
@@ -57,6 +57,10 @@ class MessagesRequest:
         except MessagesError as exc:
             call.request_error = f"not a valid Messages request: {exc}"
             self._refuse(flow, call, str(exc))
+            return
+        except Exception as exc:
+            rewrite_failed(flow, call, "translating the Messages request", exc,
+                           error_body(500, "lightning-proxy: translating the Messages request failed"))
             return
         call.api_request, call.request_obj = call.request_obj, chat
         call.endpoint = CHAT  # what upstream speaks now: rewrite injects, capture assembles as chat

@@ -40,7 +40,7 @@ from ..filters import make_model_restorer, make_responses_stripper, make_strippe
 from ..lax import engine_flag, engine_int, reads_as_bool
 from ..sse import SSERelay
 from ..state import META, MODEL, OTHER, Call, ProxyState
-from .answers import json_answer
+from .answers import json_answer, rewrite_failed
 from .routing import response_action
 
 log = logging.getLogger("lightning.proxy")
@@ -67,8 +67,9 @@ def _changes_the_answer(endpoint: str | None, obj: dict) -> bool:
         top = obj.get("top_logprobs")
         details = bool(obj.get("logprob_token_ids")) or (type(top) in (int, float, bool) and (top == -1 or top > 0))
         return details and not obj.get("logprobs")
-    if endpoint == COMPLETIONS and obj.get("logprob_token_ids") and obj.get("logprobs") is None:
-        return True
+    if endpoint == COMPLETIONS and obj.get("logprobs") is None and (
+            obj.get("logprob_token_ids") or (obj.get("use_beam_search") and obj.get("echo"))):
+        return True  # (beam search with a raw echo: vLLM refuses any logprobs, "false" as much as true)
     return endpoint != RESPONSES and engine_flag(obj.get("echo"))
 
 
@@ -86,10 +87,7 @@ def _injectable(endpoint: str | None, obj: dict) -> bool:
 
 
 def _inject_responses(call: Call, obj: dict) -> bool:
-    """``enable_response_messages`` and the logprobs ``include`` where the harness did not ask. With
-    the include the engine checks ``top_logprobs`` against its limit (20; -1: the vocabulary), which
-    it ignores without one: a harness that did not ask for logprobs never sees them, so its value
-    goes upstream as 0 (only the sampled token's), and a value the engine would not read stays."""
+    """``enable_response_messages`` and the logprobs ``include`` where the harness did not ask."""
     changed = False
     if not engine_flag(obj.get("enable_response_messages")):
         obj["enable_response_messages"] = True
@@ -98,9 +96,17 @@ def _inject_responses(call: Call, obj: dict) -> bool:
     if LOGPROBS_INCLUDE not in include:
         obj["include"] = [*include, LOGPROBS_INCLUDE]
         call.injected_logprobs = changed = True
-        if obj.get("top_logprobs") not in (None, 0) and engine_int(obj["top_logprobs"]) is not None:
-            obj["top_logprobs"] = 0
+        _only_the_sampled(obj)
     return changed
+
+
+def _only_the_sampled(obj: dict) -> None:
+    """Logprobs the harness did not ask for are the sampled token's only: its ``top_logprobs``, which
+    the engine ignored without them, goes upstream as 0 (checked against the engine's limit once
+    they are asked for: 25 was refused, -1 asked for the vocabulary); a value the engine would not
+    read stays (it refuses the call either way)."""
+    if obj.get("top_logprobs") not in (None, 0) and engine_int(obj["top_logprobs"]) is not None:
+        obj["top_logprobs"] = 0
 
 
 def _inject_tokens(call: Call, obj: dict) -> bool:
@@ -113,6 +119,7 @@ def _inject_tokens(call: Call, obj: dict) -> bool:
         if not engine_flag(obj.get("logprobs")):
             obj["logprobs"] = True
             call.injected_logprobs = changed = True
+            _only_the_sampled(obj)
     elif obj.get("logprobs") is None:
         obj["logprobs"] = 0
         call.injected_logprobs = changed = True
@@ -203,7 +210,10 @@ class Rewrite:
         elif call.kind == MODEL and call.in_flight and call.request_obj is not None:
             if call.endpoint == RESPONSES and self._names_foreign(flow, call, call.request_obj):
                 return
-            self._model_call(flow, call, call.request_obj)  # (None: malformed, forwarded unchanged)
+            try:
+                self._model_call(flow, call, call.request_obj)  # (None: malformed, forwarded unchanged)
+            except Exception as exc:
+                rewrite_failed(flow, call, "rewriting the request", exc)
 
     def _names_foreign(self, flow: http.HTTPFlow, call: Call, obj: dict) -> bool:
         """Refuse a Responses create naming another rollout's stored answer (True if refused):
@@ -249,7 +259,8 @@ class Rewrite:
             call.event_filters.append(make(call.injected_token_ids, call.injected_logprobs, not call.hosted))
         if asked is not None:
             call.event_filters.append(make_model_restorer(asked))
-        if call.endpoint == RESPONSES and engine_flag(obj.get("store", True)):  # (its owner: even uninjected)
+        store = obj.get("store", True)  # (its owner: even uninjected; not where the engine refuses the flag)
+        if call.endpoint == RESPONSES and engine_flag(store) and reads_as_bool(store):
             entry = (call.injected_token_ids, call.injected_logprobs, asked, call.rollout_id)
             flow.metadata[STORED] = entry
             if call.event_filters:  # (a stream rewritten anyway; the JSON answer's id: response)
