@@ -60,6 +60,7 @@ _MESSAGES_FIELDS = frozenset({
     "metadata", "thinking", "service_tier", "container", "mcp_servers", "context_management", "betas",
     "output_config",
 })
+EFFORTS = ("low", "medium", "high", "xhigh", "max")  # output_config.effort, as vLLM's /v1/messages takes it
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's first system block (a per-request hash)
 
 
@@ -117,26 +118,29 @@ def _tool_call(block: dict, where: str) -> dict:
 
 
 def _tool_messages(block: dict, where: str) -> list[dict]:
-    """A ``tool_result`` as a ``tool`` message (its texts joined with newlines) and, if it holds
-    images (a screenshot), a user message of them after it, as vLLM's ``/v1/messages`` renders it."""
+    """A ``tool_result`` as a ``tool`` message (its texts joined with newlines), then, if it holds
+    images (a screenshot), a user message of them, and, if it names tools (Claude Code's tool
+    search: ``tool_reference``), a ``tool`` message of those, as vLLM's ``/v1/messages`` renders it
+    (other blocks it leaves out; a missing or null content is an empty result)."""
     if not isinstance(block.get("tool_use_id"), str):
         raise MessagesError(f"{where}: tool_result needs a string tool_use_id")
-    content = block.get("content", "")
-    if isinstance(content, str):
-        return [{"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}]
+    content = block.get("content")
+    if content is None or isinstance(content, str):
+        return [{"role": "tool", "tool_call_id": block["tool_use_id"], "content": content or ""}]
     if not isinstance(content, list):
-        raise MessagesError(f"{where}.content: expected a string or a list of text and image blocks")
-    texts, images = [], []
+        raise MessagesError(f"{where}.content: expected a string or a list of blocks")
+    texts, images, named = [], [], []
     for k, item in enumerate(content):
         kind = item.get("type") if isinstance(item, dict) else None
-        if kind == "text" and isinstance(item.get("text"), str):
-            texts.append(item["text"])
+        if kind == "text":
+            texts.append(item["text"] if isinstance(item.get("text"), str) else "")
         elif kind == "image":
             images.append(_image_part(item, f"{where}.content[{k}]"))
-        else:
-            raise MessagesError(f"{where}.content[{k}]: expected a text or image block")
+        elif kind == "tool_reference" and (name := item.get("tool_name") or item.get("name")):
+            named.append({"type": "tool_reference", "name": name})
     out = [{"role": "tool", "tool_call_id": block["tool_use_id"], "content": "\n".join(texts)}]
-    return out + ([{"role": "user", "content": images}] if images else [])
+    out += [{"role": "user", "content": images}] if images else []
+    return out + ([{"role": "tool", "tool_call_id": block["tool_use_id"], "content": named}] if named else [])
 
 
 def _block(block: Any, role: str, at: str, out: dict) -> None:
@@ -156,8 +160,8 @@ def _block(block: Any, role: str, at: str, out: dict) -> None:
         return  # nothing to render (vLLM skips it)
     elif kind == "thinking" and role == "assistant" and isinstance(block["thinking"], str):
         out["reasoning"].append(block["thinking"])
-    elif kind == "redacted_thinking" and role == "assistant":
-        return  # opaque: not rendered back into the prompt (as vLLM does)
+    elif (kind == "redacted_thinking" and role == "assistant") or (kind == "tool_reference" and role == "user"):
+        return  # opaque, or named only inside a tool_result: not rendered (as vLLM does)
     else:
         raise MessagesError(f"{at}: content block of type {kind!r} is not supported here")
 
@@ -257,12 +261,16 @@ def _output_config(config: Any) -> dict:
         raise MessagesError("output_config: expected an object")
     out: dict[str, Any] = {}
     fmt = config.get("format")
-    if fmt is not None:
+    if fmt is not None:  # (its type defaults to json_schema; an empty or missing schema constrains nothing)
         schema = fmt.get("schema") if isinstance(fmt, dict) else None
-        if not isinstance(schema, dict) or fmt.get("type") != "json_schema":
+        if not isinstance(fmt, dict) or fmt.get("type", "json_schema") != "json_schema" \
+                or not isinstance(schema, dict | None):
             raise MessagesError("output_config.format: expected {'type': 'json_schema', 'schema': {...}}")
-        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
+        if schema:
+            out["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
     if config.get("effort") is not None:
+        if config["effort"] not in EFFORTS:
+            raise MessagesError(f"output_config.effort: one of {', '.join(EFFORTS)} is required")
         out["reasoning_effort"] = config["effort"]
     return out
 
@@ -287,7 +295,8 @@ def to_chat(req: Any) -> dict:
     for i, msg in enumerate(req["messages"]):
         messages.extend(_message(msg, i))
     chat: dict[str, Any] = {k: v for k, v in req.items() if k not in _MESSAGES_FIELDS}
-    if messages and messages[-1]["role"] == "assistant":
+    last = req["messages"][-1] if req["messages"] else None
+    if isinstance(last, dict) and last.get("role") == "assistant" and messages and messages[-1]["role"] == "assistant":
         # a last assistant turn is a prefill the answer continues (the Messages rule), not a
         # finished turn followed by a new one (the chat default)
         chat.setdefault("continue_final_message", True)
@@ -340,8 +349,8 @@ def stop_reason(choice: dict, stop: Any, tool_used: bool = False, tool_complete:
         return None, None
     if finish in ("stop", "tool_calls") and tool_complete:
         return "tool_use", None
-    if finish == "stop" and isinstance(matched, str) and isinstance(stop, list) and matched in stop:
-        return "stop_sequence", matched
+    if finish in ("stop", "tool_calls") and isinstance(matched, str) and isinstance(stop, list) and matched in stop:
+        return "stop_sequence", matched  # (a call the stop string cut short must not run)
     if finish == "stop" and tool_used:
         return "tool_use", None
     return STOP_REASONS.get(finish, "end_turn") if isinstance(finish, str) else "end_turn", None

@@ -615,7 +615,8 @@ def responses_to_chat(req: dict, resp: dict, strict: bool = False) -> tuple[dict
 
     ``strict``: raise ``ValueError`` where the result would not be the prompt the engine saw or
     the whole answer: history named by ``previous_response_id`` (and the like), images or files,
-    encrypted reasoning, items of other types, a response that is no finished answer."""
+    encrypted reasoning, items of other types, a response that is no finished answer, reasoning
+    hidden (``include_reasoning`` false), a last output item the engine continued (in progress)."""
     def refuse(why: str) -> None:
         if strict:
             raise ValueError(f"a Responses call that cannot be rebuilt exactly: {why}")
@@ -623,10 +624,16 @@ def responses_to_chat(req: dict, resp: dict, strict: bool = False) -> tuple[dict
     for key in HISTORY_FIELDS:
         if req.get(key):
             refuse(f"{key} brings context the span does not hold")
+    if not engine_flag(req.get("include_reasoning", True)):
+        refuse("include_reasoning: false hides reasoning tokens the model generated")
+    items = req.get("input")
+    last = items[-1] if isinstance(items, list) and items else None
+    if isinstance(last, dict) and last.get("type") in ("message", "reasoning") \
+            and last.get("status") in ("in_progress", "incomplete"):
+        refuse("a last output item still in progress: the engine continued it, in its turn")
     messages: list[dict] = []
     if req.get("instructions"):
         messages.append({"role": "system", "content": _text_of(req["instructions"], refuse)})
-    items = req.get("input")
     for it in [{"role": "user", "content": items}] if isinstance(items, str) else items or ():
         if isinstance(it, dict):
             _input_message(messages, it, refuse)
@@ -642,7 +649,9 @@ def responses_to_chat(req: dict, resp: dict, strict: bool = False) -> tuple[dict
     for t in req.get("tools") or ():
         if isinstance(t, dict) and t.get("type") == "function":
             # as vLLM hands a function tool to the template (its FunctionDefinition dumped: no key left out)
-            tools.append({"type": "function", "function": {k: t.get(k) for k in ("name", "description", "parameters")}})
+            fn = {k: t.get(k) for k in ("name", "description", "parameters")}
+            tools.append({"type": "function", "function": fn | ({"strict": engine_flag(t["strict"])}
+                                                                if t.get("strict") is not None else {})})
         elif not isinstance(t, dict) or t.get("type") == "namespace":
             refuse("a tool that is not a function")
     msg, logprobs = _answer(resp, refuse)
@@ -653,6 +662,9 @@ def responses_to_chat(req: dict, resp: dict, strict: bool = False) -> tuple[dict
     chat_req = {"messages": messages, **({"tools": tools} if tools else {})}
     if isinstance(req.get("chat_template_kwargs"), dict):
         chat_req["chat_template_kwargs"] = req["chat_template_kwargs"]
+    effort = req["reasoning"].get("effort") if isinstance(req.get("reasoning"), dict) else None
+    if effort is not None:  # the template gets it, and thinking on unless "none" (as for a chat call)
+        chat_req["reasoning_effort"] = effort
     return chat_req, {"choices": [{"message": msg, "logprobs": {"content": logprobs} if logprobs else None}]}
 
 

@@ -79,7 +79,7 @@ def test_request_translation_renders_as_vllms_own_messages_endpoint():
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
     assert chat["reasoning_effort"] == "low" and "output_config" not in chat
     with pytest.raises(MessagesError, match="output_config.format"):
-        to_chat(_req(output_config={"format": {"type": "json_schema"}}))
+        to_chat(_req(output_config={"format": {"type": "text"}}))
 
 
 def test_turns_reach_the_template_as_vllms_own_endpoint_hands_them():
@@ -266,6 +266,96 @@ def test_request_values_are_read_as_vllms_own_messages_endpoint_reads_them(field
                 bool(no_parallel))
         assert read == (chat.get("stream", False), chat["max_tokens"], chat.get("thinking_token_budget"),
                         chat.get("parallel_tool_calls") is False)
+
+
+_CALL = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "calc", "input": {}}]}
+_CALC = {"name": "calc", "input_schema": {"type": "object"}}
+
+
+def _result(content=..., **kw) -> list[dict]:
+    """A conversation whose last turn holds the calc call's tool_result with ``content``."""
+    block = {"type": "tool_result", "tool_use_id": "t1", **({} if content is ... else {"content": content}), **kw}
+    return [{"role": "user", "content": "hi"}, _CALL, {"role": "user", "content": [block]}]
+
+
+ENGINE_SHAPES = {  # Messages conversations vLLM's own /v1/messages renders: the proxy sends the same turns
+    "tool_result_text": _result("r"),
+    "tool_result_missing": _result(),
+    "tool_result_null": _result(None),
+    "tool_result_parts": _result([{"type": "text", "text": "a"}, {"type": "text"}, {"type": "text", "text": "b"}]),
+    "tool_search": _result([{"type": "tool_reference", "tool_name": "late"}]),  # Claude Code's tool search
+    "tool_result_document": _result([{"type": "text", "text": "a"}, {"type": "document", "source": {"data": "d"}}]),
+    "tool_reference_in_user_turn": [{"role": "user", "content": [{"type": "tool_reference", "tool_name": "calc"},
+                                                                 {"type": "text", "text": "q"}]}],
+    "ends_with_an_empty_user_turn": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure."},
+                                     {"role": "user", "content": []}],
+}
+
+
+@pytest.mark.parametrize("name", list(ENGINE_SHAPES))
+def test_conversations_are_sent_as_vllms_own_messages_endpoint_renders_them(name):
+    """The chat request the proxy sends holds the turns vLLM's ``/v1/messages`` makes of the same
+    Messages request. A tool_result naming tools (Claude Code's tool search) or holding a document,
+    or with a null content, was refused (every later call of such a session failed); a conversation
+    ending in an empty user turn was sent as a prefill of the assistant turn before it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    body = _req(tools=[_CALC, {**_CALC, "name": "late", "defer_loading": True}], messages=ENGINE_SHAPES[name])
+    engine = AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest.model_validate(body))
+    ours = ChatCompletionRequest.model_validate(to_chat(json.loads(json.dumps(body))))
+    assert ours.model_dump(mode="json")["messages"] == engine.model_dump(mode="json")["messages"]
+    assert (ours.continue_final_message, ours.add_generation_prompt) == (False, True)
+
+
+OUTPUT_CONFIGS = [{"format": {"type": "json_schema", "schema": {}}}, {"format": {"type": "json_schema"}},
+                  {"format": {"schema": {"type": "object"}}}, {"format": {"type": "json_schema", "schema": None}},
+                  {"format": {"type": "text", "schema": {"type": "object"}}}, {"format": {"schema": "x"}},
+                  {"effort": "none"}, {"effort": "minimal"}, {"effort": "max"}, {"effort": "high", "format": None}]
+
+
+@pytest.mark.parametrize("config", OUTPUT_CONFIGS, ids=[json.dumps(c) for c in OUTPUT_CONFIGS])
+def test_output_config_is_read_as_vllms_own_messages_endpoint_reads_it(config):
+    """An empty schema constrains nothing there (it was sent as a JSON schema: the answer forced to
+    JSON), a format without a type or schema is served (it was refused), and an effort it does not
+    take ('none', 'minimal') is refused (it was served)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+    body = _req(output_config=config)
+    try:
+        engine = AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest.model_validate(body))
+    except ValueError:
+        engine = None
+    try:
+        chat = to_chat(json.loads(json.dumps(body)))
+    except MessagesError:
+        chat = None
+    assert (engine is None) == (chat is None), (engine, chat)
+    if engine is not None:
+        fmt = engine.response_format
+        assert (chat.get("response_format", {}).get("json_schema", {}).get("schema"), chat.get("reasoning_effort")) \
+            == (fmt.json_schema.json_schema if fmt else None, engine.reasoning_effort)
+
+
+def test_a_stop_string_that_cut_a_tool_call_is_the_stop_reason():
+    """vLLM's ``/v1/messages`` reports a stop string that ended the answer inside a tool call (its
+    arguments incomplete) as ``stop_sequence``: a call cut short must not run. The proxy said
+    ``tool_use`` where the chat answer's finish reason was ``tool_calls`` (a streamed call)."""
+    chat = {"id": "c", "choices": [{"index": 0, "finish_reason": "tool_calls", "stop_reason": "STOP", "message": {
+        "role": "assistant", "content": None,
+        "tool_calls": [{"id": "t", "type": "function", "function": {"name": "calc", "arguments": '{"x": "1'}}]}}]}
+    msg = to_message(chat, "m", ["STOP"])
+    assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "STOP")
+    chat["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = '{"x": "1"}'  # whole: it runs
+    assert to_message(chat, "m", ["STOP"])["stop_reason"] == "tool_use"
 
 
 def test_answer_translation():

@@ -193,6 +193,10 @@ def test_odd_incomplete_details_keep_the_token_ids():
     ({}, {"output": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "web_search_call"),
     ({}, {"status": "queued", "output": []}, "no whole answer"),
     ({}, {"input_messages": [{"role": "system", "content": "harmony"}]}, "Harmony"),
+    # the engine generated reasoning the answer does not show, or continued an unfinished last item
+    ({"include_reasoning": "false"}, {}, "include_reasoning"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "message", "role": "assistant", "status": "incomplete",
+                 "content": [{"type": "output_text", "text": "The answer is"}]}]}, {}, "in progress"),
 ])
 def test_a_responses_call_is_not_rebuilt_where_its_chat_form_is_not_what_the_engine_saw(request_extra, answer, why):
     """Rebuilt anyway, such a call was trained on a prompt without the history the engine had
@@ -259,6 +263,10 @@ def test_a_rebuilt_responses_prompt_is_the_one_vllm_renders(tiny_tokenizer_dir):
     assert assistant["tool_calls"][0]["function"]["arguments"] == {"a": 2} and assistant["content"] == "answer"
     assert chat["messages"][3] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c2", "type": "function", "function": {"name": "plus", "arguments": {}}}]}
+    # what else vLLM hands the template: a tool's strict flag (as its model reads it), the reasoning effort
+    tools = [{"type": "function", "name": "plus", "parameters": {"type": "object"}, "strict": "false"}]
+    chat, _ = as_chat("responses", {**req, "tools": tools, "reasoning": {"effort": "low"}}, _response(), strict=True)
+    assert chat["tools"][0]["function"]["strict"] is False and chat["reasoning_effort"] == "low"
 
 
 @pytest.mark.vllm
@@ -409,6 +417,14 @@ def test_a_create_the_engine_refuses_for_its_store_flag_claims_no_id(rproxy, ups
                  ).status_code == 400
     upstream.json(_response(id="resp_x"))
     assert _send(rproxy, "r-b", "POST", "/responses", {**STORE, "request_id": "resp_x"}).status_code == 200
+
+
+def test_a_flag_the_engine_refuses_as_null_is_not_written_over(rproxy, upstream):
+    """``enable_response_messages`` is a boolean in vLLM's Responses request, not an optional one: a
+    null gets 400 there. Written over with true, the call was served through the proxy."""
+    upstream.json(_response())
+    _send(rproxy, "r-a", "POST", "/responses", {**STORE, "enable_response_messages": None})
+    assert upstream.bodies[-1] == {**STORE, "enable_response_messages": None}  # as sent: the engine decides
 
 
 _UNFORESEEN = """

@@ -120,6 +120,9 @@ CASES = {
     # and ignores top_logprobs; injected with logprobs it was checked (25 > 20: 400) and -1 asked for all
     "logprobs_false_string_top_25": (CHAT, {**C, "logprobs": "false", "top_logprobs": 25}, "ref"),
     "logprobs_false_string_top_all": (CHAT, {**C, "logprobs": "false", "top_logprobs": -1}, "ref"),
+    # one its raw check refuses stays, refused as without the proxy (it was written over with 0: served)
+    "logprobs_false_string_top_text": (CHAT, {**C, "logprobs": "false", "top_logprobs": "5"}, "ref"),
+    "logprobs_false_string_top_negative": (CHAT, {**C, "logprobs": "false", "top_logprobs": -5}, "ref"),
     "completion": (CMPL, P, "ref"),
     "completion_stop": (CMPL, {**P, "stop": ["7"]}, "ref"),
     "completion_logprobs_2": (CMPL, {**P, "logprobs": 2}, "ref"),
@@ -199,7 +202,8 @@ def _injected(path: str, body: dict) -> dict:
         out["return_token_ids"] = True
         if path == CHAT and out.get("logprobs") is not True:
             out["logprobs"] = True
-            if out.get("top_logprobs") not in (None, 0):
+            top = out.get("top_logprobs")
+            if type(top) in (int, float) and (top > 0 or top == -1):
                 out["top_logprobs"] = 0  # (logprobs the harness did not ask for: the sampled token's)
         elif path == CMPL and out.get("logprobs") is None:
             out["logprobs"] = 0

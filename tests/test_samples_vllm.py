@@ -154,6 +154,8 @@ def test_the_rebuilt_prompt_leaves_out_the_billing_header_line_as_vllm_does(make
     {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}, "description": "d"}},
     {"function": {"name": "a", "description": "x", "strict": True, "extra": 1}, "other": 2},
     {"type": "function", "function": {"parameters": {}, "name": "b", "defer_loading": None}, "defer_loading": False},
+    # flags as its model reads them: the template saw "true" where the engine's saw true
+    {"type": "function", "function": {"name": "c", "strict": "true", "defer_loading": 0}, "defer_loading": "yes"},
 ])
 def test_the_rebuilt_prompt_shows_tools_as_vllm_hands_them_to_the_template(tool):
     """A template that writes the tools as JSON shows vLLM's dump of its request model (key order,

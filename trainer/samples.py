@@ -186,8 +186,9 @@ def _tool_as_engine_reads(tool: Any) -> Any:
     own = fn.get("defer_loading")
     for key, value in (("strict", fn.get("strict")), ("defer_loading", defer if own is None else own)):
         if value is not None:
-            out[key] = value
-    return {"type": "function", "function": out, **({"defer_loading": defer} if defer is not None else {})}
+            out[key] = engine_flag(value)  # (its model's bool: "true" or 1 reach the template as true)
+    return {"type": "function", "function": out,
+            **({"defer_loading": engine_flag(defer)} if defer is not None else {})}
 
 
 def _as_engine_reads(messages: Any, content_format: str = "string") -> Any:

@@ -83,6 +83,8 @@ def _injectable(endpoint: str | None, obj: dict) -> bool:
         return False
     if endpoint == RESPONSES and not isinstance(obj.get("include"), list | None):
         return False
+    if endpoint == RESPONSES and "enable_response_messages" in obj and obj["enable_response_messages"] is None:
+        return False  # (a bool there, not optional: null is refused)
     return all(reads_as_bool(obj.get(k)) for k in _FLAGS.get(endpoint, ()))
 
 
@@ -96,21 +98,18 @@ def _inject_responses(call: Call, obj: dict) -> bool:
     if LOGPROBS_INCLUDE not in include:
         obj["include"] = [*include, LOGPROBS_INCLUDE]
         call.injected_logprobs = changed = True
-        _only_the_sampled(obj)
+        if obj.get("top_logprobs") not in (None, 0) and engine_int(obj["top_logprobs"]) is not None:
+            obj["top_logprobs"] = 0  # (see _inject_tokens)
     return changed
 
 
-def _only_the_sampled(obj: dict) -> None:
-    """Logprobs the harness did not ask for are the sampled token's only: its ``top_logprobs``, which
-    the engine ignored without them, goes upstream as 0 (checked against the engine's limit once
-    they are asked for: 25 was refused, -1 asked for the vocabulary); a value the engine would not
-    read stays (it refuses the call either way)."""
-    if obj.get("top_logprobs") not in (None, 0) and engine_int(obj["top_logprobs"]) is not None:
-        obj["top_logprobs"] = 0
-
-
 def _inject_tokens(call: Call, obj: dict) -> bool:
-    """``return_token_ids`` and ``logprobs`` (chat: true; completions: 0, only the sampled token's)."""
+    """``return_token_ids`` and ``logprobs`` (chat: true; completions: 0, only the sampled token's).
+
+    Logprobs the harness did not ask for are the sampled token's only: its ``top_logprobs``, which the
+    engine ignored without them, goes upstream as 0, as the engine checks it against its limit once
+    they are asked for (25 was refused, -1 asked for the vocabulary); a value the engine refuses
+    anyway (chat's raw check takes a number, positive or -1) stays, and the engine refuses the call."""
     changed = False
     if not engine_flag(obj.get("return_token_ids")):
         obj["return_token_ids"] = True
@@ -119,7 +118,9 @@ def _inject_tokens(call: Call, obj: dict) -> bool:
         if not engine_flag(obj.get("logprobs")):
             obj["logprobs"] = True
             call.injected_logprobs = changed = True
-            _only_the_sampled(obj)
+            top = obj.get("top_logprobs")
+            if type(top) in (int, float, bool) and (top > 0 or top == -1):
+                obj["top_logprobs"] = 0
     elif obj.get("logprobs") is None:
         obj["logprobs"] = 0
         call.injected_logprobs = changed = True
