@@ -228,6 +228,29 @@ LAX = [  # (field, value): how vLLM's own /v1/messages (lax pydantic) reads valu
 ]
 
 
+def _both_read(body: dict, *, converted: bool = False) -> tuple:
+    """(vLLM's reading of a Messages body, ours: ``to_chat``), each None where it refuses the body, and
+    refused by both or neither. vLLM's: its request model, or with ``converted`` the chat request its
+    own ``/v1/messages`` makes of it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+    try:
+        engine = AnthropicMessagesRequest.model_validate(json.loads(json.dumps(body)))
+        engine = AnthropicServingMessages.to_chat_completion_request(engine) if converted else engine
+    except ValueError:
+        engine = None
+    try:
+        chat = to_chat(json.loads(json.dumps(body)))
+    except MessagesError:
+        chat = None
+    assert (engine is None) == (chat is None), (engine, chat)
+    return engine, chat
+
+
 def _lax_body(field: str, value) -> dict:
     body = _req(max_tokens=4096)
     if field == "budget_tokens":
@@ -245,21 +268,7 @@ def test_request_values_are_read_as_vllms_own_messages_endpoint_reads_them(field
     """A value vLLM's Messages endpoint reads (``stream: "false"``, ``max_tokens: "4096"``) is read the
     same way, and one it refuses is refused: ``stream: "false"`` was answered as an event stream where
     the engine answers JSON, and ``max_tokens: "4096"`` was refused where the engine answers."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
-    body = _lax_body(field, value)
-    try:
-        engine = AnthropicMessagesRequest.model_validate(json.loads(json.dumps(body)))
-    except ValueError:
-        engine = None
-    try:
-        chat = to_chat(json.loads(json.dumps(body)))
-    except MessagesError:
-        chat = None
-    assert (engine is None) == (chat is None), (engine, chat)
+    engine, chat = _both_read(_lax_body(field, value))
     if engine is not None:
         no_parallel = getattr(engine.tool_choice, "disable_parallel_tool_use", None)
         read = (bool(engine.stream), engine.max_tokens, (engine.thinking.budget_tokens if engine.thinking else None),
@@ -298,16 +307,11 @@ def test_conversations_are_sent_as_vllms_own_messages_endpoint_renders_them(name
     Messages request. A tool_result naming tools (Claude Code's tool search) or holding a document,
     or with a null content, was refused (every later call of such a session failed); a conversation
     ending in an empty user turn was sent as a prefill of the assistant turn before it."""
-    import warnings
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
-        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     body = _req(tools=[_CALC, {**_CALC, "name": "late", "defer_loading": True}], messages=ENGINE_SHAPES[name])
-    engine = AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest.model_validate(body))
-    ours = ChatCompletionRequest.model_validate(to_chat(json.loads(json.dumps(body))))
+    engine, chat = _both_read(body, converted=True)
+    ours = ChatCompletionRequest.model_validate(chat)
     assert ours.model_dump(mode="json")["messages"] == engine.model_dump(mode="json")["messages"]
     assert (ours.continue_final_message, ours.add_generation_prompt) == (False, True)
 
@@ -323,22 +327,7 @@ def test_output_config_is_read_as_vllms_own_messages_endpoint_reads_it(config):
     """An empty schema constrains nothing there (it was sent as a JSON schema: the answer forced to
     JSON), a format without a type or schema is served (it was refused), and an effort it does not
     take ('none', 'minimal') is refused (it was served)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
-        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
-    body = _req(output_config=config)
-    try:
-        engine = AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest.model_validate(body))
-    except ValueError:
-        engine = None
-    try:
-        chat = to_chat(json.loads(json.dumps(body)))
-    except MessagesError:
-        chat = None
-    assert (engine is None) == (chat is None), (engine, chat)
+    engine, chat = _both_read(_req(output_config=config), converted=True)
     if engine is not None:
         fmt = engine.response_format
         assert (chat.get("response_format", {}).get("json_schema", {}).get("schema"), chat.get("reasoning_effort")) \
