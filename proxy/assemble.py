@@ -564,8 +564,11 @@ def _input_message(messages: list[dict], it: dict, refuse) -> None:
             prev["content"] = text
         else:
             messages.append({"role": "assistant", "content": text})
-    elif kind == "message" and isinstance(it.get("role"), str):
-        messages.append({"role": it["role"], "content": _text_of(it.get("content"), refuse)})
+    elif kind == "message" and isinstance(it.get("role"), str):  # its parts as parts: a template that
+        content = it.get("content")  # iterates over them gets them one by one (joined, for one that does not)
+        parts = [{"type": "text", "text": _text_of([p], refuse)} for p in content] if isinstance(content, list) \
+            else _text_of(content, refuse)
+        messages.append({"role": it["role"], "content": parts})
     else:  # item_reference, hosted tools' calls, custom tools: not rendered by this conversion
         refuse(f"an input item of type {kind!r}")
 
@@ -652,8 +655,8 @@ def responses_to_chat(req: dict, resp: dict, strict: bool = False) -> tuple[dict
             fn = {k: t.get(k) for k in ("name", "description", "parameters")}
             tools.append({"type": "function", "function": fn | ({"strict": engine_flag(t["strict"])}
                                                                 if t.get("strict") is not None else {})})
-        elif not isinstance(t, dict) or t.get("type") == "namespace":
-            refuse("a tool that is not a function")
+        elif not isinstance(t, dict) or t.get("type") in ("namespace", "custom"):
+            refuse("a tool that is not a function")  # (vLLM shows a custom tool as a function of its own making)
     msg, logprobs = _answer(resp, refuse)
     if strict:  # the template gets tool-call arguments as vLLM hands them to it: parsed
         for m in [*messages, msg]:

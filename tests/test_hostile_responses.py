@@ -195,6 +195,7 @@ def test_odd_incomplete_details_keep_the_token_ids():
     ({}, {"input_messages": [{"role": "system", "content": "harmony"}]}, "Harmony"),
     # the engine generated reasoning the answer does not show, or continued an unfinished last item
     ({"include_reasoning": "false"}, {}, "include_reasoning"),
+    ({"tools": [{"type": "custom", "name": "apply_patch"}]}, {}, "not a function"),  # (vLLM makes one of its own)
     ({"input": [{"role": "user", "content": "hi"}, {"type": "message", "role": "assistant", "status": "incomplete",
                  "content": [{"type": "output_text", "text": "The answer is"}]}]}, {}, "in progress"),
 ])
@@ -267,6 +268,8 @@ def test_a_rebuilt_responses_prompt_is_the_one_vllm_renders(tiny_tokenizer_dir):
     tools = [{"type": "function", "name": "plus", "parameters": {"type": "object"}, "strict": "false"}]
     chat, _ = as_chat("responses", {**req, "tools": tools, "reasoning": {"effort": "low"}}, _response(), strict=True)
     assert chat["tools"][0]["function"]["strict"] is False and chat["reasoning_effort"] == "low"
+    # a message's parts stay parts (a template iterating over them got them joined with newlines)
+    assert chat["messages"][0]["content"] == [{"type": "text", "text": "what is"}, {"type": "text", "text": "two"}]
 
 
 @pytest.mark.vllm

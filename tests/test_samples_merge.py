@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from fixtures_traces import chat_bodies, rollout, span, tiny_ids
+from fixtures_traces import TINY_CHAT_TEMPLATE, chat_bodies, rollout, span, tiny_ids
 
 from lightning_harness.schemas import SAMPLES
 from lightning_harness.trainer.samples import build_samples
@@ -412,3 +412,39 @@ def test_a_call_with_an_empty_prompt_is_dropped_not_the_step(make_traces):
     assert [r["rollout_id"] for r in table.to_pylist()] == ["b"] and stats["calls_dropped_no_token_ids"] == 1
     samples, _ = table_to_samples(table, None)
     assert [s.rollout_id for s in samples] == ["b~0"]
+
+
+def test_a_rebuilt_prompt_renders_developer_messages_and_text_parts_as_vllm_does(tiny_tokenizer_dir):
+    """vLLM 0.32 renders a ``developer`` message (the OpenAI SDK's, Codex's) for a template that never
+    names that role as a system message, every system message merged into one at the start; the
+    rebuilt prompt kept a ``developer`` turn (or, with a Qwen-style template, lost its text). A
+    completions prompt gets the tokenizer's BOS as vLLM encodes it (add_special_tokens defaults to
+    true there); parts vLLM reads as text (refusal) or as a tool's name (tool_reference) are read so."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from lightning_harness.trainer.samples import _engine_message, retokenize
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    answer = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "five"}}]})
+    request = {"messages": [{"role": "system", "content": "two"}, {"role": "user", "content": "what"},
+                            {"role": "developer", "content": [{"type": "text", "text": "three"}]}]}
+    prompt, _, _ = retokenize(tok, json.dumps(request), answer)
+    assert prompt == tiny_ids("<|im_start|>", "system", "two", "three", "<|im_end|>", "<|im_start|>", "user", "what",
+                              "<|im_end|>", "<|im_start|>", "assistant")  # before: a developer turn, [UNK]
+    tok.chat_template = TINY_CHAT_TEMPLATE.replace("m['role']", "'system' if m['role'] == 'developer' else m['role']")
+    assert retokenize(tok, json.dumps(request), answer)[0] == tiny_ids(  # a template naming the role: as it is
+        "<|im_start|>", "system", "two", "<|im_end|>", "<|im_start|>", "user", "what", "<|im_end|>",
+        "<|im_start|>", "system", "three", "<|im_end|>", "<|im_start|>", "assistant")
+    bos = tiny_ids("<|im_start|>")[0]
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                                  special_tokens=[("<|im_start|>", bos)])
+    completion = json.dumps({"choices": [{"index": 0, "text": " five"}]})
+    assert retokenize(tok, json.dumps({"prompt": "two plus"}), completion)[0] == [bos, *tiny_ids("two", "plus")]
+    assert retokenize(tok, json.dumps({"prompt": "two plus", "add_special_tokens": False}), completion)[0] == \
+        tiny_ids("two", "plus")
+    parts = [{"type": "refusal", "refusal": "no"}, {"type": "text", "text": None}, {"type": "tool_reference",
+                                                                                     "name": "Grep"}]
+    assert _engine_message({"role": "user", "content": parts}, "string")["content"] == "no\nGrep"
+    assert _engine_message({"role": "tool", "content": parts}, "openai")["content"] == [
+        {"type": "text", "text": "no"}, {"type": "tool_reference", "name": "Grep"}]  # (kept as parts, as vLLM does)

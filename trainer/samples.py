@@ -151,8 +151,10 @@ def load_tokenizer(path_or_tokenizer: Any) -> Any:
     return AutoTokenizer.from_pretrained(str(path_or_tokenizer), local_files_only=True)
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def _encode(tokenizer: Any, text: str, special: bool = False) -> list[int]:
+    """``text``'s ids; ``special``: with the tokenizer's own (BOS), as vLLM encodes a completions
+    prompt unless it says ``add_special_tokens: false`` (a chat prompt's template writes its own)."""
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
 def _template_kwargs(req: dict) -> dict[str, Any]:
@@ -211,8 +213,10 @@ def _engine_message(message: Any, content_format: str) -> Any:
     if not isinstance(message, dict):
         return message
     role = message.get("role")
-    out = {**message, "content": _engine_content(message.get("content"),
-                                                 "string" if role == "tool" else content_format)}
+    content = _engine_content(message.get("content"), content_format)
+    if role == "tool" and isinstance(content, list) and all(p.get("type") == "text" for p in content):
+        content = "\n".join(p["text"] for p in content)  # (parts named otherwise, tool_reference, stay)
+    out = {**message, "content": content}
     if role == "assistant":
         reasoning = message.get("reasoning")
         reasoning = message.get("reasoning_content") if reasoning is None else reasoning
@@ -242,32 +246,81 @@ def _engine_tool_call(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": args if isinstance(args, dict) else {}}}
 
 
+_TEXT_OF = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+
 def _engine_content(content: Any, content_format: str) -> Any:
     """A message's content as vLLM's renderer passes it: for a ``string`` template the texts joined
     with newlines (none: ``""``), for an ``openai`` one (it iterates over the parts) the list of
-    parts (a string is one text part). Content with other parts (images) is left as it is: vLLM
-    puts the model's placeholders there, which only the engine knows."""
+    parts (a string is one text part). Parts vLLM reads as text (``refusal``, ``thinking``,
+    ``input_text``...) are text parts, a text or refusal part without its text is left out, and a
+    ``tool_reference`` (Claude Code's tool search) is its tool's name. Content with other parts
+    (images) is left as it is: vLLM puts the model's placeholders there, which only the engine knows."""
     if content is None:
         content = []
     if isinstance(content, str):
         return content if content_format == "string" else [{"type": "text", "text": content}]
     if not isinstance(content, list):
         return content
-    parts = [{"type": "text", "text": p} if isinstance(p, str) else p for p in content]
-    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
-        return content
-    return "\n".join(p["text"] for p in parts) if content_format == "string" else parts
+    parts = []
+    for p in content:
+        p = {"type": "text", "text": p} if isinstance(p, str) else p
+        kind = p.get("type") if isinstance(p, dict) else None
+        text = p.get(_TEXT_OF[kind]) if kind in _TEXT_OF else None
+        if kind in ("text", "refusal") and text is None:
+            continue
+        if isinstance(text, str):
+            extra = {k: v for k, v in p.items() if k not in ("type", _TEXT_OF[kind])}
+            parts.append({"type": "text", "text": text, **extra})
+        elif kind == "tool_reference" and isinstance(p.get("name"), str):
+            parts.append({"type": "tool_reference", "name": p["name"]})
+        else:
+            return content
+    if content_format == "string":
+        return "\n".join(p.get("text", p.get("name")) for p in parts)
+    return parts
+
+
+def _chat_template(tokenizer: Any, tools: Any) -> str | None:
+    """The template the tokenizer picks for these tools, as vLLM picks it."""
+    try:
+        template = tokenizer.get_chat_template(None, tools or None)
+    except Exception:  # no template (apply_chat_template then says so) or an older tokenizer class
+        template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else None
 
 
 def _content_format(tokenizer: Any, tools: Any) -> str:
     """How vLLM hands content to this tokenizer's chat template (``--chat-template-content-format
     auto``): ``openai`` (the list of parts) where the template loops over a message's content, else
-    ``string``. The template is the one the tokenizer picks for these tools, as vLLM picks it."""
-    try:
-        template = tokenizer.get_chat_template(None, tools or None)
-    except Exception:  # no template (apply_chat_template then says so) or an older tokenizer class
-        template = getattr(tokenizer, "chat_template", None)
-    return _template_content_format(template) if isinstance(template, str) else "string"
+    ``string``."""
+    template = _chat_template(tokenizer, tools)
+    return _template_content_format(template) if template is not None else "string"
+
+
+def _developer_as_system(messages: list, template: str | None) -> list:
+    """``developer`` messages (the OpenAI SDK's, Codex's) as vLLM 0.32 renders them for a template
+    that never names that role (renderers/hf.py): system messages, then every system message merged
+    into one at the start (texts joined by a blank line) unless there is one, first. A template
+    that names the role gets them as they are."""
+    if template is None or '"developer"' in template or "'developer'" in template \
+            or not any(isinstance(m, dict) and m.get("role") == "developer" for m in messages):
+        return messages
+    converted = [{k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
+                 if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
+    texts, rest, merge = [], [], False
+    for i, m in enumerate(converted):
+        if not (isinstance(m, dict) and m.get("role") == "system"):
+            rest.append(m)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(p["text"] if isinstance(p, dict) else p for p in content
+                                if isinstance(p, str) or (isinstance(p, dict) and "text" in p))
+        if content:
+            texts.append(content)
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if merge else converted
 
 
 @functools.lru_cache(maxsize=32)
@@ -399,7 +452,7 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     if "messages" in req:
         prompt, response = _rebuild_chat(tokenizer, req, choice)
     else:
-        prompt = _completion_prompt(tokenizer, req.get("prompt", ""))
+        prompt = _completion_prompt(tokenizer, req.get("prompt", ""), engine_flag(req.get("add_special_tokens", True)))
         response = _encode(tokenizer, _answer_text(req, choice.get("text") or ""))
         ended = choice.get("finish_reason") == "stop" and "stop_reason" in choice and choice["stop_reason"] is None
         if ended and tokenizer.eos_token_id is not None:  # vLLM stopped on EOS, which the text does not show
@@ -409,14 +462,14 @@ def retokenize(tokenizer: Any, request_json: str | None, response_json: str | No
     return prompt, response, logprobs
 
 
-def _completion_prompt(tokenizer: Any, p: Any) -> list[int]:
+def _completion_prompt(tokenizer: Any, p: Any, special: bool = True) -> list[int]:
     """A completions call's prompt as the engine read it for its first choice: text, token ids, or a
     batch of either (its first: the first choice's). vLLM reads a list of strings as text prompts,
     never as numbers."""
     if isinstance(p, list) and p and isinstance(p[0], list | str):
         p = p[0]
     if isinstance(p, str):
-        return _encode(tokenizer, p)
+        return _encode(tokenizer, p, special)
     if isinstance(p, list) and all(type(x) is int for x in p):
         return list(p)
     raise ValueError(f"a completions prompt of {type(p).__name__} is neither text nor token ids")
@@ -433,7 +486,8 @@ def _rebuild_chat(tokenizer: Any, req: dict, choice: dict) -> tuple[list[int], l
         raise ValueError("include_reasoning: false hides tokens the model generated; its answer cannot be rebuilt")
     kw = _template_kwargs(req)
     content_format = _content_format(tokenizer, kw.get("tools"))
-    messages = _as_engine_reads(req["messages"], content_format)
+    messages = _developer_as_system(_as_engine_reads(req["messages"], content_format),
+                                    _chat_template(tokenizer, kw.get("tools")))
     last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
     # a prefill (an Anthropic call's last assistant message): the answer continues it, in its turn
     prefill = engine_flag(req.get("continue_final_message")) and last.get("role") == "assistant" and isinstance(
@@ -443,7 +497,7 @@ def _rebuild_chat(tokenizer: Any, req: dict, choice: dict) -> tuple[list[int], l
                          "its answer's text does not show; it cannot be rebuilt")
     prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
                                                 **({"continue_final_message": True} if prefill else {}), **kw)
-    prompt = _encode(tokenizer, prompt_text)
+    prompt = _encode(tokenizer, prompt_text, engine_flag(req.get("add_special_tokens", False)))
     answer = {k: v for k, v in (choice.get("message") or {}).items() if v is not None}
     # the answer's text as text (not a part a template may decorate): the tokens the model generated
     msg = _engine_message({"role": "assistant", **answer}, "string")
