@@ -21,7 +21,11 @@ same length: the update must recompute them). Messages and Responses calls are f
 chat form by ``proxy.assemble.as_chat`` (the code that knows those formats). The messages reach the
 template as vLLM 0.32's chat renderer hands them (``_as_engine_reads``: content as text or as parts,
 by vLLM's reading of the template; reasoning under both names; tool call arguments as objects; the
-reasoning effort), so the rebuilt prompt is the engine's. Without a tokenizer
+reasoning effort; ``developer`` messages as system ones where the template does not name the role),
+and prompts are encoded with the tokenizer's BOS where vLLM adds it (completions, unless
+``add_special_tokens`` is false), so the rebuilt prompt is the engine's. Engine flags the trainer
+does not see (``--default-chat-template-kwargs``, ``--chat-template-content-format``) are not
+modelled. Without a tokenizer
 such calls are dropped and counted; the next call then usually still merges (its prompt contains
 the dropped exchange, which becomes masked context). Where ids exist and a tokenizer is given,
 ``drift_check`` spans are also retokenised and compared, and the drift is reported (prompt: ids
