@@ -160,7 +160,7 @@ def _block(block: Any, role: str, at: str, out: dict) -> None:
         return  # nothing to render (vLLM skips it)
     elif kind == "thinking" and role == "assistant" and isinstance(block["thinking"], str):
         out["reasoning"].append(block["thinking"])
-    elif (kind == "redacted_thinking" and role == "assistant") or (kind == "tool_reference" and role == "user"):
+    elif (kind == "redacted_thinking" and role == "assistant") or kind == "tool_reference":
         return  # opaque, or named only inside a tool_result: not rendered (as vLLM does)
     else:
         raise MessagesError(f"{at}: content block of type {kind!r} is not supported here")

@@ -506,6 +506,12 @@ def _text_of(content: Any, refuse=None, sep: str = "\n") -> str:
     return sep.join(texts)
 
 
+def _as_text_part(part: Any) -> Any:
+    """A Responses text part (``input_text``, ``output_text``) as a chat text part; any other as it is."""
+    key = TEXT_PARTS.get(part.get("type", "text")) if isinstance(part, dict) else None
+    return {"type": "text", "text": part[key]} if key and isinstance(part.get(key), str) else part
+
+
 def _function_call(item: dict) -> dict:
     return {"id": item.get("call_id"), "type": "function",
             "function": {"name": item.get("name"), "arguments": item.get("arguments") or ""}}
@@ -566,9 +572,9 @@ def _input_message(messages: list[dict], it: dict, refuse) -> None:
             messages.append({"role": "assistant", "content": text})
     elif kind == "message" and isinstance(it.get("role"), str):  # its parts as parts: a template that
         content = it.get("content")  # iterates over them gets them one by one (joined, for one that does not)
-        parts = [{"type": "text", "text": _text_of([p], refuse)} for p in content] if isinstance(content, list) \
-            else _text_of(content, refuse)
-        messages.append({"role": it["role"], "content": parts})
+        text = _text_of(content, refuse)  # (refuse hears of a part that is not text)
+        messages.append({"role": it["role"], "content": [_as_text_part(p) for p in content]
+                         if isinstance(content, list) else text})
     else:  # item_reference, hosted tools' calls, custom tools: not rendered by this conversion
         refuse(f"an input item of type {kind!r}")
 
@@ -631,7 +637,7 @@ def responses_to_chat(req: dict, resp: dict, strict: bool = False) -> tuple[dict
         refuse("include_reasoning: false hides reasoning tokens the model generated")
     items = req.get("input")
     last = items[-1] if isinstance(items, list) and items else None
-    if isinstance(last, dict) and last.get("type") in ("message", "reasoning") \
+    if isinstance(last, dict) and last.get("type", "message") in ("message", "reasoning") \
             and last.get("status") in ("in_progress", "incomplete"):
         refuse("a last output item still in progress: the engine continued it, in its turn")
     messages: list[dict] = []
@@ -653,8 +659,8 @@ def responses_to_chat(req: dict, resp: dict, strict: bool = False) -> tuple[dict
         if isinstance(t, dict) and t.get("type") == "function":
             # as vLLM hands a function tool to the template (its FunctionDefinition dumped: no key left out)
             fn = {k: t.get(k) for k in ("name", "description", "parameters")}
-            tools.append({"type": "function", "function": fn | ({"strict": engine_flag(t["strict"])}
-                                                                if t.get("strict") is not None else {})})
+            fn |= {k: engine_flag(t[k]) for k in ("strict", "defer_loading") if t.get(k) is not None}
+            tools.append({"type": "function", "function": fn})
         elif not isinstance(t, dict) or t.get("type") in ("namespace", "custom"):
             refuse("a tool that is not a function")  # (vLLM shows a custom tool as a function of its own making)
     msg, logprobs = _answer(resp, refuse)
@@ -662,7 +668,8 @@ def responses_to_chat(req: dict, resp: dict, strict: bool = False) -> tuple[dict
         for m in [*messages, msg]:
             for call in m.get("tool_calls") or () if m["role"] == "assistant" else ():
                 call["function"]["arguments"] = _engine_arguments(call["function"]["arguments"])
-    chat_req = {"messages": messages, **({"tools": tools} if tools else {})}
+    # (vLLM's Responses endpoint encodes the rendered prompt with the tokenizer's BOS: chat's does not)
+    chat_req = {"messages": messages, **({"tools": tools} if tools else {}), "add_special_tokens": True}
     if isinstance(req.get("chat_template_kwargs"), dict):
         chat_req["chat_template_kwargs"] = req["chat_template_kwargs"]
     effort = req["reasoning"].get("effort") if isinstance(req.get("reasoning"), dict) else None

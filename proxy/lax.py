@@ -14,6 +14,8 @@ import re
 from typing import Any
 
 _INT_TEXT = re.compile(r"([+-]?)([0-9](?:_?[0-9])*)(?:\.0+)?", re.ASCII)
+_SPACES = "\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a" \
+    "\u2028\u2029\u202f\u205f\u3000"  # what pydantic strips around a number (Unicode White_Space)
 _MAX_DIGITS = 4300  # an integer's digits past its leading zeros: pydantic's limit, and Python's int()
 _BOOL_WORDS = frozenset(("0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"))
 
@@ -42,7 +44,7 @@ def engine_int(value: Any) -> int | None:
         return int(value)
     if isinstance(value, float):
         return int(value) if value.is_integer() and abs(value) < 2.0**63 else None
-    m = _INT_TEXT.fullmatch(value.strip()) if isinstance(value, str) else None  # (any Unicode space)
+    m = _INT_TEXT.fullmatch(value.strip(_SPACES)) if isinstance(value, str) else None
     digits = m[2].replace("_", "").lstrip("0") or "0" if m else ""
     return int(m[1] + digits) if m and len(digits) <= _MAX_DIGITS else None
 

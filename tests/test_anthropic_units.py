@@ -222,7 +222,7 @@ def test_malformed_requests_name_the_rule(bad, rule):
 LAX = [  # (field, value): how vLLM's own /v1/messages (lax pydantic) reads values of other JSON types
     *[("stream", v) for v in ("false", "no", "0", "off", "true", "yes", 1, 0, 1.0, "maybe", 2, " true")],
     *[("max_tokens", v) for v in ("4096", 4096.0, " 4096 ", "4096.0", 4096.5, "1e3", "4k", [4096], True, "4_096",
-                                  "\u00a04096\u2003", "0" * 4999 + "1", "1" * 4301, "-0" + "0" * 5000)],
+                                  "\u00a04096\u2003", "\x1c4096", "0" * 4999 + "1", "1" * 4301, "-0" + "0" * 5000)],
     *[("budget_tokens", v) for v in ("2000", 1500.0, "1500.0", 1500.5, "2e3", "0" * 5000 + "2000")],
     *[("disable_parallel_tool_use", v) for v in ("false", "true", "no", 0, 1, "maybe", 2)],
 ]
@@ -298,6 +298,9 @@ ENGINE_SHAPES = {  # Messages conversations vLLM's own /v1/messages renders: the
                                                                  {"type": "text", "text": "q"}]}],
     "ends_with_an_empty_user_turn": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure."},
                                      {"role": "user", "content": []}],
+    "tool_reference_in_assistant_turn": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "text", "text": "ok"}, {"type": "tool_reference", "tool_name": "calc"}]},
+        {"role": "user", "content": "go"}],
 }
 
 

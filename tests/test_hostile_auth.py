@@ -551,11 +551,13 @@ def test_a_redirect_from_the_engine_names_a_path_not_the_engine(make_proxy, reco
     p = make_proxy(upstreams=[recorder.url])
     base = p.env_for("h", 0)["OPENAI_BASE_URL"]
     recorder.redirects.update({"/v1/models/": recorder.url + "/v1/models?a=1",
-                               "/health/": "https://example.com:8443/health"})
+                               "/health/": "https://example.com:8443/health", "/version/": recorder.url + "//x.test/v"})
     with httpx.Client(trust_env=False, timeout=30) as c:
         got = c.get(base + "/models/")
         elsewhere = c.get(base.rsplit("/v1", 1)[0] + "/health/")
+        doubled = c.get(base.rsplit("/v1", 1)[0] + "/version/")
     assert (got.status_code, got.headers["Location"]) == (307, "/v1/models?a=1")  # before: the engine's URL
+    assert doubled.headers["Location"] == "/x.test/v"  # (a path, never '//x.test/v': another host)
     assert elsewhere.headers["Location"] == "https://example.com:8443/health"
 
 

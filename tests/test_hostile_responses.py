@@ -196,6 +196,7 @@ def test_odd_incomplete_details_keep_the_token_ids():
     # the engine generated reasoning the answer does not show, or continued an unfinished last item
     ({"include_reasoning": "false"}, {}, "include_reasoning"),
     ({"tools": [{"type": "custom", "name": "apply_patch"}]}, {}, "not a function"),  # (vLLM makes one of its own)
+    ({"input": [{"role": "assistant", "content": "The answer is", "status": "in_progress"}]}, {}, "in progress"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "message", "role": "assistant", "status": "incomplete",
                  "content": [{"type": "output_text", "text": "The answer is"}]}]}, {}, "in progress"),
 ])
@@ -265,9 +266,12 @@ def test_a_rebuilt_responses_prompt_is_the_one_vllm_renders(tiny_tokenizer_dir):
     assert chat["messages"][3] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c2", "type": "function", "function": {"name": "plus", "arguments": {}}}]}
     # what else vLLM hands the template: a tool's strict flag (as its model reads it), the reasoning effort
-    tools = [{"type": "function", "name": "plus", "parameters": {"type": "object"}, "strict": "false"}]
+    tools = [{"type": "function", "name": "plus", "parameters": {"type": "object"}, "strict": "false",
+              "defer_loading": 1}]
     chat, _ = as_chat("responses", {**req, "tools": tools, "reasoning": {"effort": "low"}}, _response(), strict=True)
-    assert chat["tools"][0]["function"]["strict"] is False and chat["reasoning_effort"] == "low"
+    assert chat["tools"][0]["function"] == {"name": "plus", "description": None, "parameters": {"type": "object"},
+                                            "strict": False, "defer_loading": True}
+    assert chat["reasoning_effort"] == "low"
     # a message's parts stay parts (a template iterating over them got them joined with newlines)
     assert chat["messages"][0]["content"] == [{"type": "text", "text": "what is"}, {"type": "text", "text": "two"}]
 

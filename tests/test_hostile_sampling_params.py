@@ -123,6 +123,7 @@ CASES = {
     # one its raw check refuses stays, refused as without the proxy (it was written over with 0: served)
     "logprobs_false_string_top_text": (CHAT, {**C, "logprobs": "false", "top_logprobs": "5"}, "ref"),
     "logprobs_false_string_top_negative": (CHAT, {**C, "logprobs": "false", "top_logprobs": -5}, "ref"),
+    "logprobs_false_string_top_fraction": (CHAT, {**C, "logprobs": "false", "top_logprobs": 21.5}, "ref"),
     "completion": (CMPL, P, "ref"),
     "completion_stop": (CMPL, {**P, "stop": ["7"]}, "ref"),
     "completion_logprobs_2": (CMPL, {**P, "logprobs": 2}, "ref"),
@@ -203,7 +204,7 @@ def _injected(path: str, body: dict) -> dict:
         if path == CHAT and out.get("logprobs") is not True:
             out["logprobs"] = True
             top = out.get("top_logprobs")
-            if type(top) in (int, float) and (top > 0 or top == -1):
+            if type(top) in (int, float) and (top > 0 or top == -1) and float(top).is_integer():
                 out["top_logprobs"] = 0  # (logprobs the harness did not ask for: the sampled token's)
         elif path == CMPL and out.get("logprobs") is None:
             out["logprobs"] = 0

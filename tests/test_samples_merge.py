@@ -443,8 +443,11 @@ def test_a_rebuilt_prompt_renders_developer_messages_and_text_parts_as_vllm_does
     assert retokenize(tok, json.dumps({"prompt": "two plus"}), completion)[0] == [bos, *tiny_ids("two", "plus")]
     assert retokenize(tok, json.dumps({"prompt": "two plus", "add_special_tokens": False}), completion)[0] == \
         tiny_ids("two", "plus")
-    parts = [{"type": "refusal", "refusal": "no"}, {"type": "text", "text": None}, {"type": "tool_reference",
-                                                                                     "name": "Grep"}]
+    done = {"object": "response", "status": "completed",
+            "output": [{"type": "message", "content": [{"type": "output_text", "text": "five"}]}]}
+    assert retokenize(tok, json.dumps({"input": "what"}), json.dumps(done), "responses")[0][:2] == [bos, bos]
+    parts = [{"type": "refusal", "refusal": "no", "text": "yes"}, {"type": "text", "text": None},
+             {"type": "tool_reference", "name": "Grep"}]
     assert _engine_message({"role": "user", "content": parts}, "string")["content"] == "no\nGrep"
     assert _engine_message({"role": "tool", "content": parts}, "openai")["content"] == [
         {"type": "text", "text": "no"}, {"type": "tool_reference", "name": "Grep"}]  # (kept as parts, as vLLM does)

@@ -167,7 +167,7 @@ def _text(content: Any) -> str:
                 out.append(str(part.get("text") if part.get("text") is not None else f"[{part.get('type', 'part')}]"))
             else:
                 out.append(str(part))
-        return "".join(out)
+        return "\n".join(out)  # (as vLLM joins them for a template that takes text)
     return json.dumps(content, ensure_ascii=False)
 
 

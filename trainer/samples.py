@@ -251,6 +251,9 @@ def _engine_tool_call(call: Any) -> Any:
 
 
 _TEXT_OF = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+_KNOWN_PART_FIELDS = frozenset({  # a part's fields vLLM 0.32 reads itself; the others reach the template
+    "audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil", "image_url", "input_audio",
+    "name", "prompt_cache_breakpoint", "refusal", "text", "thinking", "type", "uuid", "video_embeds", "video_url"})
 
 
 def _engine_content(content: Any, content_format: str) -> Any:
@@ -274,7 +277,7 @@ def _engine_content(content: Any, content_format: str) -> Any:
         if kind in ("text", "refusal") and text is None:
             continue
         if isinstance(text, str):
-            extra = {k: v for k, v in p.items() if k not in ("type", _TEXT_OF[kind])}
+            extra = {k: v for k, v in p.items() if k not in _KNOWN_PART_FIELDS}
             parts.append({"type": "text", "text": text, **extra})
         elif kind == "tool_reference" and isinstance(p.get("name"), str):
             parts.append({"type": "tool_reference", "name": p["name"]})

@@ -119,7 +119,7 @@ def _inject_tokens(call: Call, obj: dict) -> bool:
             obj["logprobs"] = True
             call.injected_logprobs = changed = True
             top = obj.get("top_logprobs")
-            if type(top) in (int, float, bool) and (top > 0 or top == -1):
+            if type(top) in (int, float, bool) and (top > 0 or top == -1) and engine_int(top) is not None:
                 obj["top_logprobs"] = 0
     elif obj.get("logprobs") is None:
         obj["logprobs"] = 0

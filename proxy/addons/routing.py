@@ -207,7 +207,8 @@ class Routing:
         except ValueError:  # not a port: not the engine's address either
             return
         if self.in_pool(where.hostname, port):
-            resp.headers["Location"] = urllib.parse.urlunsplit(("", "", where.path or "/", where.query, where.fragment))
+            path = "/" + where.path.lstrip("/")  # (one slash: '//host/x' would name another host)
+            resp.headers["Location"] = urllib.parse.urlunsplit(("", "", path, where.query, where.fragment))
 
     @staticmethod
     def _refuse_admin(flow: http.HTTPFlow) -> None:
