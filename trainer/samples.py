@@ -74,7 +74,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..proxy.anthropic import BILLING_HEADER
-from ..proxy.assemble import CHAT, as_chat, token_fields
+from ..proxy.assemble import CHAT, TEXT_PARTS, as_chat, token_fields
 from ..proxy.lax import engine_flag
 from ..proxy.sampling import unlike_update
 from ..schemas import SAMPLES
@@ -250,7 +250,6 @@ def _engine_tool_call(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": args if isinstance(args, dict) else {}}}
 
 
-_TEXT_OF = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
 _KNOWN_PART_FIELDS = frozenset({  # a part's fields vLLM 0.32 reads itself; the others reach the template
     "audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil", "image_url", "input_audio",
     "name", "prompt_cache_breakpoint", "refusal", "text", "thinking", "type", "uuid", "video_embeds", "video_url"})
@@ -273,7 +272,7 @@ def _engine_content(content: Any, content_format: str) -> Any:
     for p in content:
         p = {"type": "text", "text": p} if isinstance(p, str) else p
         kind = p.get("type") if isinstance(p, dict) else None
-        text = p.get(_TEXT_OF[kind]) if kind in _TEXT_OF else None
+        text = p.get(TEXT_PARTS[kind]) if kind in TEXT_PARTS else None
         if kind in ("text", "refusal") and text is None:
             continue
         if isinstance(text, str):
@@ -295,14 +294,6 @@ def _chat_template(tokenizer: Any, tools: Any) -> str | None:
     except Exception:  # no template (apply_chat_template then says so) or an older tokenizer class
         template = getattr(tokenizer, "chat_template", None)
     return template if isinstance(template, str) else None
-
-
-def _content_format(tokenizer: Any, tools: Any) -> str:
-    """How vLLM hands content to this tokenizer's chat template (``--chat-template-content-format
-    auto``): ``openai`` (the list of parts) where the template loops over a message's content, else
-    ``string``."""
-    template = _chat_template(tokenizer, tools)
-    return _template_content_format(template) if template is not None else "string"
 
 
 def _developer_as_system(messages: list, template: str | None) -> list:
@@ -492,9 +483,11 @@ def _rebuild_chat(tokenizer: Any, req: dict, choice: dict) -> tuple[list[int], l
     if not engine_flag(req.get("include_reasoning", True)):  # the engine generated reasoning the answer does not show
         raise ValueError("include_reasoning: false hides tokens the model generated; its answer cannot be rebuilt")
     kw = _template_kwargs(req)
-    content_format = _content_format(tokenizer, kw.get("tools"))
-    messages = _developer_as_system(_as_engine_reads(req["messages"], content_format),
-                                    _chat_template(tokenizer, kw.get("tools")))
+    template = _chat_template(tokenizer, kw.get("tools"))
+    # how vLLM hands content to it (``--chat-template-content-format auto``): the list of parts where
+    # the template loops over a message's content, else text
+    content_format = _template_content_format(template) if template is not None else "string"
+    messages = _developer_as_system(_as_engine_reads(req["messages"], content_format), template)
     last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
     # a prefill (an Anthropic call's last assistant message): the answer continues it, in its turn
     prefill = engine_flag(req.get("continue_final_message")) and last.get("role") == "assistant" and isinstance(
