@@ -409,7 +409,7 @@ def to_message(chat: dict, model: str | None, stop: Any = None) -> dict:
     content: list[dict] = []
     reasoning = msg.get("reasoning_content") or msg.get("reasoning")
     if isinstance(reasoning, str) and reasoning:
-        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+        content.append({"type": "thinking", "thinking": reasoning, "signature": uuid.uuid4().hex})  # (as vLLM signs)
     if isinstance(msg.get("content"), str) and msg["content"]:
         content.append({"type": "text", "text": msg["content"]})
     args = None
@@ -553,7 +553,11 @@ class EventTranslator:
                                                 "content_block": content_block})
 
     def _close(self) -> Iterator[bytes]:
+        """Stop the open block; a thinking block gets its signature first, as vLLM's ``/v1/messages``
+        signs one (a random hex: a client that sends thinking back expects one)."""
         if self.block is not None:
+            if self.block[0] == "thinking":
+                yield self._delta({"type": "signature_delta", "signature": uuid.uuid4().hex})
             self.block = None
             yield sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 

@@ -4,6 +4,7 @@ built from chat chunks (split anywhere), native stream assembly and error shapes
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -422,7 +423,14 @@ def test_a_streamed_answer_keeps_its_reasoning_as_the_json_answer_does():
     asm = MessageAssembler()
     for _, data in _parse(out):
         asm.add(data)
-    assert asm.result()["content"] == to_message(answer, "m")["content"]
+    streamed, whole = asm.result()["content"], to_message(answer, "m")["content"]
+    assert [{**b, "signature": None} for b in streamed] == [{**b, "signature": None} for b in whole]
+    # signed as vLLM's /v1/messages signs a thinking block: a hex signature, streamed as the block's
+    # last delta (a client that sends thinking back expects one)
+    assert all(re.fullmatch("[0-9a-f]{32}", b[0]["signature"]) for b in (streamed, whole))
+    kinds = [(e, d.get("delta", {}).get("type")) for e, d in _parse(out)]
+    assert kinds[kinds.index(("content_block_stop", None)) - 1] == ("content_block_delta", "signature_delta")
+    assert kinds.count(("content_block_delta", "signature_delta")) == 1
 
 
 def test_stream_cut_short_ends_with_an_error_event():
