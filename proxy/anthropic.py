@@ -481,6 +481,7 @@ class EventTranslator:
         self.started = self.finished = False
         self.stopped = False  # message_stop sent: only an error event may follow
         self.block: tuple[str, int] | None = None  # ('text', -1) or ('tool', call index) now open
+        self.held_text: list[str] = []  # text that came while a tool call was open: its own block after it
         self.tool_args: list[str] | None = None  # the last tool call's argument pieces (None: no call)
         self.index = -1  # content block index
         self.choice: dict = {}
@@ -516,8 +517,11 @@ class EventTranslator:
             yield from self._open(("thinking", -1), {"type": "thinking", "thinking": "", "signature": ""})
             yield self._delta({"type": "thinking_delta", "thinking": reasoning})
         if isinstance(delta.get("content"), str) and delta["content"]:
-            yield from self._open(("text", -1), {"type": "text", "text": ""})
-            yield self._delta({"type": "text_delta", "text": delta["content"]})
+            if self.block is not None and self.block[0] == "tool":  # kept for after the call, as vLLM does:
+                self.held_text.append(delta["content"])  # a text block inside it would split the call
+            else:
+                yield from self._open(("text", -1), {"type": "text", "text": ""})
+                yield self._delta({"type": "text_delta", "text": delta["content"]})
         for tc in _list(delta.get("tool_calls")):
             yield from self._tool_piece(tc)
         for key in ("finish_reason", "stop_reason"):
@@ -554,12 +558,18 @@ class EventTranslator:
 
     def _close(self) -> Iterator[bytes]:
         """Stop the open block; a thinking block gets its signature first, as vLLM's ``/v1/messages``
-        signs one (a random hex: a client that sends thinking back expects one)."""
+        signs one (a random hex: a client that sends thinking back expects one). Text held back while
+        a tool call was open follows as a block of its own."""
         if self.block is not None:
             if self.block[0] == "thinking":
                 yield self._delta({"type": "signature_delta", "signature": uuid.uuid4().hex})
             self.block = None
             yield sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        if self.held_text:
+            text, self.held_text = "".join(self.held_text), []
+            yield from self._open(("text", -1), {"type": "text", "text": ""})
+            yield self._delta({"type": "text_delta", "text": text})
+            yield from self._close()
 
     def _delta(self, delta: dict) -> bytes:
         return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})

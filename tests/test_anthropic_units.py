@@ -530,3 +530,66 @@ def test_a_native_message_ends_with_message_stop():
     assert asm.error is None
     asm.add({"type": "error", "error": {"type": "overloaded_error", "message": "overloaded"}})
     assert "overloaded" in asm.error
+
+
+_BASE = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+
+def _chunk(delta=None, finish=None, **choice) -> dict:
+    return {**_BASE, "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish, **choice}]}
+
+
+def _call(k, name=None, args="", id_=None) -> dict:
+    fn = {"arguments": args} if name is None else {"name": name, "arguments": args}
+    return {"tool_calls": [{"index": k, **({"id": id_, "type": "function"} if id_ else {}), "function": fn}]}
+
+
+_STREAMS = {  # (after the role chunk vLLM sends first)
+    "text inside an open tool call": [
+        _chunk(_call(0, "f", "", "t1")), _chunk(_call(0, args='{"a"')), _chunk({"content": "hmm"}),
+        _chunk(_call(0, args=": 1}"), "tool_calls")],
+    "reasoning, text, two calls, text between them": [
+        _chunk({"reasoning": "think"}), _chunk({"reasoning": " more"}), _chunk({"content": "I"}),
+        _chunk(_call(0, "f", "{}", "t1")), _chunk({"content": " x"}), _chunk(_call(1, "g", '{"b": 2}', "t2")),
+        _chunk({"content": "y"}, "tool_calls")],
+    "reasoning then text": [_chunk({"reasoning": "a"}), _chunk({"content": "b"}, "stop")],
+}
+
+
+@pytest.mark.parametrize("name", list(_STREAMS))
+def test_a_stream_is_translated_as_vllms_own_messages_endpoint_translates_it(name):
+    """The events a harness gets for a streamed Messages call are vLLM's ``/v1/messages`` stream's
+    (its converter, run offline on the same chat chunks), up to ids and signatures. Found by review:
+    text arriving while a tool call was open closed the call's block and opened a text one, splitting
+    the call; vLLM holds the text back for a block after the call."""
+    import asyncio
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+    usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    chunks = [_chunk({"role": "assistant", "content": ""}), *_STREAMS[name], {**_BASE, "choices": [], "usage": usage}]
+
+    async def engine_events() -> str:
+        async def gen():
+            for c in chunks:
+                yield _sse(c).decode()
+            yield "data: [DONE]\n\n"
+        return "".join([e async for e in AnthropicServingMessages.message_stream_converter(None, gen())])
+
+    def shape(raw: bytes) -> list:
+        out = []
+        for event, data in _parse(raw):
+            data.pop("message", None)  # message_start: ids and usage differ by design
+            block = data.get("content_block") or {}
+            block.pop("id", None)
+            if data.get("delta", {}).get("type") == "signature_delta" or block.get("type") == "thinking":
+                data.get("delta", block).pop("signature", None)
+            out.append((event, data))
+        return out
+
+    stream = EventStream(lambda b: b, EventTranslator("m"))
+    ours = b"".join(bytes(x) if not isinstance(x, list) else b"".join(x) for x in (
+        stream(b"".join(_sse(c) for c in chunks) + b"data: [DONE]\n\n"), stream(b"")))
+    assert shape(ours) == shape(asyncio.run(engine_events()).encode())
