@@ -141,8 +141,8 @@ def token_loss(lp, prox: float, mu: float, A: float, cfg, ref: float | None) -> 
     loss = torch.maximum(-A * ratio, -A * torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high))
     loss = loss * tis_weight(prox, mu, cfg.tis_cap)
     if ref is not None and cfg.kl_coef > 0:
-        d = ref - lp
-        loss = loss + cfg.kl_coef * (torch.exp(d) - d - 1)
+        d = torch.clamp(ref - lp, -20.0, 20.0)  # clamped as verl's low_var_kl
+        loss = loss + cfg.kl_coef * torch.clamp(torch.exp(d) - d - 1, max=10.0)
     return loss
 
 

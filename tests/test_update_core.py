@@ -15,6 +15,7 @@ from lightning_harness.trainer import checkpoint as ckpt
 from lightning_harness.trainer import update as U
 from lightning_harness.trainer.checkpoint import VERSION_FILE
 from lightning_harness.trainer.cli import step_command
+from lightning_harness.trainer.weights import aggregate_loss
 
 VOCAB = 300
 
@@ -186,6 +187,24 @@ def test_k3_kl_is_zero_at_the_reference_and_pulls_towards_it():
     assert diag["kl"][0, 0] == 0 and diag["kl"][0, 1] > 0
     g, = torch.autograd.grad(loss.sum(), new)
     assert g[0, 1] > 0  # descending the loss lowers new logprob back toward ref
+
+
+def test_kl_at_an_untrained_context_token_cannot_make_the_loss_nan():
+    """Found by review: a context token (mask 0: the harness wrote it) the policy learned to avoid,
+    logprob -104 against the reference's -4, made k3's exp overflow; inf * 0 made the mini-batch's
+    loss NaN and its step was skipped. Clamped as verl's low_var_kl: finite loss and gradient, and
+    the context token adds nothing."""
+    cfg = U.UpdateConfig(kl_coef=0.1, tis_cap=0)
+    new = torch.tensor([[-1.0, -104.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.2, -4.0, -2.0]])
+    mask = torch.tensor([[1, 0, 1]])
+    loss, _ = U.ppo_token_loss(new, new.detach(), new.detach(), torch.tensor([0.5]), cfg, ref_lp=ref)
+    total = aggregate_loss(loss, mask, torch.tensor([1.0]), 1)
+    g, = torch.autograd.grad(total, new)
+    assert torch.isfinite(total) and torch.isfinite(g).all() and g[0, 1] == 0
+    trained, _ = U.ppo_token_loss(new[:, [0, 2]], new.detach()[:, [0, 2]], new.detach()[:, [0, 2]],
+                                  torch.tensor([0.5]), cfg, ref_lp=ref[:, [0, 2]])
+    torch.testing.assert_close(total, aggregate_loss(trained, mask[:, [0, 2]], torch.tensor([1.0]), 1))
 
 
 def test_several_optimizer_steps_and_reference_kl(tiny_model):

@@ -270,8 +270,11 @@ def ppo_token_loss(
         "mismatch": (prox_lp - behaviour_lp).abs().detach(),
     }
     if ref_lp is not None and cfg.kl_coef > 0:
-        d = ref_lp - new_lp  # k3 estimator of KL(pi || ref): exp(d) - d - 1 >= 0, unbiased, low variance
-        kl = torch.exp(d) - d - 1.0
+        # k3 estimator of KL(pi || ref): exp(d) - d - 1 >= 0, unbiased, low variance; clamped as verl's
+        # low_var_kl clamps it: at a context token the policy learned to avoid (the harness wrote it,
+        # mask 0) exp(d) overflowed, and inf * 0 made the whole mini-batch's loss NaN
+        d = torch.clamp(ref_lp - new_lp, -20.0, 20.0)
+        kl = torch.clamp(torch.exp(d) - d - 1.0, max=10.0)
         loss = loss + cfg.kl_coef * kl
         diag["kl"] = kl.detach()
     return loss, diag
