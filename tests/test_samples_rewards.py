@@ -45,6 +45,27 @@ def test_rollout_without_reward_is_dropped_by_default_and_penalized_explicitly(m
     assert [adv[k] for k in "abcf"] == pytest.approx(expect.tolist(), rel=1e-5)
 
 
+def test_a_group_the_failure_policy_cut_to_one_member_carries_no_signal(make_traces):
+    """Found by review: a group of four whose other three failed left its survivor under the rule for
+    a group of one (mean 0, std 1): its advantage was its raw reward (~80 here, where the same reward
+    in a whole group got -0.39), and one such rollout set the step's gradient. With no baseline left
+    it gets 0, counted; a group of one by design (and one the policy kept whole) is as before."""
+    d = make_traces(
+        spans=[_one_call(r) for r in "abcdefgh"],
+        rollouts=[rollout("a", group_id="g1", reward=80.0), rollout("b", group_id="g1", state="failed"),
+                  rollout("c", group_id="g1", state="no_reward"), rollout("d", group_id="g1", state="timed_out"),
+                  rollout("e", group_id="g2", reward=80.0), rollout("f", group_id="g2", reward=100.0),
+                  rollout("g", group_id="g2", reward=90.0), rollout("h", group_id="g3", reward=0.5)],
+    )
+    table, stats = build_samples(d)
+    adv = dict(zip(table["rollout_id"].to_pylist(), table["advantage"].to_pylist()))
+    assert adv["a"] == 0.0 and stats["adv_groups_cut_to_one"] == 1
+    assert adv["e"] == pytest.approx(-1.0, rel=1e-5) and adv["h"] == pytest.approx(0.5 / (1 + 1e-6))
+    table, stats = build_samples(d, failed_policy="penalize", failed_reward=0.0)  # the group kept whole
+    adv = dict(zip(table["rollout_id"].to_pylist(), table["advantage"].to_pylist()))
+    assert adv["a"] > 1 and stats["adv_groups_cut_to_one"] == 0
+
+
 def test_a_retried_attempt_is_no_group_member_whatever_the_failure_policy(make_traces):
     """A rollout whose attempt 0 failed and was retried is one member of its group (attempt 1): under
     keep or penalize the failed try must not join the group beside its retry."""

@@ -12,6 +12,10 @@ The estimators follow verl 0.9 exactly (checked by tests/test_verl_parity.py):
   ``norm_by_std=False`` gives Dr. GRPO (``r - mean``).
 * ``rloo``: ``n/(n-1) * (r - mean)`` = ``r - mean of the others``; a group of one keeps ``r``.
 
+That rule is for a group of one by design (a group size of 1). A group the failure policy cut down
+to one member has no baseline left: its survivor gets advantage 0 (``cut_to_one``), else its raw
+reward (80, or a self-reported 1e15) would outweigh every normalised group of the step.
+
 Failed, timed-out and reward-less rollouts never get a silent 0: ``apply_failure_policy`` decides
 explicitly (drop them, keep failed ones that did report a reward, or give them a stated penalty
 reward) and says how many it touched. An attempt that was retried never reaches it: its retry is
@@ -104,6 +108,15 @@ def group_advantages(
     report.equal_reward_group_ids = [str(g) for g in uniq[equal][:20]]
     report.rollouts_in_equal_groups = int(n[equal].sum())
     return adv, report
+
+
+def cut_to_one(group_ids: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """Over the kept rollouts: which one is the only member its group kept, of several selected."""
+    labels = np.asarray(group_ids, dtype=object)
+    _, inv, selected = np.unique(labels, return_inverse=True, return_counts=True)
+    kept = np.bincount(inv.reshape(-1)[keep], minlength=len(selected))
+    alone = (kept == 1) & (selected > 1)
+    return alone[inv.reshape(-1)[keep]]
 
 
 def apply_failure_policy(

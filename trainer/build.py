@@ -69,7 +69,8 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
     row("responses truncated", stats["samples_truncated"],
         f"{stats.get('truncated_model_tokens', 0):,} model tokens cut")
     row("model / context tokens", f"{stats['model_tokens']:,} / {stats['context_tokens']:,}")
-    row("advantage groups", stats["adv_n_groups"], f"{stats['advantage']}; singletons {stats['adv_singleton_groups']}")
+    row("advantage groups", stats["adv_n_groups"], f"{stats['advantage']}; singletons {stats['adv_singleton_groups']}"
+        f" ({stats.get('adv_groups_cut_to_one', 0)} cut to one by the failure policy: advantage 0)")
     eq = stats["adv_equal_reward_groups"]
     row("groups with equal rewards", eq,
         ("no signal: " + ", ".join(stats["adv_equal_reward_group_ids"][:5])) if eq else "")

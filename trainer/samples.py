@@ -677,6 +677,9 @@ def _kept_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions, stats: d
     kept_idx = np.flatnonzero(keep)
     adv, adv_report = adv_mod.group_advantages(eff_reward[kept_idx], gkey[kept_idx], method=opts.advantage,
                                                epsilon=opts.epsilon, norm_by_std=opts.norm_by_std)
+    alone = adv_mod.cut_to_one(gkey, keep)  # no baseline left: no signal (advantages.py)
+    adv[alone] = 0.0
+    stats["adv_groups_cut_to_one"] = int(alone.sum())
     stats["rollouts_selected"] = ro.num_rows
     stats["rollouts_dropped"] = fcounts.pop("dropped")
     stats["rollouts_by_state"] = fcounts
