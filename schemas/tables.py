@@ -87,7 +87,8 @@ SPANS = _schema(
            "[DONE] or finish_reason, or a JSON body stops mid-value: the answer is incomplete), 'too_large' (body over "
            "max_body_size, or a compressed body / SSE event expanding past max_decoded_size: refused with 413 or not "
            "parsed), 'shutdown' (still in flight when the proxy stopped after its shutdown_grace, or refused with 503 "
-           "while it drained)."),
+           "while it drained), 'version_changed' (the model version was changed while the call was in flight: a "
+           "weight swap whose drain did not wait for it; its tokens may come from either weights)."),
         _f("error", pa.string(), "Human-readable error message; null on success."),
         _f("salvaged", pa.bool_(),
            "True when the call's bytes were not valid UTF-8 (or a field was out of range) and were recorded with "

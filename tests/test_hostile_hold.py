@@ -143,3 +143,73 @@ def test_a_swap_that_fails_resumes_the_proxy(tmp_path, make_proxy):
     assert p.control.state()["paused"] is False
     assert _post(p.env_for("after")["OPENAI_BASE_URL"] + "/chat/completions",
                  json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+
+
+def test_a_call_the_drain_left_in_flight_is_not_trained_on(make_proxy):
+    """Found by review: a drain that timed out let the swap go on, and a call still in the engine
+    (queued there, served after the reload) was recorded under the old version with no error, so it
+    was trained on as the old weights' work. A call whose version changed in flight is now an error
+    span (``version_changed``); calls wholly on one side of the swap are as before."""
+    p = make_proxy()
+    ctl, url = p.control, p.env_for("slow")["OPENAI_BASE_URL"] + "/chat/completions"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    status = {}
+    slow = threading.Thread(target=lambda: status.setdefault(
+        "slow", _post(url, json=body, headers={"X-Stub-Delay": "2.0"}).status_code))
+    slow.start()
+    _until(lambda: ctl.state()["in_flight"] == 1)
+    ctl.pause()
+    assert ctl.drain(timeout=0.2)["drained"] is False
+    ctl.set_model_version(1)
+    ctl.resume()
+    slow.join(60)
+    assert status == {"slow": 200}  # the harness is answered as before
+    assert _post(p.env_for("after")["OPENAI_BASE_URL"] + "/chat/completions", json=body).status_code == 200
+    _until(lambda: len(read_spans(p)) == 2)
+    spans = {s["rollout_id"]: (s["model_version"], s["error_kind"]) for s in read_spans(p)}
+    assert spans == {"slow": (0, "version_changed"), "after": (1, None)}
+
+
+def test_the_proxy_stamps_the_new_version_before_the_engine_serves_the_new_weights(tmp_path, make_proxy):
+    """Found by review: the loop set the proxy's version after the engine had resumed with the new
+    weights (calls it served in between kept the old number), and a reload that failed resumed the
+    proxy under the old version although the engine may hold the new weights. The version is now set
+    before the reload: the engine resumes under it, and a failed reload leaves the reserved number."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from lightning_harness.trainer import config as C
+    from lightning_harness.trainer.loop import TrainingRun
+
+    p = make_proxy()
+    (tmp_path / "model").mkdir()
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text('model: model\nharness: {command: ["x"]}\ntasks: {train: t.jsonl}\nupdate: {lr: 1.0e-5}\n'
+                   f"run_dir: {tmp_path / 'run'}\n")
+    run = TrainingRun(C.load_config(cfg), console=Console(file=io.StringIO()))
+    run.run_dir.mkdir(parents=True)
+    run.state = {"checkpoint": "base", "base_model": "base"}
+    seen = []
+
+    def reload_weights(path, fail):
+        seen.append(("reload", p.control.state()["model_version"]))
+        if fail:
+            raise RuntimeError("reload failed")
+        return 0.0
+
+    for fail in (False, True):
+        run.engine = SimpleNamespace(
+            pause=lambda mode: None, is_sleeping=lambda: False, reload_weights=lambda d, f=fail: reload_weights(d, f),
+            resume=lambda: seen.append(("engine resumes", p.control.state()["model_version"])))
+        run.updater = SimpleNamespace(set_lr=lambda lr: None, update=lambda table: {},
+                                      save=lambda d, **kw: d)
+        run.proxy, run.progress, run.device = p, SimpleNamespace(update=lambda **k: None), "cpu"
+        if fail:
+            with pytest.raises(RuntimeError, match="reload failed"):
+                run.swap(2, None, 1)
+        else:
+            assert run.swap(1, None, 0)["model_version"] == 1
+    assert seen == [("reload", 1), ("engine resumes", 1), ("reload", 2), ("engine resumes", 2)]
+    assert p.control.state()["model_version"] == 2 and p.control.state()["paused"] is False

@@ -239,7 +239,6 @@ class TrainingRun:
             rep["proxy/drained"] = bool(drain.get("drained", False))
             rep["proxy/in_flight_after_drain"] = int(drain.get("in_flight", 0))
             new_version, ckpt = self._engine_swap(step, table, version, rep)
-            ctl.set_model_version(new_version)
             rep["proxy/held"] = int(ctl.state().get("held", 0) or 0)
         finally:
             ctl.resume()
@@ -280,6 +279,10 @@ class TrainingRun:
             rep["time/save_s"] = time.monotonic() - t0
             self.state["version_served"] = new_version  # on disk before any span carries it
             self._save_state()
+            # stamped before the engine generates with the new weights: a call the drain left in the
+            # engine (queued there, served after the reload) ends under this version and its span says
+            # so ('version_changed', not trained on); a reload that fails leaves the reserved number
+            self.proxy.control.set_model_version(new_version)
             # new weights into the engine, in place
             self.progress.update(phase="reload")
             if sleep:

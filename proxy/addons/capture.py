@@ -363,6 +363,11 @@ class Capture:
         self.live.pop(id(call), None)
         self._note_size(len(call.request_text or "") + len(response_json or ""))
         self.state.end(call)
+        if kind is None and call.model_version is not None and call.model_version != self.state.model_version:
+            kind, err = "version_changed", (  # a drain that timed out, or a call let in while paused: the
+                # engine may have generated it, or part of it, with the next weights; never trained on
+                f"the model version changed from {call.model_version} to {self.state.model_version} while the "
+                "call was in flight: its tokens may come from either weights")
         row = self._row(flow, call, kind, err, response_json, status)  # now: rewrite edits the answer next
         if call.sse is not None:  # the span holds the answer; later hooks read only its head (a stored id)
             call.response_obj = _head(call.response_obj)
