@@ -81,6 +81,11 @@ def run_reward_cmd(
     ``LIGHTNING_OUTPUT_DIR``, ``LIGHTNING_LOG_FILE`` and ``LIGHTNING_EXIT_CODE``. Its stderr is appended
     to the attempt log, which is then cut to its last ``max_log_bytes`` again. Raises RewardError when
     it fails, hangs or prints no reward, :class:`RewardCancelled` when ``cancel`` stopped it.
+
+    A scorer that exits while processes it started still run has no verdict (RewardError): a test
+    suite running model-written code could leave one behind that keeps printing ``1.0`` into the
+    stdout it inherited, after the scorer's ``0.0``. (Run such code with stdout of its own, in a
+    sandbox, as ``examples/swe/reward.py`` does.)
     """
     with contextlib.ExitStack() as files:
         stdout = files.enter_context(tempfile.TemporaryFile())  # a file, not a pipe: nothing to drain while waiting
@@ -90,7 +95,7 @@ def run_reward_cmd(
                                     stdout=stdout, stderr=log or subprocess.DEVNULL)
         except (OSError, subprocess.SubprocessError) as exc:
             raise RewardError(f"reward command could not start: {exc}") from None
-        timed_out, cancelled, _ = finish_tree(tree, proc, timeout=timeout, kill_grace=1.0, cancel=cancel)
+        timed_out, cancelled, leftovers = finish_tree(tree, proc, timeout=timeout, kill_grace=1.0, cancel=cancel)
         if log is not None:
             trim_to_tail(log_path, max_log_bytes, log)
         stdout.seek(max(0, os.fstat(stdout.fileno()).st_size - SCORER_TAIL))
@@ -101,6 +106,9 @@ def run_reward_cmd(
         raise RewardError(f"reward command timed out after {timeout:g}s")
     if proc.returncode != 0:
         raise RewardError(f"reward command exited with {proc.returncode}")
+    if leftovers:  # one could have written after the verdict: the last line would then be its
+        raise RewardError(f"reward command exited leaving {leftovers} process(es) running (ended now): its output "
+                          "is not trusted; a scorer must wait for what it starts")
     lines = [ln for ln in out.decode("utf-8", errors="replace").splitlines() if ln.strip()]
     if not lines:
         raise RewardError("reward command printed nothing")

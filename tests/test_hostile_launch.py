@@ -113,11 +113,19 @@ def test_processes_moved_to_other_cgroups_end_too_and_no_cgroup_is_left_behind(t
     assert not list(ProcessTree._root.glob(f"lightning-{os.getpid()}-*"))
 
 
-def test_the_reward_commands_leftovers_end_too(tmp_path, mechanism):
+def test_the_reward_commands_leftovers_end_too_and_void_its_verdict(tmp_path, mechanism):
+    """Found by review: a process the scorer's tests left behind kept printing 1.0 into the stdout it
+    inherited, after the scorer's 0.0, and the last line won (a verifier-rank reward). A scorer that
+    exits leaving processes has no verdict now; they are ended as before."""
     pid_file = tmp_path / "pid"
     cmd = f"setsid sleep 1000 >/dev/null 2>&1 & echo $! > {pid_file}; echo 0.5"
-    assert run_reward_cmd(cmd, {}).value == 0.5
+    with pytest.raises(RewardError, match="leaving 1 process"):
+        run_reward_cmd(cmd, {})
     assert wait_dead([int(pid_file.read_text())], timeout=5) == []
+    hijack = "(while :; do echo 1.0; sleep 0.01; done) & sleep 0.3; echo 0.0; sleep 0.1"
+    with pytest.raises(RewardError, match="not trusted"):
+        run_reward_cmd(hijack, {})
+    assert run_reward_cmd("(echo 0.2) & wait; echo 0.7", {}).value == 0.7  # one that waits is judged
     with pytest.raises(RewardError, match="could not start"):
         run_reward_cmd("true", {}, cwd=str(tmp_path / "missing"))
 
