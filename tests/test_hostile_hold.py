@@ -213,3 +213,18 @@ def test_the_proxy_stamps_the_new_version_before_the_engine_serves_the_new_weigh
             assert run.swap(1, None, 0)["model_version"] == 1
     assert seen == [("reload", 1), ("engine resumes", 1), ("reload", 2), ("engine resumes", 2)]
     assert p.control.state()["model_version"] == 2 and p.control.state()["paused"] is False
+
+    # a drain that timed out: what it left in the engine is aborted there, not awaited (found by
+    # review: a call with a huge max_tokens kept vLLM's pause(wait) past its HTTP timeout, ending the run)
+    modes = []
+    run.engine.pause, run.engine.reload_weights = modes.append, lambda d: 0.0
+    run.cfg.proxy.drain_timeout_s = 0.2
+    url = p.env_for("long")["OPENAI_BASE_URL"] + "/chat/completions"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    long = threading.Thread(target=lambda: _post(url, json=body, headers={"X-Stub-Delay": "2.0"}))
+    long.start()
+    _until(lambda: p.control.state()["in_flight"] == 1)
+    assert run.swap(3, None, 2)["proxy/drained"] is False
+    long.join(60)
+    run.swap(4, None, 3)
+    assert modes == ["abort", "wait"]

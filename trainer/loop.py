@@ -263,7 +263,9 @@ class TrainingRun:
         when = cfg.engine.sleep_on_update
         sleep = when == "always" or (when == "auto" and self.device == "cuda")
         try:
-            self.engine.pause("wait")
+            # what the proxy's drain left in flight is aborted, not awaited: a harness's call with a huge
+            # max_tokens (ignore_eos) kept the engine's own wait past its HTTP timeout, ending the run
+            self.engine.pause("wait" if rep.get("proxy/drained", True) else "abort")
             if sleep:
                 self.engine.sleep(cfg.engine.sleep_level)
             self._hook("paused", step)
