@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_harness.process import exit_code
+from lightning_harness.proxy.credentials import attempt_credential
 from lightning_harness.proxy.health import CaptureUnhealthy, capture_baseline, require_capture
 from lightning_harness.proxy.redact import Redactor
 from lightning_harness.schemas import PartWriter
@@ -477,12 +478,16 @@ class BatchRunner:
             if problem:  # not the harness's fault: recorded as cancelled, so it neither retries now nor counts later
                 result.state, result.error = CANCELLED, f"{problem}; the attempt ended with: {result.error}"
                 self._abort(problem)
-        result.error = self._redactor.text(result.error)
+        # the attempt's own credential too: its harness had it (in HTTPS_PROXY, the base URL) and may
+        # have written it into its reward file's info or text that ends up in the error
+        own = (attempt_credential(self.proxy.token, result.rollout_id, result.attempt),) \
+            if self.proxy and self.proxy.token else ()
+        result.error = self._redactor.text(result.error, own)
         if reward is not None and reward.source in ("file", "command"):
             self._rewards.append({
                 "reward_id": uuid.uuid4().hex, "rollout_id": result.rollout_id, "attempt": result.attempt,
                 "reward": reward.value, "created_at": utcnow(), "source": reward.source,
-                "info_json": self._redactor.json_text(json.dumps(reward.info)) if reward.info is not None else None,
+                "info_json": None if reward.info is None else self._redactor.json_text(json.dumps(reward.info), own),
             })
         self._rollouts.append(result.row())
         if result.state == CANCELLED:

@@ -97,6 +97,28 @@ def test_what_a_harness_wrote_is_recorded_masked(tmp_path, monkeypatch):
         assert key not in str(read_table(tmp_path / ("a" if table == "rollouts" else "b"), table)[column].to_pylist())
 
 
+def test_a_harness_cannot_record_its_own_credential_through_what_the_launcher_reads(tmp_path, make_proxy):
+    """Found by review: the launcher masked the proxy's tokens and API keys in a reward file's info and
+    in the error, but not the attempt's own credential, which its harness holds (in the base URL and
+    HTTPS_PROXY): a reward file quoting it was recorded in clear."""
+    from lightning_harness.proxy.credentials import attempt_credential
+
+    p = make_proxy()
+    quote = '{"reward": 1, "info": {"u": "%s"}}'
+    (good,) = run_batch([{"id": "t"}], f'printf \'{quote}\' "$OPENAI_BASE_URL" > "$LIGHTNING_REWARD_FILE"',
+                        traces_dir=tmp_path / "t", run_id="a", proxy=p)
+    (bad,) = run_batch([{"id": "t"}], 'echo "$HTTPS_PROXY" > "$LIGHTNING_REWARD_FILE"', traces_dir=tmp_path / "t",
+                       run_id="b", proxy=p)
+    assert good.reward == 1.0 and bad.state == NO_REWARD
+    p.control.flush()
+    recorded = str(read_table(tmp_path / "t", "rewards")["info_json"].to_pylist())
+    errors = str(read_table(tmp_path / "t", "rollouts")["error"].to_pylist())
+    assert "/lh/" in recorded and "[REDACTED]" in recorded and "[REDACTED]" in errors
+    for r in (good, bad):
+        credential = attempt_credential(p.token, r.rollout_id, r.attempt)
+        assert credential not in recorded and credential not in errors
+
+
 def test_a_harness_error_is_shown_as_text_not_markup(tmp_path):
     (r,) = run_batch([{"id": "[bold]t"}], 'echo "[/oops] not a reward" > "$LIGHTNING_REWARD_FILE"',
                      traces_dir=tmp_path, run_id="m")
