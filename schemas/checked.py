@@ -21,6 +21,7 @@ but :func:`finished_parts` leaves them out from that moment on: a reader never s
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -42,7 +43,7 @@ _cache: dict[str, tuple[int, int, dict[str, Any]]] = {}
 _cache_lock = threading.Lock()
 _MAX_CACHE = 1_000_000
 UNKNOWN = object()  # recall()'s answer for a check not made on this version of the file
-_refused: set[tuple[str, int]] = set()  # (path, errno) already warned of: a refusal is said once
+_refused: set[tuple[str, int | str]] = set()  # (path, errno or error type) warned of: a refusal is said once
 
 
 def part_files(root: str | os.PathLike, table: str) -> list[Path]:
@@ -91,17 +92,46 @@ def _footer(path: str | os.PathLike) -> tuple[str | None, tuple[str, ...]]:
             replaces = tuple(str(n) for n in json.loads(meta[COMPACTED_FROM]))
             if not all(_PART_NAME.fullmatch(n) for n in replaces):  # compaction deletes these: plain names only
                 raise ValueError(f"{COMPACTED_FROM.decode()} names something other than parts of its folder")
-    except OSError as exc:
-        if exc.errno is None:  # pyarrow's own IO errors on the file's content: damaged
-            return _remember_footer(key, st, f"{type(exc).__name__}: {exc}", ())
-        # the system refused (too many open files, EIO, permissions): not remembered, tried again next listing
-        if (key, exc.errno) not in _refused:
-            _refused.add((key, exc.errno))
-            log.warning("cannot read Parquet part %s now (%s); skipped until it can be read", key, exc)
-        return f"{type(exc).__name__}: {exc}", ()
-    except Exception as exc:  # pyarrow raises ArrowInvalid...; any other failure means unreadable
+    except Exception as exc:  # pyarrow raises ArrowInvalid...; any failure but the system's means unreadable
+        if not_the_files_fault(exc):  # not remembered: tried again next listing
+            _refuse(key, exc)
+            return f"{type(exc).__name__}: {exc}", ()
         return _remember_footer(key, st, f"{type(exc).__name__}: {exc}", ())
     return _remember_footer(key, st, error, replaces)
+
+
+# what the C library says of each errno ("Too many open files"...): DuckDB ends an error of the system with it
+_SYSTEM_ERRORS = tuple(f": {os.strerror(n)}" for n in errno.errorcode if n)
+
+
+def not_the_files_fault(exc: BaseException) -> bool:
+    """Whether reading a part failed for a reason of this process or system, not of the file's content:
+    an OSError with an errno (too many open files, EIO, ESTALE, permissions), a lack of memory (MemoryError,
+    pyarrow.ArrowMemoryError, DuckDB's OutOfMemoryException), or a DuckDB IO error that ends with the system's
+    error text (``Cannot open file "...": Too many open files``). pyarrow's own IO errors on a file's bytes
+    have no errno, DuckDB's on them no system text ("not a parquet file", "Invalid Input").
+
+    Why it matters: a verdict of "corrupt" is remembered for the file's (size, mtime), so a part the system
+    refused once stayed hidden for the rest of the process (its rows missing from every later read), and a
+    compacted part hidden so made its inputs compactable again: their rows were stored twice.
+    """
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryException":
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno is not None
+    if "duckdb" not in type(exc).__module__ or type(exc).__name__ != "IOException":
+        return False
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return first.endswith(_SYSTEM_ERRORS)
+
+
+def _refuse(key: str, exc: BaseException) -> None:
+    """Warn once per (file, error kind) that the system refused to read it now (nothing remembered)."""
+    kind = (key, getattr(exc, "errno", None) or type(exc).__name__)
+    if kind not in _refused:
+        _refused.add(kind)
+        log.warning("cannot read Parquet part %s now (%s: %s); not taken for damaged: read again next time",
+                    key, type(exc).__name__, " ".join(str(exc).split())[:300])
 
 
 def _remember_footer(key: str, st: os.stat_result, error: str | None,
@@ -117,10 +147,12 @@ def part_error(path: str | os.PathLike) -> str | None:
     return _footer(path)[0]
 
 
-def replaced_parts(path: str | os.PathLike) -> tuple[str, ...]:
-    """Names (same folder) of the parts a compacted part replaces; () for a part as written."""
+def replaced_parts(path: str | os.PathLike, *, even_if_damaged: bool = False) -> tuple[str, ...]:
+    """Names (same folder) of the parts a compacted part replaces; () for a part as written.
+    ``even_if_damaged``: also those of a part whose footer read but whose data did not (:func:`mark_bad`):
+    compaction never takes them again (a second copy of their rows), readers still read them."""
     error, replaces = _footer(path)
-    return () if error else replaces
+    return () if error and not even_if_damaged else replaces
 
 
 def finished_parts(root: str | os.PathLike, table: str) -> tuple[list[Path], list[Path]]:
@@ -140,14 +172,27 @@ def finished_parts(root: str | os.PathLike, table: str) -> tuple[list[Path], lis
     return good, bad
 
 
-def mark_bad(path: str | os.PathLike, error: str) -> None:
-    """Remember that ``path`` failed to read past its footer (a damaged data page), warning once."""
+def mark_bad(path: str | os.PathLike, error: str | BaseException) -> bool:
+    """Remember that ``path`` failed to read past its footer (a damaged data page), warning once; True when
+    remembered. An ``error`` that is not the file's fault (:func:`not_the_files_fault`) is not: the part is
+    skipped by this read only (one warning), else it stayed hidden for the rest of the process.
+
+    The names its footer says it replaces are kept: forgotten, a compacted part marked bad made its inputs
+    (on disk for the grace period) compactable again, and their rows were stored twice."""
     key = str(path)
+    if isinstance(error, BaseException):
+        if not_the_files_fault(error):
+            _refuse(key, error)
+            return False
+        error = f"{type(error).__name__}: {error}"
     try:
         st = os.stat(key)
     except OSError:
-        return
+        return False
     known = recall(key, st, "footer")
-    remember(key, st, "footer", (error, ()))
-    if known is UNKNOWN or known[0] is None:
+    if known is UNKNOWN:
+        known = _footer(key)  # an unreadable footer warns there
+    remember(key, st, "footer", (error, known[1]))
+    if known[0] is None:
         log.warning("skipping corrupt Parquet part %s (%s)", key, error)
+    return True

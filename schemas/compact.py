@@ -25,8 +25,11 @@ Protocol, per day folder of a table, under an exclusive ``flock`` on ``ROOT/<tab
 
 A compacted part gets its inputs' access (common permission bits; their owner when run as root), not
 the compacting process's umask. A part whose data turns out damaged is marked corrupt (readers skip
-it too) and the rest of its batch is compacted. A batch whose rows pyarrow refuses to write as the table
-(ArrowInvalid...) stays as it is, with one warning; the other batches and tables go on.
+it too) and the rest of its batch is compacted; a compacted part so marked keeps its inputs out of every
+later batch (they are kept on disk: readers read them instead). A part the system refuses to read now
+(too many open files, EIO) is left out of this round only. A batch whose rows pyarrow refuses to write as
+the table (ArrowInvalid...), or that fails with an OSError other than a full disk (a name too long), stays
+as it is, with one warning; the other batches and tables go on.
 
 Readers (``schemas.checked.finished_parts``) leave out a part as soon as a compacted part naming it
 exists, so a row is never seen twice; inputs stay readable for ``grace_s`` for readers that listed
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import itertools
 import json
@@ -54,7 +58,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .checked import _PART_NAME, COMPACTED_FROM, finished_parts, mark_bad, part_error, replaced_parts
-from .parts import RAW_BYTES, not_of_table, plain_root, write_part
+from .parts import RAW_BYTES, not_of_table, plain_root, typed_unlike, write_part
 from .tables import TABLES
 
 log = logging.getLogger("lightning.schemas")
@@ -76,6 +80,9 @@ _WRITER_TMP = re.compile(r"\.part-[A-Za-z0-9_.-]+\.parquet\.tmp")
 # ``-c`` + 7 of them never matches), the compacting pid and a counter
 _COMPACTED_SUFFIX = re.compile(r"(-c\d{13}-\d+(-\d+)?)+$")
 _names = itertools.count()
+# characters of the first input's name a compacted part's name keeps: with ``-c<ms>-<pid>-<n>.parquet`` and
+# ``.compact-`` .. ``.tmp`` around it, its temporary stays under NAME_MAX (255)
+_MAX_BASE = 160
 
 
 @dataclasses.dataclass
@@ -151,7 +158,12 @@ def compact_table(
         rep.files_before = len(finished_parts(root, table)[0])
         folders = {p.parent for p in base.glob("**/*") if p.name.endswith(".parquet") or _WRITER_TMP.fullmatch(p.name)}
         for folder in sorted(folders):
-            _compact_folder(folder, table, rep, (target_bytes, raw_bytes), grace_s, fsync, step)
+            try:
+                _compact_folder(folder, table, rep, (target_bytes, raw_bytes), grace_s, fsync, step)
+            except OSError as exc:  # one folder's trouble: the other folders and tables go on
+                if _store_wide(exc):
+                    raise
+                _warn_once(("folder", str(folder), str(exc.errno)), "not compacting %s now: %s", folder, exc)
         rep.files_after = len(finished_parts(root, table)[0])
     rep.seconds = round(time.monotonic() - t0, 4)
     return rep
@@ -239,13 +251,18 @@ def _compact_folder(folder: Path, table: str, rep: CompactReport, budget: tuple[
         tmp.unlink(missing_ok=True)
     _remove_writer_leftovers(folder)
     pending = _remove_replaced(folder, grace_s, rep, fsync, step)
-    replaced = {folder / n for p in pending for n in replaced_parts(p)}
+    # a compacted part whose data turned out damaged still names its inputs: never compacted a second time
+    replaced = {folder / n for p in _visible_parts(folder) for n in replaced_parts(p, even_if_damaged=True)}
     # only names a compacted part's footer may list: one named otherwise ("part (1).parquet", a copy) made
     # a compacted part every reader took for corrupt, and a new one of it every round
     on_disk = {p: p.stat().st_size for p in _visible_parts(folder)
                if _PART_NAME.fullmatch(p.name) and p not in replaced and p not in pending and not part_error(p)}
-    small = [(p, (n, raw)) for p, n in on_disk.items()  # the footer read only for parts small on disk
-             if n < budget[0] // 2 and 0 <= (raw := _raw_size(p, table)) < budget[1] // 2]
+    small = []
+    for p, n in on_disk.items():
+        if n < budget[0] // 2:  # the footer read only for parts small on disk
+            raw, extra = _raw_size(p, table)
+            if 0 <= raw < budget[1] // 2:
+                small.append((p, (n, raw), extra))
     for batch in _batches(small, *budget):
         if len(batch) >= 2:
             try:
@@ -255,7 +272,19 @@ def _compact_folder(folder: Path, table: str, rep: CompactReport, budget: tuple[
                 # as it is (its temporary removed by write_part); the other batches and tables go on
                 _warn_once(("batch", str(batch[0]), str(exc)), "not compacting %d %s parts from %s on: %s: %s",
                            len(batch), table, batch[0], type(exc).__name__, exc)
+            except OSError as exc:
+                if _store_wide(exc):
+                    raise
+                _warn_once(("batch", str(batch[0]), str(exc.errno)), "not compacting %d %s parts from %s now: %s",
+                           len(batch), table, batch[0], exc)
     _remove_replaced(folder, grace_s, rep, fsync, step)
+
+
+def _store_wide(exc: OSError) -> bool:
+    """A full disk or quota stops the whole compaction (every later write fails alike; the CLI says so in
+    one line). Any other OSError (a name too long, a folder we may not write) is one batch's or folder's:
+    it stopped ``compact_store`` at that table every round, and the tables after it were never compacted."""
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 _warned: set[tuple[str, ...]] = set()  # warnings already given (one per file or batch, not one a round)
@@ -284,46 +313,56 @@ def _remove_writer_leftovers(folder: Path) -> None:
             continue
 
 
-def _batches(parts: list[tuple[Path, tuple[int, int]]], target_bytes: int, raw_bytes: int) -> list[list[Path]]:
-    """Consecutive parts (each with its bytes on disk and in memory), each batch within
-    ``target_bytes`` on disk and ``raw_bytes`` in memory."""
+def _batches(parts: list[tuple[Path, tuple[int, int], dict[str, pa.DataType]]], target_bytes: int,
+             raw_bytes: int) -> list[list[Path]]:
+    """Consecutive parts (each with its bytes on disk and in memory, and its columns the table lacks), each
+    batch within ``target_bytes`` on disk and ``raw_bytes`` in memory. A part with such a column typed unlike
+    the same column of the batch's parts before it starts a new batch (one warning): two parts of a newer
+    writer or another tool that disagreed made their whole batch fail to unify, and so stay, every round."""
     out: list[list[Path]] = [[]]
     size = raw = 0
-    for p, (n, r) in parts:
-        if out[-1] and (size + n > target_bytes or raw + r > raw_bytes):
+    extra: dict[str, pa.DataType] = {}
+    for p, (n, r), cols in parts:
+        clash = [c for c, t in cols.items() if c in extra and extra[c] != t]
+        if clash:
+            _warn_once(("extra", str(p)), "compacting %s apart from the parts before it: column(s) %s typed "
+                       "otherwise there", p, ", ".join(clash))
+        if out[-1] and (size + n > target_bytes or raw + r > raw_bytes or clash):
             out.append([])
-            size = raw = 0
+            size, raw, extra = 0, 0, {}
         out[-1].append(p)
         size, raw = size + n, raw + r
+        extra.update(cols)
     return out
 
 
 _odd_parts: set[str] = set()  # parts already warned about as not joining a batch
 
 
-def _raw_size(part: Path, table: str) -> int:
+def _raw_size(part: Path, table: str) -> tuple[int, dict[str, pa.DataType]]:
     """The part's rows in memory, as its writer recorded them (never less than its uncompressed column
-    data, which counts a repeated dictionary value once); -1 when it cannot join a batch: a column typed
-    unlike the table's (another version, another tool) failed the whole batch every round, so none of
-    its parts was ever compacted. Such a part stays as it is (readers read it), with one warning. A file
-    that is no part of the table (``parts.not_of_table``: no column in common, or lacking one the table
-    never leaves null) stopped every later table's compaction (ArrowInvalid); it stays too, unread."""
+    data, which counts a repeated dictionary value once), and its columns the table lacks (their types);
+    -1 when it cannot join a batch: a column typed unlike the table's (another version, another tool,
+    :func:`.parts.typed_unlike`) failed the whole batch every round, so none of its parts was ever
+    compacted. Such a part stays as it is (readers read it), with one warning. A file that is no part of
+    the table (``parts.not_of_table``: no column in common, lacking one the table never leaves null, or
+    one typed in another family) stopped every later table's compaction (ArrowInvalid); it stays too, unread."""
     if not_of_table(part, table):  # warned once there
-        return -1
-    md, schema = pq.read_metadata(part), TABLES[table]
-    odd = [f.name for f in md.schema.to_arrow_schema()
-           if f.name in schema.names and f.type != schema.field(f.name).type]
+        return -1, {}
+    md = pq.read_metadata(part)
+    schema = md.schema.to_arrow_schema()
+    odd = typed_unlike(schema, table, exact=True)
     if odd:
         if str(part) not in _odd_parts:
             _odd_parts.add(str(part))
             log.warning("not compacting %s: column(s) %s typed unlike the %s table's", part, ", ".join(odd), table)
-        return -1
+        return -1, {}
     columns = sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
     try:  # a footer from elsewhere may say anything: an unreadable figure stopped every table's compaction
         recorded = int((md.metadata or {}).get(RAW_BYTES, b"0"))
     except ValueError:
         recorded = 0
-    return max(recorded, columns)
+    return max(recorded, columns), {f.name: f.type for f in schema if f.name not in TABLES[table].names}
 
 
 def _read_parts(batch: list[Path]) -> tuple[list[Path], list[pa.Table]]:
@@ -337,7 +376,7 @@ def _read_parts(batch: list[Path]) -> tuple[list[Path], list[pa.Table]]:
         except MemoryError:  # not the part's fault: this round fails, the part stays readable
             raise
         except Exception as exc:
-            mark_bad(p, f"{type(exc).__name__}: {exc}")
+            mark_bad(p, exc)  # the system refusing it now (EMFILE, EIO): left out of this round only
             continue
         read.append(p)
     return read, tables
@@ -371,7 +410,8 @@ def _write_compacted(folder: Path, table: str, batch: list[Path], rep: CompactRe
     # is unique among the inputs (a writer's name holds its tag and counter: cutting at the first "-c" cut a
     # tag starting with "c" with them, so two batches compacted in one millisecond shared a name); the suffix
     # makes it unique among compactions
-    base = _COMPACTED_SUFFIX.sub("", batch[0].stem) or batch[0].stem
+    # capped: a long (legal) input name made the compacted one and its temporary longer than NAME_MAX (255)
+    base = (_COMPACTED_SUFFIX.sub("", batch[0].stem) or batch[0].stem)[:_MAX_BASE]
     name = f"{base}-c{int(time.time() * 1000):013d}-{os.getpid()}-{next(_names)}.parquet"
 
     def check(tmp: Path) -> None:

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.dataset  # noqa: F401  (pq.read_table imports it on first use; a proxy that dropped its
 import pyarrow.parquet as pq  # privileges or lost its environment since would take every part for corrupt)
 
-from .checked import UNKNOWN, finished_parts, mark_bad, recall, remember
+from .checked import UNKNOWN, finished_parts, mark_bad, recall, remember, replaced_parts
 from .salvage import encode_rows
 from .tables import SCHEMA_VERSION, TABLES
 
@@ -358,12 +358,17 @@ def plain_root(root: str | os.PathLike) -> Path:
     read as empty: pyarrow and DuckDB take UTF-8 text, so every part was skipped as "corrupt" and
     compaction never ran. Such a root (or one with a backslash) is reached through a symlink in a
     private temporary folder (mode 0700, removed at exit), named like the original with the odd bytes
-    replaced, so warnings still say which store it is. Any other root is returned as given.
+    replaced, so warnings still say which store it is. Any other root is returned absolute: pyarrow takes a
+    relative path whose first segment looks like a URI scheme (``exp:2/traces``, ``s3:tmp``) for a URI, so
+    such a store read as empty (every part "corrupt") and was never compacted.
     """
     text = os.fsdecode(os.fspath(root))
+    try:
+        target = os.path.abspath(text)
+    except OSError:  # the working directory was removed: a relative root names nothing anyway
+        target = text
     if not _UNNAMEABLE.search(text):
-        return Path(text)
-    target = os.path.abspath(text)
+        return Path(target)
     with _alias_lock:
         link = _aliases.get(target)
         if link is not None and os.path.islink(link):
@@ -409,6 +414,10 @@ def not_of_table(part: str | os.PathLike, table: str) -> str | None:
     export) was read as rows of the table with every column NULL, and compacting it raised ArrowInvalid
     (a non-nullable column holding nulls) every round, which stopped the compaction of every later table
     and the training step that compacts before each update. It is left out and left in place.
+
+    A column of the table typed in another family (:func:`typed_unlike`: text where the table has a timestamp
+    or a number, rows round-tripped through JSON) makes a file no part either: DuckDB's ``union_by_name``
+    typed the whole view column by it, and every query of the store failed, ``SELECT 1`` included.
     """
     key, check = str(part), f"part of {table}"
     try:
@@ -416,19 +425,60 @@ def not_of_table(part: str | os.PathLike, table: str) -> str | None:
         known = recall(key, st, check)
         if known is not UNKNOWN:
             return known
-        names = set(pq.read_schema(key).names)
+        found = pq.read_schema(key)
     except Exception:  # gone, or unreadable: the footer check (checked.part_error) decides about it
         return None
-    schema = TABLES[table]
+    schema, names = TABLES[table], set(found.names)
     missing = [f.name for f in schema if not f.nullable and f.name not in names]
+    odd = typed_unlike(found, table, exact=False)
     why = None
     if not names & set(schema.names):
         why = f"no column in common with the {table} table"
     elif missing:
         why = f"lacks column(s) {', '.join(missing)} that every {table} row has"
+    elif odd:
+        why = f"column(s) {', '.join(odd)} of another type than the {table} table's"
     if why:
         log.warning("leaving out Parquet file %s: not a %s part (%s); left in place", key, table, why)
     return remember(key, st, check, why)
+
+
+def typed_unlike(schema: pa.Schema, table: str, *, exact: bool) -> list[str]:
+    """The columns of ``table`` that ``schema`` (a part's) types otherwise: any other type when ``exact``
+    (compaction writes the table's types), else only another family (:func:`_family`: readers take an int32
+    for an int64, a float for an int, a timestamp without time zone for one with, as DuckDB and pyarrow do)."""
+    want = TABLES[table]
+    return [f.name for f in schema if f.name in want.names and (
+        f.type != want.field(f.name).type if exact else not _same_family(f.type, want.field(f.name).type))]
+
+
+def _family(typ: pa.DataType) -> Any:
+    """What a reader can take one type for another within: numbers, times, texts, bytes, lists."""
+    if pa.types.is_dictionary(typ):
+        return _family(typ.value_type)
+    if pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_decimal(typ):
+        return "number"
+    if pa.types.is_timestamp(typ) or pa.types.is_date(typ):
+        return "time"
+    if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+        return "text"
+    if pa.types.is_binary(typ) or pa.types.is_large_binary(typ):
+        return "bytes"
+    if _is_list(typ):
+        return "list"  # of what: _same_family
+    return str(typ)  # bool, struct...: only itself
+
+
+def _is_list(typ: pa.DataType) -> bool:
+    return pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ)
+
+
+def _same_family(found: pa.DataType, want: pa.DataType) -> bool:
+    if pa.types.is_null(found):  # a column (or lists) of nulls only: fits any
+        return True
+    if _is_list(found) and _is_list(want):
+        return _same_family(found.value_type, want.value_type)
+    return _family(found) == _family(want)
 
 
 def read_table(root: str | os.PathLike, table: str, *, attempts: int = 20) -> pa.Table:
@@ -454,8 +504,13 @@ def _read_listed(root: Path, table: str, schema: pa.Schema) -> list[pa.Table] | 
     for f in files:
         try:
             parts.append(pq.read_table(f, schema=schema))
+        except MemoryError:  # not the part's fault, and a read without its rows would look complete
+            raise
         except Exception as exc:  # footer fine, data damaged: same policy as an unreadable footer
             if not os.path.lexists(f):
                 return None
-            mark_bad(f, f"{type(exc).__name__}: {exc}")
+            # the system refusing it now (EMFILE, EIO): skipped by this read only. A damaged compacted part:
+            # list again, its inputs (still on disk) are read instead of it
+            if mark_bad(f, exc) and replaced_parts(f, even_if_damaged=True):
+                return None
     return parts

@@ -9,6 +9,8 @@ that fails is the batch split until the bad rows are isolated, and each is *salv
   objects in a string column become their ``str()``;
 - integers out of the column's range become null (a clamped value would look like a real
   attempt number or version); in a non-nullable integer column they are clamped instead;
+- a float with a fraction or a bool in an integer column becomes null likewise (pyarrow truncated 1.5
+  to 1 without a word); in a non-nullable one it is truncated;
 - any other value that does not fit its column becomes null.
 
 A salvaged row gets ``salvaged = True`` when the table has that column (``spans`` has). A row that
@@ -26,7 +28,10 @@ from typing import Any
 import pyarrow as pa
 
 # What encoding a value can raise. Any failure here comes from the data (the disk is not touched
-# yet), so it must lead to salvage or a counted loss, never to a retry of the same batch.
+# yet), so it must lead to salvage or a counted loss, never to a retry of the same batch. Except a lack
+# of memory (MemoryError, pyarrow.ArrowMemoryError): no fault of the rows, which were salvaged one by one
+# and dropped as lost; it is raised (every ``except ENCODE_ERRORS`` here comes after a MemoryError one)
+# so the writer keeps the rows buffered and retries them after a backoff (PartWriter.flush).
 ENCODE_ERRORS = (Exception,)
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -50,6 +55,8 @@ def encode_rows(rows: list[dict[str, Any]], schema: pa.Schema) -> Encoded:
     """
     try:
         return Encoded(_table(rows, schema=schema), rows)
+    except MemoryError:
+        raise
     except ENCODE_ERRORS:
         pass
     out = Encoded(schema.empty_table(), [])
@@ -65,6 +72,8 @@ def _encode_split(rows: list[dict[str, Any]], schema: pa.Schema, tables: list[pa
         try:
             fixed = salvage_row(rows[0], schema)
             tables.append(_table([fixed], schema=schema))
+        except MemoryError:
+            raise
         except ENCODE_ERRORS as exc:
             out.lost.append(f"{type(exc).__name__}: {exc}"[:500])
             return
@@ -76,6 +85,8 @@ def _encode_split(rows: list[dict[str, Any]], schema: pa.Schema, tables: list[pa
         try:
             tables.append(_table(half, schema=schema))
             out.rows.extend(half)
+        except MemoryError:
+            raise
         except ENCODE_ERRORS:
             _encode_split(half, schema, tables, out)
 
@@ -87,7 +98,18 @@ def _table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
     for f in schema:
         if not f.nullable and table.column(f.name).null_count:
             raise ValueError(f"column {f.name!r} cannot be null")
+    ints = [f.name for f in schema if pa.types.is_integer(f.type)]  # lists of integers are not checked: too slow
+    for row in rows:
+        for name in ints:
+            if _fraction(row.get(name)):
+                raise ValueError(f"column {name!r} holds integers, not {row[name]!r}")
     return table
+
+
+def _fraction(value: Any) -> bool:
+    """A float with a fraction (or not finite): pyarrow truncates 1.5 to 1 in an integer column, a seq or
+    version that looks real, so it fits none."""
+    return isinstance(value, float) and not value.is_integer()
 
 
 def salvage_row(row: dict[str, Any], schema: pa.Schema) -> dict[str, Any]:
@@ -138,6 +160,8 @@ def clean_text(value: Any) -> str:
 
 
 def _salvage_int(value: Any, typ: pa.DataType, nullable: bool) -> int | None:
+    if nullable and (isinstance(value, bool) or _fraction(value)):  # truncated, it would look like a real one
+        return None
     try:
         n = int(value)
     except (TypeError, ValueError, OverflowError):
@@ -150,9 +174,13 @@ def _salvage_int(value: Any, typ: pa.DataType, nullable: bool) -> int | None:
 
 
 def _fits(value: Any, typ: pa.DataType) -> bool:
+    if pa.types.is_integer(typ) and (isinstance(value, bool) or _fraction(value)):
+        return False
     try:
         pa.array([value], type=typ)
         return True
+    except MemoryError:
+        raise
     except ENCODE_ERRORS:
         return False
 

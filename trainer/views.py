@@ -274,7 +274,9 @@ def past_damaged_parts(run: Callable[[], T], redefine: Callable[[], object], *, 
     last defined on read whole with pyarrow (:func:`_damaged_listed_parts`, slow: only then).
 
     Why: :func:`finished_parts` checks footers only (cheap); a damaged data page shows up only
-    when a query reads it. Same policy then: skip the file, keep it on disk, go on.
+    when a query reads it. Same policy then: skip the file, keep it on disk, go on. An error of the system
+    (``Cannot open file ...: Too many open files``; ``checked.not_the_files_fault``) is raised instead: taken
+    for damage, it hid a sound part from every later query of the process.
     """
     seen: set[str] = set()
     while True:
@@ -291,8 +293,9 @@ def past_damaged_parts(run: Callable[[], T], redefine: Callable[[], object], *, 
             if path is None or path in seen or len(seen) >= attempts:
                 raise
             seen.add(path)
-            if os.path.isfile(path):
-                mark_bad(path, f"{type(exc).__name__}: {exc}")
+            # the system refusing the file now (too many open files, EIO): the query fails, nothing is remembered
+            if os.path.isfile(path) and not mark_bad(path, exc):
+                raise
             # else: removed since the views were defined (compaction replaced it): list again
             redefine()
 
