@@ -58,7 +58,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .checked import _PART_NAME, COMPACTED_FROM, finished_parts, mark_bad, part_error, replaced_parts
-from .parts import RAW_BYTES, not_of_table, plain_root, typed_unlike, write_part
+from .parts import RAW_BYTES, fsync_dir, not_of_table, plain_root, typed_unlike, write_part
 from .tables import TABLES
 
 log = logging.getLogger("lightning.schemas")
@@ -212,16 +212,6 @@ def _visible_parts(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.parquet") if not p.name.startswith("."))
 
 
-def _fsync_dir(folder: Path, fsync: bool) -> None:
-    if not fsync:
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _remove_replaced(folder: Path, grace_s: float, rep: CompactReport, fsync: bool, step) -> set[Path]:
     """Delete inputs of compacted parts older than ``grace_s``; returns the parts still pending
     (compacted parts whose inputs must stay a while longer: not candidates themselves)."""
@@ -239,7 +229,7 @@ def _remove_replaced(folder: Path, grace_s: float, rep: CompactReport, fsync: bo
             p.unlink(missing_ok=True)
             removed += 1
     if removed:
-        _fsync_dir(folder, fsync)
+        fsync_dir(folder, fsync)
         rep.parts_removed += removed
         step("removed")
     return pending
@@ -424,8 +414,7 @@ def _write_compacted(folder: Path, table: str, batch: list[Path], rep: CompactRe
 
     meta = {**(data.schema.metadata or {}), COMPACTED_FROM: json.dumps([p.name for p in batch]).encode()}
     write_part(data, folder / name, meta, fsync=fsync, tmp=folder / f"{_TMP_PREFIX}{name}.tmp", check=check,
-               mode=mode, row_group_size=rows_per_group)
-    _fsync_dir(folder, fsync)
+               mode=mode, row_group_size=rows_per_group)  # (its folder fsynced there)
     rep.parts_written += 1
     rep.parts_replaced += len(batch)
     rep.rows_compacted += expected

@@ -341,7 +341,19 @@ def write_part(table: pa.Table, final: Path, metadata: dict, *, fsync: bool, tmp
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
-    return final
+    fsync_dir(final.parent, fsync)  # the rename too: lost in a power cut, the fsynced rows sat in a
+    return final  # temporary that compaction deletes as a killed writer's, 300 s on
+
+
+def fsync_dir(folder: Path, fsync: bool) -> None:
+    """Make the folder's entries (a rename, removals) durable."""
+    if not fsync:
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # what pyarrow and DuckDB cannot be handed in a path: bytes that are not UTF-8 (Python holds them as lone
