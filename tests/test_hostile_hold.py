@@ -112,23 +112,29 @@ def test_sequence_numbers_of_a_live_rollout_survive_a_long_run(tmp_path):
     assert state.next_seq("live", 0) == 3 + 5
 
 
-def test_a_swap_that_fails_resumes_the_proxy(tmp_path, make_proxy):
-    """The engine refuses to pause (or the update fails): the proxy is resumed, the engine resumed,
-    and the error reaches the caller, instead of every harness held until someone stops the proxy."""
+def _training_run(tmp_path):
+    """A TrainingRun of a minimal config, nothing started: its swap is driven with stand-ins."""
     import io
-    from types import SimpleNamespace
 
     from rich.console import Console
 
     from lightning_harness.trainer import config as C
     from lightning_harness.trainer.loop import TrainingRun
 
-    p = make_proxy()
     (tmp_path / "model").mkdir()
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text('model: model\nharness: {command: ["x"]}\ntasks: {train: t.jsonl}\nupdate: {lr: 1.0e-5}\n'
                    f"run_dir: {tmp_path / 'run'}\n")
-    run = TrainingRun(C.load_config(cfg), console=Console(file=io.StringIO()))
+    return TrainingRun(C.load_config(cfg), console=Console(file=io.StringIO()))
+
+
+def test_a_swap_that_fails_resumes_the_proxy(tmp_path, make_proxy):
+    """The engine refuses to pause (or the update fails): the proxy is resumed, the engine resumed,
+    and the error reaches the caller, instead of every harness held until someone stops the proxy."""
+    from types import SimpleNamespace
+
+    p = make_proxy()
+    run = _training_run(tmp_path)
     calls = []
 
     def pause(mode):
@@ -175,20 +181,10 @@ def test_the_proxy_stamps_the_new_version_before_the_engine_serves_the_new_weigh
     weights (calls it served in between kept the old number), and a reload that failed resumed the
     proxy under the old version although the engine may hold the new weights. The version is now set
     before the reload: the engine resumes under it, and a failed reload leaves the reserved number."""
-    import io
     from types import SimpleNamespace
 
-    from rich.console import Console
-
-    from lightning_harness.trainer import config as C
-    from lightning_harness.trainer.loop import TrainingRun
-
     p = make_proxy()
-    (tmp_path / "model").mkdir()
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text('model: model\nharness: {command: ["x"]}\ntasks: {train: t.jsonl}\nupdate: {lr: 1.0e-5}\n'
-                   f"run_dir: {tmp_path / 'run'}\n")
-    run = TrainingRun(C.load_config(cfg), console=Console(file=io.StringIO()))
+    run = _training_run(tmp_path)
     run.run_dir.mkdir(parents=True)
     run.state = {"checkpoint": "base", "base_model": "base"}
     seen = []
