@@ -3,8 +3,9 @@
 Headers are never stored. Text is masked from two sources only:
 
 1. Known secret values, exactly: the proxy and control tokens (process-wide) and the call's own
-   credentials in ``Call.secrets`` (its proxy credential; Authorization Bearer/Basic decoded,
-   x-api-key, api-key, cookie and credential query values, collected by ``addons/secrets.py``).
+   credentials: ``Call.key_secrets`` (its proxy credential, Authorization Bearer/Basic decoded,
+   x-api-key, api-key: always all kept) and ``Call.secrets`` (other credential-named header,
+   cookie and query values, the ``MAX_SECRETS`` longest kept), collected by ``addons/secrets.py``.
    A value is found in every spelling recorded text can hold it: raw, JSON string escapes
    (``json.dumps`` with and without ``ensure_ascii``, ``\\/``, HTML-safe ``\\u003c``), URL-encoded,
    and those applied twice (JSON inside a JSON string); any other ``\\uXXXX`` / ``%XX`` spelling is
@@ -19,8 +20,9 @@ never retokenises altered text. A span whose request or response text held a sec
 ``secret_detected = True``, empty token id / logprob columns and a response body without its
 token-by-token fields (ids, logprob entries with token strings: they encode the secret); its
 JSON text is then re-serialised from the masked parse - the only case where a column's bytes
-change beyond the mask. ``error`` (cut to a length by capture) also loses a secret's start left
-at its end.
+change beyond the mask (a body that does not parse, e.g. cut short, loses the values of those
+fields in its text instead). ``error`` (cut to a length by capture) and any text given to
+:meth:`Redactor.text` (log lines) also lose a secret's start left where a length cut ended it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .keyshapes import mask_keys
 
 MASK = "[REDACTED]"
 MIN_SECRET_LEN = 8  # shorter values cannot be told from words; a credential that short is not one
-MAX_SECRETS = 64  # per call (longest kept): a request with thousands of cookies must not cost seconds
+MAX_SECRETS = 64  # per call, of its other values (longest kept): thousands of cookies must not cost seconds
 MAX_SPELLED_LEN = 4096  # longer values are masked in their raw spelling only
 PUBLIC_VALUES = frozenset({PLACEHOLDER_API_KEY})  # documented placeholders, not secrets
 JSON_COLUMNS = ("request_json", "response_json")
@@ -53,6 +55,15 @@ _PERCENT_ESCAPE = re.compile(r"%[0-9a-fA-F]{2}")  # what unquote decodes (it lea
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SAFE_RUN = re.compile(r"[A-Za-z0-9_.~-]+")
 _ASCII_ESCAPE = re.compile(r"\\u00(?:2[dDeE]|[3-7][0-9a-fA-F])")  # \u escape of a char a core or key may hold
+# %XX (or %25XX: quoted twice) of a character a core or key may hold: [A-Za-z0-9_.~-], not the ':' '/'
+# '=' '{' of ordinary URLs (text with those alone is not parsed and searched: 4x the cost)
+_ASCII_PERCENT = re.compile(r"%(?:25)?(?:2[dDeE]|3[0-9]|4[1-9a-fA-F]|5[0-9aAfF]|6[1-9a-fA-F]|7[0-9aAeE])")
+# JSON text that may be cut short: its strings (the closing quote may be missing), a key's colon
+# before a container value, and what a container scan steps over
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
+_TO_CONTAINER = re.compile(r"\s*:\s*(?=[\[{])")
+_STRING_OR_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]', re.DOTALL)
+_TOKEN_KEYS = frozenset(f'"{k}"' for k in TOKEN_FIELDS)
 
 
 def _one_level(s: str) -> set[str]:
@@ -115,12 +126,17 @@ def decode_escapes(text: str) -> str:
 class KnownSecrets:
     """A set of secret values and all their spellings, to find and mask in text."""
 
-    def __init__(self, values: Iterable[str | None], always: Iterable[str | None] = ()) -> None:
-        """``values`` (a call's): the ``MAX_SECRETS`` longest kept; ``always`` (the process's): all."""
+    def __init__(self, values: Iterable[str | None], always: Iterable[str | None] = (),
+                 keys: Iterable[str | None] = ()) -> None:
+        """``values`` (a call's other credentials): the ``MAX_SECRETS`` longest kept; ``keys`` (a call's
+        API key and proxy credential) and ``always`` (the process's): all. Why keys apart: a request
+        with 64 long junk credential-named headers or query values pushed its real API key and its
+        proxy credential out of a common cap, into the trace (found by review)."""
         def usable(vs):
             return {v for v in vs if v and len(v) >= MIN_SECRET_LEN and v not in PUBLIC_VALUES}
-        capped = sorted(usable(values), key=len, reverse=True)[:MAX_SECRETS]
-        self.values = sorted(usable(always).union(capped))
+        kept = usable(always) | usable(keys)
+        capped = sorted(usable(values) - kept, key=len, reverse=True)[:MAX_SECRETS]
+        self.values = sorted(kept.union(capped))
         # the longest run of each value that no encoder rewrites: every spelling contains it, so a
         # text without it holds the value at no escape depth (the cheap test before any other)
         by_core: dict[str, set[str]] = {}
@@ -151,14 +167,15 @@ class Redactor:
         self._process = tuple(s for s in extra_secrets if s)
         self._cache: dict[frozenset, KnownSecrets] = {}
 
-    def known(self, secrets: Iterable[str] = ()) -> KnownSecrets:
-        """The process's secrets plus a call's (cached: a harness sends the same key every call)."""
-        key = frozenset(secrets)
+    def known(self, secrets: Iterable[str] = (), keys: Iterable[str] = ()) -> KnownSecrets:
+        """The process's secrets plus a call's (cached: a harness sends the same key every call);
+        ``keys``: the call's own keys, kept whatever ``secrets`` holds (:class:`KnownSecrets`)."""
+        key = (frozenset(secrets), frozenset(keys))
         got = self._cache.get(key)
         if got is None:
             if len(self._cache) > 1024:
                 self._cache.clear()
-            got = self._cache[key] = KnownSecrets(key, always=self._process)
+            got = self._cache[key] = KnownSecrets(key[0], always=self._process, keys=key[1])
         return got
 
     # -- one string ---------------------------------------------------------------------------
@@ -192,10 +209,11 @@ class Redactor:
         """Cheap: may ``text`` hold a secret? (False means surely not; True means look exactly.)
 
         A value's core and every key shape are ASCII, so they hide only behind escapes of ASCII
-        characters (``\\u0073``), never behind the ``\\u00e9`` of ordinary non-ASCII text.
+        characters (``\\u0073``, ``%73``), never behind the ``\\u00e9`` of ordinary non-ASCII text.
         """
         return (known.always or known.maybe(text) or mask_keys(text, MASK) is not text
-                or _ASCII_ESCAPE.search(text) is not None)
+                or _ASCII_ESCAPE.search(text) is not None
+                or ("%" in text and _ASCII_PERCENT.search(text) is not None))
 
     def scrub_text(self, text: str, known: KnownSecrets) -> tuple[str, bool]:
         """(text, found) for text that is not JSON (path, error, a malformed body)."""
@@ -239,7 +257,29 @@ class Redactor:
         try:
             return dumps(strip(json.loads(text)))
         except (ValueError, RecursionError):
-            return text
+            return Redactor._null_token_values(text)
+
+    @staticmethod
+    def _null_token_values(text: str) -> str:
+        """``text``, JSON that does not parse (an answer cut short), with the array or object value of
+        every ``TOKEN_FIELDS`` key replaced by ``null`` (to the text's end where it was cut there).
+        Why not drop the column: the masked text is what is left of the answer, and the fields go
+        as surely: the scan steps over whole strings, so a key's spelling inside one is never cut."""
+        out, done, pos = [], 0, 0
+        while (m := _STRING.search(text, pos)) is not None:
+            pos = m.end()
+            colon = _TO_CONTAINER.match(text, pos) if m.group() in _TOKEN_KEYS else None
+            if colon is None:
+                continue
+            depth, end = 0, len(text)
+            for t in _STRING_OR_BRACKET.finditer(text, colon.end()):
+                depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(t.group(), 0)
+                if depth == 0:
+                    end = t.end()
+                    break
+            out += [text[done:colon.end()], "null"]
+            done = pos = end
+        return "".join(out) + text[done:] if out else text
 
     @staticmethod
     def cut_starts(text: str, known: KnownSecrets) -> str:
@@ -259,13 +299,15 @@ class Redactor:
         return text
 
     # -- what the addons call -----------------------------------------------------------------
-    def scrub_row(self, row: dict, secrets: Iterable[str] = (), *, request_is_json: bool = True) -> dict:
+    def scrub_row(self, row: dict, secrets: Iterable[str] = (), *, keys: Iterable[str] = (),
+                  request_is_json: bool = True) -> dict:
         """A span row with secrets masked in every text column (the one place capture calls).
 
-        ``secrets``: values known to be secret for this call (``Call.secrets``). A hit in the
-        request or response text sets ``secret_detected`` and empties the token id columns.
+        ``secrets``, ``keys``: values known to be secret for this call (``Call.secrets``,
+        ``Call.key_secrets``). A hit in the request or response text sets ``secret_detected`` and
+        empties the token id columns.
         """
-        known = self.known(secrets)
+        known = self.known(secrets, keys)
         detected = False
         for col, val in list(row.items()):
             if not isinstance(val, str) or not val:
@@ -283,10 +325,16 @@ class Redactor:
                 row["response_json"] = self.drop_token_fields(row["response_json"])
         return row
 
-    def json_text(self, text: str | None, secrets: Iterable[str] = ()) -> str | None:
-        """A JSON document (e.g. a reward's info) with secrets masked."""
-        return self.scrub_json(text, self.known(secrets))[0] if text else text
+    def json_text(self, text: str | None, secrets: Iterable[str] = (), keys: Iterable[str] = ()) -> str | None:
+        """A JSON document (e.g. a reward's info) with secrets masked. Not :meth:`cut_starts`: the
+        document is whole (a reward's info is refused, never cut, past its bound), and masking a run
+        that merely begins a spelling could split an escape and leave text that no longer parses."""
+        return self.scrub_json(text, self.known(secrets, keys))[0] if text else text
 
-    def text(self, text: str | None, secrets: Iterable[str] = ()) -> str | None:
-        """Any text with secrets masked."""
-        return self.scrub_text(text, self.known(secrets))[0] if text else text
+    def text(self, text: str | None, secrets: Iterable[str] = (), keys: Iterable[str] = ()) -> str | None:
+        """Any text with secrets masked, a secret's start left by a length cut too (:meth:`cut_starts`:
+        free text, such as a log line or an error, is what gets cut at a length)."""
+        if not text:
+            return text
+        known = self.known(secrets, keys)
+        return self.cut_starts(self.scrub_text(text, known)[0], known)

@@ -80,7 +80,9 @@ class Call:
     response_error: str | None = None
     event_filters: list[Callable[[dict], dict]] = field(default_factory=list)
     # hygiene
-    # values secret for this call (credentials, header keys): never recorded
+    # values secret for this call, never recorded: its keys (proxy credential, Authorization / x-api-key /
+    # api-key values: the redactor keeps them all) and its other credentials (the longest kept)
+    key_secrets: set[str] = field(default_factory=set)
     secrets: set[str] = field(default_factory=set)
     salvaged: bool = False  # some bytes were not valid UTF-8 (decoded with replacement) or a field was out of range
 

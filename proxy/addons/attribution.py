@@ -10,13 +10,17 @@ harness is untrusted, so it can only act as itself. With a token configured, a r
 wrong credential, or one of an attempt ended by ``/_lh/end`` (checked on every request, also
 inside an open tunnel), gets 407 (forward) or 401 (reverse); an id outside the rules gets 400.
 Nothing refused is recorded or forwarded. Credentials are removed before anything is forwarded,
-and log lines carry neither credentials nor raw control characters.
+and log lines carry neither credentials nor raw control characters: the ``/lh/`` credential segment,
+a malformed user segment or id (a credential glued on behind an escaped ``/`` or a ``~``),
+credential-named query values and the call's known secrets are masked (:func:`loggable_url`,
+:func:`log_masked`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import logging
 import re
 import urllib.parse
@@ -29,14 +33,17 @@ from ..assemble import endpoint_of
 from ..client import NO_TOKEN
 from ..credentials import InvalidId, credential_ok, log_safe, parse_user
 from ..hosts import LOCAL, canonical_host
+from ..redact import MASK, MIN_SECRET_LEN, Redactor, decode_escapes
 from ..state import CONTROL, META, MODEL, OTHER, REWARD, Call, ProxyState
 from .answers import error_answer
+from .secrets import CREDENTIAL_QUERY
 
 log = logging.getLogger("lightning.proxy")
 
 CONTROL_HOST = "lightning.proxy"
 MAX_REMEMBERED = 4096  # credentials remembered as checked; more (attempts in flight at once) start over
-_CRED_SEGMENT = re.compile(r"(/lh/[^/?#]*/)[^/?#]*", re.IGNORECASE)
+_LH_SEGMENTS = re.compile(r"(/lh/)([^/?#]*)(/[^/?#]*)?", re.IGNORECASE)  # /lh/<user>/<credential>
+_CREDENTIAL_RUN = re.compile(f"[A-Za-z0-9_-]{{{MIN_SECRET_LEN},}}")  # a credential (url-safe base64) or a part
 # a request target that is not a plain path and query: a fragment is never sent in HTTP, and the
 # engine's parser ends the path at '#' ('/collective_rpc#/tokenize' would be classified by what
 # follows it and served as what precedes it); no client sends the others unescaped either
@@ -51,6 +58,8 @@ class Identity:
     why: str = ""
     malformed: bool = False  # the id broke a rule (400), rather than a wrong/revoked credential
     secret: str | None = None  # the credential presented (masked from traces)
+    spelled: tuple[str, ...] = ()  # what carried it, masked too (the Basic blob, ``user:credential``)
+    logged: str | None = None  # ``why`` for the log, where ``why`` quotes what the client sent
 
 
 def is_control_path(path: str) -> bool:
@@ -59,9 +68,42 @@ def is_control_path(path: str) -> bool:
     return path == "/_lh" or path.startswith("/_lh/")
 
 
-def loggable_url(flow: http.HTTPFlow) -> str:
-    """The request URL for a log line: credential segment masked, control characters escaped."""
-    return log_safe(_CRED_SEGMENT.sub(r"\1***", flow.request.pretty_url))
+def _runs_masked(text: str) -> str:
+    """A malformed id (or what quotes one) for a log line: every run that could be a credential or a
+    part of one masked, escapes decoded first (``r~0%2F<credential>``, ``%252D`` between its parts)."""
+    return _CREDENTIAL_RUN.sub("***", decode_escapes(text))
+
+
+def _lh_masked(m: re.Match) -> str:
+    """``/lh/<user>/***``: the user as sent if well-formed, else with its credential-like runs masked."""
+    try:
+        parse_user(m.group(2))
+        user = m.group(2)
+    except InvalidId:
+        user = _runs_masked(m.group(2))
+    return m.group(1) + user + ("/***" if m.group(3) else "")
+
+
+def loggable_url(flow: http.HTTPFlow, redactor: Redactor | None = None) -> str:
+    """The request URL for a log line: the ``/lh/`` credential segment (and a malformed user segment)
+    masked, credential-named query values masked as in a span's path (``?key=``, ``?api-key=``), then
+    as :func:`log_masked`. Why: refused calls are logged, and their URL is the harness's text."""
+    url, sep, query = flow.request.pretty_url.partition("?")
+    if sep:
+        query = "&".join(f"{n}={MASK}" if s and CREDENTIAL_QUERY.match(urllib.parse.unquote_plus(n)) else n + s + v
+                         for n, s, v in (p.partition("=") for p in query.split("&")))
+    return log_masked(flow, _LH_SEGMENTS.sub(_lh_masked, url) + sep + query, redactor)
+
+
+def log_masked(flow: http.HTTPFlow, text: str, redactor: Redactor | None = None, limit: int = 300) -> str:
+    """``text`` for a log line about ``flow``: the proxy's and the call's known secrets and provider
+    keys masked (with ``redactor``), control characters escaped, cut at ``limit``, and a secret's
+    start that the cut left masked too."""
+    if redactor is None:
+        return log_safe(text, limit)
+    call = flow.metadata.get(META)
+    known = redactor.known(call.secrets, call.key_secrets) if call is not None else redactor.known()
+    return redactor.cut_starts(log_safe(redactor.scrub_text(text, known)[0], limit), known)
 
 
 class Attribution:
@@ -79,8 +121,9 @@ class Attribution:
             return Identity(None, 0, True)
         try:
             rid, att = parse_user(user)
-        except InvalidId as exc:
-            return Identity(None, 0, False, str(exc), malformed=True)
+        except InvalidId as exc:  # the message quotes the id, which may carry a credential: masked in the log
+            quoted, _, rule = str(exc).rpartition(": ")
+            return Identity(None, 0, False, str(exc), malformed=True, logged=f"{_runs_masked(quoted)}: {rule}")
         given = urllib.parse.unquote(secret or "")
         if self.token and not self._credential_ok(rid, att, given):
             return Identity(rid, att, False, f"invalid credential for {rid}~{att}")
@@ -115,10 +158,13 @@ class Attribution:
         if scheme.lower() != "basic":
             return Identity(None, 0, False, "Proxy-Authorization must be Basic")
         try:
-            user, _, secret = base64.b64decode(b64.strip()).decode().partition(":")
+            pair = base64.b64decode(b64.strip()).decode()
         except (binascii.Error, UnicodeDecodeError):
             return Identity(None, 0, False, "malformed Proxy-Authorization")
-        return self.identify(user, secret)
+        user, _, secret = pair.partition(":")
+        ident = self.identify(user, secret)
+        # the blob and the pair spell the credential too (``curl -v`` prints the header in a later prompt)
+        return dataclasses.replace(ident, spelled=(b64.strip(), pair)) if ident.secret else ident
 
     # -- hooks ------------------------------------------------------------------------------
     def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -241,8 +287,11 @@ class Attribution:
     @staticmethod
     def _admit(call: Call, ident: Identity) -> None:
         call.rollout_id, call.attempt = ident.rollout_id, ident.attempt
-        if ident.secret:
-            call.secrets.add(ident.secret)  # masked wherever it might appear in the trace
+        if ident.secret:  # masked wherever it might appear in the trace, however many other values the call has
+            # with what a forward-mode client sends it in (``curl -v`` prints the header into a later prompt):
+            # ``Basic base64(rollout~attempt:credential)`` as the printed HTTP_PROXY gives it, and as sent
+            pair = f"{ident.rollout_id}~{ident.attempt}:{ident.secret}"
+            call.key_secrets.update((ident.secret, pair, base64.b64encode(pair.encode()).decode(), *ident.spelled))
 
     def _classify(self, flow: http.HTTPFlow, call: Call) -> None:
         call.path = call.path or flow.request.path
@@ -254,9 +303,10 @@ class Attribution:
 
     def _deny(self, flow: http.HTTPFlow, ident: Identity, auth_status: int) -> None:
         """400 for an id that breaks a rule, else the credential status (401 or 407)."""
-        self._refuse(flow, 400 if ident.malformed else auth_status, ident.why)
+        self._refuse(flow, 400 if ident.malformed else auth_status, ident.why, ident.logged)
 
-    def _refuse(self, flow: http.HTTPFlow, status: int, why: str) -> None:
+    def _refuse(self, flow: http.HTTPFlow, status: int, why: str, logged: str | None = None) -> None:
+        """Answer ``status`` with ``why``; the log line says ``logged`` instead where given."""
         self.state.rejected += 1
         call = flow.metadata.get(META)
         if call is not None:
@@ -267,4 +317,6 @@ class Attribution:
         hint = "use the environment printed by `lightning-proxy env ROLLOUT_ID`"
         error_answer(flow, status, "proxy_auth" if challenge else "invalid_request", f"lightning-proxy: {why}; {hint}",
                      challenge)
-        log.info("refused %s %s (%s): %s", log_safe(flow.request.method, 20), loggable_url(flow), status, log_safe(why))
+        redactor = self.state.redactor
+        log.info("refused %s %s (%s): %s", log_safe(flow.request.method, 20), loggable_url(flow, redactor), status,
+                 log_masked(flow, logged or why, redactor))

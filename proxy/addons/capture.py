@@ -388,7 +388,8 @@ class Capture:
         """The row through the redactor (the one redaction point). If redaction itself fails on a
         hostile body, the span is still written, without its texts: never unredacted, never lost."""
         try:
-            return self.redact.scrub_row(row, call.secrets, request_is_json=call.request_obj is not None)
+            return self.redact.scrub_row(row, call.secrets, keys=call.key_secrets,
+                                         request_is_json=call.request_obj is not None)
         except Exception as exc:
             log.warning("redaction failed (%s: %s); span kept without its texts", type(exc).__name__, exc)
             row.update(request_json=None, response_json=None, path=None, salvaged=True,

@@ -115,7 +115,7 @@ class Control:
         if flow.request.method != "POST":
             return json_answer(flow, 405, {"error": "POST {\"reward\": number, \"info\": {...}}"})
         value, info = reward_from_object(_reward_body(flow))
-        row = self.write_reward(call.rollout_id, call.attempt, value, info, "proxy", call.secrets)
+        row = self.write_reward(call.rollout_id, call.attempt, value, info, "proxy", call.secrets, call.key_secrets)
         return json_answer(flow, 200, {"ok": True, "reward_id": row})
 
     def _authorized(self, flow: http.HTTPFlow) -> bool:
@@ -173,15 +173,16 @@ class Control:
             return json_answer(flow, 200, st.snapshot())
         return json_answer(flow, 404, {"error": f"unknown control call {path}"})
 
-    def write_reward(self, rollout_id, attempt, value: float, info: dict | None, source: str, secrets=()) -> str:
-        """Append one reward row; ``secrets``: the posting harness's credentials, masked in ``info``."""
+    def write_reward(self, rollout_id, attempt, value: float, info: dict | None, source: str, secrets=(),
+                     keys=()) -> str:
+        """Append one reward row; ``secrets``, ``keys``: the posting harness's credentials, masked in ``info``."""
         if not rollout_id:
             raise BadRequest("a reward needs a rollout (credentials or rollout_id)")
         reward_id = uuid.uuid4().hex
         self.state.rewards.append({
             "reward_id": reward_id, "rollout_id": rollout_id, "attempt": check_attempt(attempt or 0), "reward": value,
             "created_at": datetime.now(UTC), "source": source,
-            "info_json": self.state.redactor.json_text(json.dumps(info or {}), secrets),
+            "info_json": self.state.redactor.json_text(json.dumps(info or {}), secrets, keys),
         })
         self.state.rewards_captured += 1
         return reward_id

@@ -34,7 +34,7 @@ from ..codec import TooLarge, decode_body
 from ..credentials import log_safe
 from ..state import META, MODEL, OTHER, REWARD, Call, ProxyState
 from .answers import error_answer
-from .attribution import loggable_url
+from .attribution import log_masked, loggable_url
 
 log = logging.getLogger("lightning.proxy")
 
@@ -318,7 +318,9 @@ class Limits:
     def _count_cut(self, flow: http.HTTPFlow, why: str) -> None:
         """A connection closed on a body too large (here, or by ``bound_reading``): counted in ``rejected``, logged."""
         self.state.rejected += 1
-        log.info("cut off %s %s: %s", log_safe(flow.request.method), loggable_url(flow), why)
+        redactor = self.state.redactor
+        log.info("cut off %s %s: %s", log_safe(flow.request.method), loggable_url(flow, redactor),
+                 log_masked(flow, why, redactor))
 
     def refuse(self, flow: http.HTTPFlow, status: int, kind: str, why: str) -> None:
         refuse(self.state, flow, status, kind, why)
@@ -329,4 +331,5 @@ def refuse(state: ProxyState, flow: http.HTTPFlow, status: int, kind: str, why: 
     state.rejected += 1
     flow.metadata[REFUSED] = (kind, why, status)
     error_answer(flow, status, kind, f"lightning-proxy: {why}")
-    log.info("refused %s %s: %s", log_safe(flow.request.method), loggable_url(flow), why)
+    log.info("refused %s %s: %s", log_safe(flow.request.method), loggable_url(flow, state.redactor),
+             log_masked(flow, why, state.redactor))

@@ -1,17 +1,22 @@
-"""Collect each model call's credentials into ``Call.secrets`` so redaction can mask them exactly.
+"""Collect each model call's credentials into ``Call.key_secrets`` / ``Call.secrets`` so redaction can
+mask them exactly.
 
 A harness's API key reaches the proxy in its headers; the same value may then show up in its
 prompts (a tool that prints the environment, a config file read into context) or in the model's
 answer. Knowing the exact value lets ``redact.py`` mask it in every spelling without guessing by
 key names. Collected: Authorization (Bearer; Basic decoded to ``user:password`` and the
-password), x-api-key, api-key and any header whose name says key/token/secret/auth/password,
-cookie values that look like credentials, and query values named like credentials
-(``?api-key=``, ``?key=``, ``?token=``, ``?sig=``).
+password), x-api-key, api-key (the call's keys: ``Call.key_secrets``, which the redactor always
+keeps), and into ``Call.secrets``: any other header whose name says token/secret/auth/password or
+ends in ``-key`` (``Ocp-Apim-Subscription-Key``, ``X-Functions-Key``), cookie values that look like
+credentials, and query values named like credentials (``?api-key=``, ``?key=``, ``?token=``,
+``?sig=``). Each of those three kinds is capped (the longest kept) below the redactor's per-call
+limit, so no number of junk values can push a real one out (found by review: 64 ``X-Trace-Token-N``
+headers pushed the API key and the proxy credential out, into the trace).
 
 Order: right after Attribution, whose ``requestheaders`` creates the :class:`Call` (so this hook
 has one to fill) and pops ``Proxy-Authorization`` / ``X-Lightning-Token`` first. Those carry the
 proxy credential only: the proxy token is a process-wide secret of the Redactor, and a
-per-attempt credential is put into ``Call.secrets`` by Attribution itself; a Proxy-Authorization
+per-attempt credential is put into ``Call.key_secrets`` by Attribution itself; a Proxy-Authorization
 that is still present (one Attribution let through) is read here like Authorization.
 """
 
@@ -23,14 +28,21 @@ import re
 
 from mitmproxy import http
 
+from ..redact import MAX_SECRETS
 from ..state import META, MODEL, REWARD, Call
 
-MAX_COOKIE_SECRETS = 16  # per request
+MAX_COOKIE_SECRETS = MAX_HEADER_SECRETS = MAX_QUERY_SECRETS = 16  # per request, each (3 x 16 < MAX_SECRETS)
+# the call's own keys: the redactor keeps them whatever else the call holds (the MAX_SECRETS longest:
+# a request holds no more real ones, and the cost stays bounded)
+KEY_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key", "api-key"})
 # header names whose values are credentials (Authorization, X-Api-Key, Api-Key, X-Goog-Api-Key,
-# X-Amz-Security-Token, Private-Token, X-Auth-Token, ...); not Idempotency-Key, not session ids
-_CREDENTIAL_HEADER = re.compile(r"auth|token|secret|api-?key|apikey|access-?key|password", re.IGNORECASE)
-_CREDENTIAL_QUERY = re.compile(r"^(?:key|sig|signature|code|[\w-]*(?:api[-_]?key|token|secret|password))$",
-                               re.IGNORECASE)
+# X-Amz-Security-Token, Private-Token, X-Auth-Token, Ocp-Apim-Subscription-Key, X-Functions-Key, ...);
+# not session ids, not Idempotency-Key (a retry id the client makes up) nor Sec-WebSocket-Key (a
+# handshake nonce sent in clear by design): ids that are no credential
+_CREDENTIAL_HEADER = re.compile(r"auth|token|secret|api-?key|apikey|access-?key|password"
+                                r"|(?:^|(?<!idempotency)(?<!sec-websocket)-)key$", re.IGNORECASE)
+CREDENTIAL_QUERY = re.compile(r"^(?:key|sig|signature|code|subscription-key"
+                              r"|[\w-]*(?:api[-_]?key|token|secret|password))$", re.IGNORECASE)
 
 
 def from_authorization(value: str) -> set[str]:
@@ -60,27 +72,34 @@ def from_cookie(value: str) -> set[str]:
     return out
 
 
-def credentials(headers: http.Headers, query=None) -> set[str]:
-    """All credential values of one request (headers and URL query; None: the URL has none)."""
-    out: set[str] = set()
+def credentials(headers: http.Headers, query=None) -> tuple[set[str], set[str]]:
+    """(keys, others): the credential values of one request (headers and URL query; None: the URL
+    has none). Keys: the ``KEY_HEADERS`` values; others: the longest of each other kind only."""
+    keys: set[str] = set()
+    others: set[str] = set()
     cookies: set[str] = set()
     for name, value in headers.items(multi=True):
         low = name.lower()
         if low == "cookie":
             cookies |= from_cookie(value)
+        elif low in KEY_HEADERS:
+            keys |= {value.strip()} | from_authorization(value)
         elif _CREDENTIAL_HEADER.search(low):
-            out |= {value.strip()} | from_authorization(value)
-    for name, value in query.items(multi=True) if query is not None else ():
-        if value and _CREDENTIAL_QUERY.match(name):
-            out.add(value)
-    # the longest cookies only: a jar of long cookies must not crowd the call's API key out of the
-    # redactor's per-call limit (redact.MAX_SECRETS)
-    out.update(sorted(cookies, key=len, reverse=True)[:MAX_COOKIE_SECRETS])
-    return {v for v in out if v}
+            others |= {value.strip()} | from_authorization(value)
+    queried = {v for n, v in (query.items(multi=True) if query is not None else ()) if v and CREDENTIAL_QUERY.match(n)}
+
+    def longest(values: set[str], n: int) -> list[str]:
+        return sorted(values, key=len, reverse=True)[:n]
+
+    out = {*longest(others, MAX_HEADER_SECRETS), *longest(queried, MAX_QUERY_SECRETS),
+           *longest(cookies, MAX_COOKIE_SECRETS)}
+    # keys are bounded by the redactor's own limit only: a request cannot hold more real keys
+    return {v for v in longest(keys, MAX_SECRETS) if v}, {v for v in out if v}
 
 
 class Secrets:
-    """Fills ``Call.secrets`` of model calls and harness rewards from their request headers and URL."""
+    """Fills ``Call.key_secrets`` / ``Call.secrets`` of model calls and harness rewards from their request
+    headers and URL."""
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
@@ -88,4 +107,6 @@ class Secrets:
             return
         req = flow.request
         # the query is parsed only when there is one (most model calls have none)
-        call.secrets |= credentials(req.headers, req.query if "?" in req.path else None)
+        keys, others = credentials(req.headers, req.query if "?" in req.path else None)
+        call.key_secrets |= keys
+        call.secrets |= others
