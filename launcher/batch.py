@@ -28,7 +28,7 @@ from typing import Any
 from lightning_harness.process import exit_code
 from lightning_harness.proxy.credentials import attempt_credential
 from lightning_harness.proxy.health import CaptureUnhealthy, capture_baseline, require_capture
-from lightning_harness.proxy.redact import Redactor
+from lightning_harness.proxy.redact import Redactor, environment_secrets
 from lightning_harness.schemas import PartWriter
 from lightning_harness.schemas.states import CANCELLED, FAILED, NO_REWARD, RETRY_FAILURES
 
@@ -43,7 +43,6 @@ from .runas import lock_traces
 from .tasks import Task, tasks_from_rows
 
 _UNSET = object()
-API_KEY_VARS = ("LIGHTNING_API_KEY", "OPENAI_API_KEY", "ANTHROPIC_API_KEY")  # keys harnesses may be handed
 __all__ = ["BatchAborted", "BatchRunner", "BatchSettings", "run_batch", "WORK_DIR", "clean_work_dirs"]
 
 
@@ -181,7 +180,7 @@ class BatchRunner:
         # what a harness or scorer wrote (a reward file's text in an error, a reward's info) is recorded
         # masked, as the proxy masks the info of a POSTed reward: known secrets and provider key shapes
         self._redactor = Redactor([*((self.proxy.token, self.proxy.control_token, self.proxy.api_key)
-                                     if self.proxy else ()), *(os.environ.get(v) for v in API_KEY_VARS)])
+                                     if self.proxy else ()), *environment_secrets(os.environ)])
         self._capture_baseline = capture_baseline(control) if control else None  # see _check_capture
         self._settings = AttemptSettings(s, harness, self.runner, self.proxy,
                                          RewardsTable(self.traces_dir, control.flush if control else None))

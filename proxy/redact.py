@@ -2,7 +2,8 @@
 
 Headers are never stored. Text is masked from two sources only:
 
-1. Known secret values, exactly: the proxy and control tokens (process-wide) and the call's own
+1. Known secret values, exactly: the proxy and control tokens and the values of the proxy's
+   environment variables named like secrets (process-wide, :func:`environment_secrets`), and the call's own
    credentials: ``Call.key_secrets`` (its proxy credential, Authorization Bearer/Basic decoded,
    x-api-key, api-key: always all kept) and ``Call.secrets`` (other credential-named header,
    cookie and query values, the ``MAX_SECRETS`` longest kept), collected by ``addons/secrets.py``.
@@ -30,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .client import PLACEHOLDER_API_KEY
@@ -121,6 +122,23 @@ def decode_escapes(text: str) -> str:
             break
         text = new
     return text
+
+
+# a variable whose name says its value is a secret (OPENAI_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY,
+# DB_PASSWORD; not TOKENIZERS_PARALLELISM, not SSH_AUTH_SOCK)
+_SECRET_VAR = re.compile(r"(?:^|_)(?:API_?KEY|ACCESS_KEY|PRIVATE_KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)"
+                         r"(?:_|$)")
+_ENV_CORE = 8  # a value without a run this long of [A-Za-z0-9_.~-] cannot be looked for cheaply: not taken
+
+
+def environment_secrets(environ: Mapping[str, str]) -> list[str]:
+    """The values of ``environ``'s variables named like secrets. Why: the proxy and the launcher run
+    in the environment harnesses are handed keys from (``pass_env``), and a key a harness never sends
+    in a header (a GitHub token, an AWS secret key: no provider shape) was masked nowhere when a
+    tool printed it into a prompt. A value with no run of ``_ENV_CORE`` plain characters is left
+    out: it would make every text a suspect (the slow path for every span)."""
+    return [v for k, v in environ.items()
+            if v and _SECRET_VAR.search(k.upper()) and max(map(len, _SAFE_RUN.findall(v)), default=0) >= _ENV_CORE]
 
 
 class KnownSecrets:
@@ -300,12 +318,14 @@ class Redactor:
 
     # -- what the addons call -----------------------------------------------------------------
     def scrub_row(self, row: dict, secrets: Iterable[str] = (), *, keys: Iterable[str] = (),
-                  request_is_json: bool = True) -> dict:
+                  request_is_json: bool = True, sent: str | None = None) -> dict:
         """A span row with secrets masked in every text column (the one place capture calls).
 
         ``secrets``, ``keys``: values known to be secret for this call (``Call.secrets``,
         ``Call.key_secrets``). A hit in the request or response text sets ``secret_detected`` and
-        empties the token id columns.
+        empties the token id columns. ``sent``: the request as the proxy sent it upstream where that
+        is not ``request_json`` (a translated Messages call), searched, not recorded: a hit there
+        flags the span too (its prompt ids spell what the engine was sent).
         """
         known = self.known(secrets, keys)
         detected = False
@@ -317,6 +337,8 @@ class Redactor:
             if col in TRUNCATED_COLUMNS:
                 row[col] = self.cut_starts(row[col], known)
             detected |= hit and col in JSON_COLUMNS
+        if sent and not detected:
+            detected = self.scrub_json(sent, known)[1]
         row["secret_detected"] = detected = detected or bool(row.get("secret_detected"))
         if detected:
             for col in TOKEN_COLUMNS:

@@ -12,6 +12,7 @@ import collections
 import itertools
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from ..schemas.compact import PeriodicCompactor
 from .config import ProxyConfig, Upstream
 from .credentials import Revocations
 from .hosts import HostAddresses
-from .redact import Redactor
+from .redact import Redactor, environment_secrets
 
 log = logging.getLogger("lightning.proxy")
 
@@ -99,7 +100,7 @@ class ProxyState:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.model_version = int(config.model_version)
-        self.redactor = Redactor([config.token, config.control_token])
+        self.redactor = Redactor([config.token, config.control_token, *environment_secrets(os.environ)])
         self.spans = PartWriter(
             config.traces, "spans", flush_rows=config.flush_rows, flush_bytes=config.flush_bytes,
             flush_seconds=config.flush_seconds, fsync=config.fsync,

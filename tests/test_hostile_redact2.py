@@ -195,3 +195,44 @@ def test_token_fields_go_from_a_live_answer_cut_short(make_proxy, upstream):
     _assert_clean(span, GATEWAY_KEY)
     rj = span["response_json"]
     assert '"token_ids": null' in rj and '"prompt_token_ids": null' in rj and '"logprob"' not in rj, rj
+
+
+def test_a_key_in_the_proxys_environment_is_masked_though_no_call_sends_it(make_proxy):
+    """Found by review: a key harnesses are handed from the environment but never send in a header (a
+    GitHub token, an AWS secret key: no provider shape to catch it) was recorded in clear when a tool
+    printed it into a prompt. The proxy and the launcher take the values of their environment's
+    variables named like secrets as known secrets."""
+    import os
+
+    from lightning_harness.proxy.redact import environment_secrets
+
+    aws = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzEXAMPLEKEY"
+    env = {**os.environ, "AWS_SECRET_ACCESS_KEY": aws, "GH_TOKEN": GATEWAY_KEY}
+    p = make_proxy(env=env)
+    base = p.env_for("env")["OPENAI_BASE_URL"]
+    prompt = {"model": "m", "messages": [{"role": "user", "content": f"$ env\nAWS={aws}\nGH={GATEWAY_KEY}\n"}]}
+    assert _post(base + "/chat/completions", prompt)[0] == 200
+    (span,) = read_spans(p)
+    _assert_clean(span, aws, GATEWAY_KEY)
+    named = {"OPENAI_API_KEY": "sk-x" * 4, "HF_TOKEN": "hf_" + "a1" * 10, "DB_PASSWORD": "hunter2-hunter2",
+             "APIKEY": "k" * 12, "TOKENIZERS_PARALLELISM": "false-false-false", "SSH_AUTH_SOCK": "/tmp/ssh-abcdefgh/a",
+             "MONKEY_PATCH": "on-on-on-on-on", "GPG_KEY": "short", "X_SECRET": "a:b/c=d!e:f/g"}
+    assert sorted(environment_secrets(named)) == sorted([named[k] for k in ("OPENAI_API_KEY", "HF_TOKEN",
+                                                                            "DB_PASSWORD", "APIKEY")])
+
+
+def test_a_key_split_over_two_messages_system_blocks_flags_the_span(proxy):
+    """Found by review: the Messages translation joins a request's system blocks with nothing (as vLLM's
+    /v1/messages does), so a key split over two blocks, in no recorded text whole, reached the engine
+    whole and its prompt ids, kept, spelled it. The request as sent upstream is searched too."""
+    half = len(GATEWAY_KEY) // 2
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+            "system": [{"type": "text", "text": "config: " + GATEWAY_KEY[:half]},
+                       {"type": "text", "text": GATEWAY_KEY[half:] + " end"}]}
+    env = proxy.env_for("split", api_key=GATEWAY_KEY)
+    status, _ = _post(env["ANTHROPIC_BASE_URL"] + "/v1/messages", body,
+                      {"x-api-key": GATEWAY_KEY, "anthropic-version": "2023-06-01"})
+    assert status == 200
+    (span,) = read_spans(proxy)
+    assert span["endpoint"] == "messages" and span["secret_detected"] is True
+    assert span["prompt_token_ids"] is None and span["response_token_ids"] is None

@@ -23,7 +23,7 @@ from mitmproxy import http
 from mitmproxy.connection import ConnectionState
 
 from .. import fastjson
-from ..assemble import RESPONSES, assembler_for, behaviour_logprobs, token_fields, unfinished_response
+from ..assemble import MESSAGES, RESPONSES, assembler_for, behaviour_logprobs, token_fields, unfinished_response
 from ..codec import TooLarge, client_accepts, decode_body, json_text, utf8_text
 from ..lax import engine_flag
 from ..sampling import sampling_json
@@ -388,8 +388,11 @@ class Capture:
         """The row through the redactor (the one redaction point). If redaction itself fails on a
         hostile body, the span is still written, without its texts: never unredacted, never lost."""
         try:
+            # a translated Messages call: the chat request vLLM tokenised joins the harness's system (and
+            # thinking) blocks with nothing, so a key split over two blocks is whole only there
+            sent = fastjson.dumps_text(call.request_obj) if call.api == MESSAGES and call.request_obj else None
             return self.redact.scrub_row(row, call.secrets, keys=call.key_secrets,
-                                         request_is_json=call.request_obj is not None)
+                                         request_is_json=call.request_obj is not None, sent=sent)
         except Exception as exc:
             log.warning("redaction failed (%s: %s); span kept without its texts", type(exc).__name__, exc)
             row.update(request_json=None, response_json=None, path=None, salvaged=True,
