@@ -135,10 +135,13 @@ def environment_secrets(environ: Mapping[str, str]) -> list[str]:
     """The values of ``environ``'s variables named like secrets. Why: the proxy and the launcher run
     in the environment harnesses are handed keys from (``pass_env``), and a key a harness never sends
     in a header (a GitHub token, an AWS secret key: no provider shape) was masked nowhere when a
-    tool printed it into a prompt. A value with no run of ``_ENV_CORE`` plain characters is left
-    out: it would make every text a suspect (the slow path for every span)."""
+    tool printed it into a prompt. Left out: a value with no run of ``_ENV_CORE`` plain characters
+    (it would make every text a suspect: the slow path for every span), and a file path
+    (``SSL_KEY=/etc/ssl/private/server.key`` names a secret; masking it flagged every span that
+    mentioned the path)."""
     return [v for k, v in environ.items()
-            if v and _SECRET_VAR.search(k.upper()) and max(map(len, _SAFE_RUN.findall(v)), default=0) >= _ENV_CORE]
+            if v and _SECRET_VAR.search(k.upper()) and not v.startswith(("/", "~/", "./", "../"))
+            and max(map(len, _SAFE_RUN.findall(v)), default=0) >= _ENV_CORE]
 
 
 class KnownSecrets:

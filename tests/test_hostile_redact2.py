@@ -216,7 +216,8 @@ def test_a_key_in_the_proxys_environment_is_masked_though_no_call_sends_it(make_
     _assert_clean(span, aws, GATEWAY_KEY)
     named = {"OPENAI_API_KEY": "sk-x" * 4, "HF_TOKEN": "hf_" + "a1" * 10, "DB_PASSWORD": "hunter2-hunter2",
              "APIKEY": "k" * 12, "TOKENIZERS_PARALLELISM": "false-false-false", "SSH_AUTH_SOCK": "/tmp/ssh-abcdefgh/a",
-             "MONKEY_PATCH": "on-on-on-on-on", "GPG_KEY": "short", "X_SECRET": "a:b/c=d!e:f/g"}
+             "MONKEY_PATCH": "on-on-on-on-on", "GPG_KEY": "short", "X_SECRET": "a:b/c=d!e:f/g",
+             "SSL_KEY": "/etc/ssl/private/server.key", "TLS_KEY_FILE": "~/certs/server.key"}
     assert sorted(environment_secrets(named)) == sorted([named[k] for k in ("OPENAI_API_KEY", "HF_TOKEN",
                                                                             "DB_PASSWORD", "APIKEY")])
 
