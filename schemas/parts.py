@@ -341,8 +341,11 @@ def write_part(table: pa.Table, final: Path, metadata: dict, *, fsync: bool, tmp
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(final.parent, fsync)  # the rename too: lost in a power cut, the fsynced rows sat in a
-    return final  # temporary that compaction deletes as a killed writer's, 300 s on
+    try:  # the rename too: lost in a power cut, the fsynced rows sat in a temporary compaction deletes
+        fsync_dir(final.parent, fsync)
+    except OSError as exc:  # the part is in place: raising here made the writer store its rows again
+        log.warning("part %s written, but its folder could not be fsynced: %s", final, exc)
+    return final
 
 
 def fsync_dir(folder: Path, fsync: bool) -> None:

@@ -348,3 +348,20 @@ def test_a_written_part_has_its_rename_made_durable_too(tmp_path, monkeypatch):
     unsynced.append(reward("r", 1.0))
     unsynced.flush()
     assert synced == [] and len(read_table(tmp_path / "off", "rewards")) == 1
+
+
+def test_a_folder_fsync_that_fails_after_the_rename_stores_the_rows_once(tmp_path, monkeypatch):
+    """Found by review of the fsync above: a folder fsync that raised after the rename (EIO, a file
+    system refusing it) made the writer put the stored rows back and write them again: twice."""
+    import lightning_harness.schemas.parts as parts_module
+
+    def refuse(folder, fsync):
+        raise OSError(5, "Input/output error")
+
+    writer = PartWriter(tmp_path, "rewards", flush_seconds=3600)
+    writer.append(reward("r1", 1.0))
+    monkeypatch.setattr(parts_module, "fsync_dir", refuse)
+    writer.flush()
+    monkeypatch.undo()
+    writer.flush()
+    assert read_table(tmp_path, "rewards")["rollout_id"].to_pylist() == ["r1"]
