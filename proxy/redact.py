@@ -28,7 +28,9 @@ fields in its text instead). ``error`` (cut to a length by capture) and any text
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import urllib.parse
 from collections.abc import Iterable, Mapping
@@ -83,15 +85,16 @@ def _one_level(s: str) -> set[str]:
     return out
 
 
-def spellings(secret: str) -> set[str]:
+@functools.lru_cache(maxsize=4096)  # the process's secrets are in every call's set: spelled once
+def spellings(secret: str) -> frozenset[str]:
     """Every literal form of ``secret`` in recorded text: raw, encoded, encoded twice."""
     forms = {secret}
     if len(secret) > MAX_SPELLED_LEN:
-        return forms
+        return frozenset(forms)
     for _ in range(2):
         for f in list(forms):
             forms |= _one_level(f)
-    return forms
+    return frozenset(forms)
 
 
 def dumps(obj: Any) -> str:
@@ -124,24 +127,27 @@ def decode_escapes(text: str) -> str:
     return text
 
 
-# a variable whose name says its value is a secret (OPENAI_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY,
-# DB_PASSWORD; not TOKENIZERS_PARALLELISM, not SSH_AUTH_SOCK)
-_SECRET_VAR = re.compile(r"(?:^|_)(?:API_?KEY|ACCESS_KEY|PRIVATE_KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)"
-                         r"(?:_|$)")
+# a variable whose name ends by saying its value is a secret (OPENAI_API_KEY, HF_TOKEN, PGPASSWORD,
+# AWS_SECRET_ACCESS_KEY; not TOKEN_ENDPOINT, SSH_KEY_TYPE, KEY_VAULT_NAME, TOKENIZERS_PARALLELISM)
+_SECRET_VAR = re.compile(r"(?:(?:^|_)(?:API_?KEY|KEY|TOKEN|SECRETS?|CREDENTIALS?)|PASSW(?:OR)?D)$")
 _ENV_CORE = 8  # a value without a run this long of [A-Za-z0-9_.~-] cannot be looked for cheaply: not taken
+_ENV_LENGTHS = (16, 256)  # a credential's; longer ones (a PEM block: a key shape anyway) cost every call's set
+_LETTER_AND_DIGIT = re.compile(r"(?=.*[A-Za-z])(?=.*[0-9])", re.DOTALL)
 
 
 def environment_secrets(environ: Mapping[str, str]) -> list[str]:
-    """The values of ``environ``'s variables named like secrets. Why: the proxy and the launcher run
-    in the environment harnesses are handed keys from (``pass_env``), and a key a harness never sends
-    in a header (a GitHub token, an AWS secret key: no provider shape) was masked nowhere when a
-    tool printed it into a prompt. Left out: a value with no run of ``_ENV_CORE`` plain characters
-    (it would make every text a suspect: the slow path for every span), and a file path
-    (``SSL_KEY=/etc/ssl/private/server.key`` names a secret; masking it flagged every span that
-    mentioned the path)."""
-    return [v for k, v in environ.items()
-            if v and _SECRET_VAR.search(k.upper()) and not v.startswith(("/", "~/", "./", "../"))
-            and max(map(len, _SAFE_RUN.findall(v)), default=0) >= _ENV_CORE]
+    """The values of ``environ``'s variables named like secrets that look like credentials. Why: the
+    proxy and the launcher run in the environment harnesses are handed keys from (``pass_env``), and a
+    key a harness never sends in a header (a GitHub token, an AWS secret key: no provider shape) was
+    masked nowhere when a tool printed it into a prompt. Taken: 16-256 characters, no whitespace,
+    letters and digits, not a URL nor an existing path, with a run of ``_ENV_CORE`` plain characters
+    (else every text is a suspect: the slow path for every span). Words (``kubernetes``), URLs and
+    paths were masked wherever a prompt or a log line said them, dropping the spans' token ids."""
+    def credential(v: str) -> bool:
+        return (_ENV_LENGTHS[0] <= len(v) <= _ENV_LENGTHS[1] and not any(c.isspace() for c in v)
+                and "://" not in v and _LETTER_AND_DIGIT.match(v) is not None
+                and max(map(len, _SAFE_RUN.findall(v)), default=0) >= _ENV_CORE and not os.path.exists(v))
+    return [v for k, v in environ.items() if v and _SECRET_VAR.search(k.upper()) and credential(v)]
 
 
 class KnownSecrets:

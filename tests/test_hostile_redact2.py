@@ -214,12 +214,14 @@ def test_a_key_in_the_proxys_environment_is_masked_though_no_call_sends_it(make_
     assert _post(base + "/chat/completions", prompt)[0] == 200
     (span,) = read_spans(p)
     _assert_clean(span, aws, GATEWAY_KEY)
-    named = {"OPENAI_API_KEY": "sk-x" * 4, "HF_TOKEN": "hf_" + "a1" * 10, "DB_PASSWORD": "hunter2-hunter2",
-             "APIKEY": "k" * 12, "TOKENIZERS_PARALLELISM": "false-false-false", "SSH_AUTH_SOCK": "/tmp/ssh-abcdefgh/a",
-             "MONKEY_PATCH": "on-on-on-on-on", "GPG_KEY": "short", "X_SECRET": "a:b/c=d!e:f/g",
-             "SSL_KEY": "/etc/ssl/private/server.key", "TLS_KEY_FILE": "~/certs/server.key"}
-    assert sorted(environment_secrets(named)) == sorted([named[k] for k in ("OPENAI_API_KEY", "HF_TOKEN",
-                                                                            "DB_PASSWORD", "APIKEY")])
+    taken = {"OPENAI_API_KEY": "sk-x1" * 4, "HF_TOKEN": "hf_" + "a1" * 10, "PGPASSWORD": "hunter2-hunter2-x",
+             "APIKEY": "k7" * 8, "AWS_SECRET_ACCESS_KEY": "/9kQ7rT1" + "Io" * 8, "X_SECRETS": "s3cr3t-" * 3}
+    left = {"TOKENIZERS_PARALLELISM": "false-false-false", "SSH_AUTH_SOCK": "/tmp/ssh-abcdefgh/a1",
+            "MONKEY_PATCH": "on-on-on-on-on-1", "GPG_KEY": "short1", "X_SECRET": "a:b/c=d!e:f/g=h:1/2",
+            "SECRET_BACKEND": "kubernetes-cluster", "TOKEN_MODEL": "meta-llama/Llama-3-8B", "API_KEY": "kubernetes",
+            "AUTH_TOKEN": "https://oauth2.example.com/t1", "SSL_KEY": "/etc/ssl/private/server1.key"[:0] + __file__,
+            "AWS_SESSION_TOKEN": "a1" * 400, "DB_PASSWORD": "two words 1234567"}
+    assert sorted(environment_secrets({**taken, **left})) == sorted(taken.values())
 
 
 def test_a_key_split_over_two_messages_system_blocks_flags_the_span(proxy):
