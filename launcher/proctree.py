@@ -325,12 +325,15 @@ def start_tree(args, **popen) -> tuple[ProcessTree, subprocess.Popen]:
 
 
 def finish_tree(tree: ProcessTree, proc: subprocess.Popen, *, timeout: float | None, kill_grace: float,
-                cancel: threading.Event | None = None) -> tuple[bool, bool, int]:
+                cancel: threading.Event | None = None, linger: float = 0.0,
+                on_exit: Callable[[], None] | None = None) -> tuple[bool, bool, int]:
     """Wait for the leader; on timeout or ``cancel`` end the tree with ``kill_grace``; then end whatever
     the leader left running (daemons included) and remove the tree.
 
     Returns ``(timed_out, cancelled, leftovers)``, leftovers being the processes still running when
-    the leader exited by itself (they are killed)."""
+    the leader exited by itself (they are killed), or ``linger`` seconds later: helpers that end just
+    after their parent (multiprocessing's resource tracker, a server stopped without a wait) are not
+    leftovers then. ``on_exit`` runs the moment the leader is seen to have exited by itself."""
     deadline = None if not timeout else time.monotonic() + timeout
     timed_out = cancelled = False
     try:
@@ -346,6 +349,13 @@ def finish_tree(tree: ProcessTree, proc: subprocess.Popen, *, timeout: float | N
             if cancelled or timed_out:
                 tree.kill(grace=kill_grace)
                 break
+        if not (cancelled or timed_out):
+            if on_exit is not None:
+                on_exit()
+            end = time.monotonic() + linger
+            while tree.pids() and time.monotonic() < end:
+                time.sleep(0.05)
+                tree.poll()
     finally:
         leftovers = len(tree.pids())
         tree.kill(grace=0.0)

@@ -30,6 +30,7 @@ from .proctree import finish_tree, start_tree
 
 MAX_REWARD_FILE = MAX_REWARD_BYTES  # a reward is a number and a little info; more is not a reward
 SCORER_TAIL = 1 << 16  # of a scorer's stdout only the end is read: its reward is the last line
+LEFTOVER_LINGER = 2.0  # s a scorer's processes may take to end after it (multiprocessing's helpers do)
 
 
 class RewardCancelled(Exception):
@@ -82,33 +83,38 @@ def run_reward_cmd(
     to the attempt log, which is then cut to its last ``max_log_bytes`` again. Raises RewardError when
     it fails, hangs or prints no reward, :class:`RewardCancelled` when ``cancel`` stopped it.
 
-    A scorer that exits while processes it started still run has no verdict (RewardError): a test
-    suite running model-written code could leave one behind that keeps printing ``1.0`` into the
-    stdout it inherited, after the scorer's ``0.0``. (Run such code with stdout of its own, in a
+    Its output is what it had written when it exited; one whose processes still run
+    :data:`LEFTOVER_LINGER` seconds after it has no verdict (RewardError): a test suite running
+    model-written code could leave one behind that keeps printing ``1.0`` into the stdout it
+    inherited, after the scorer's ``0.0``. (Run such code with stdout of its own, in a
     sandbox, as ``examples/swe/reward.py`` does.)
     """
     with contextlib.ExitStack() as files:
         stdout = files.enter_context(tempfile.TemporaryFile())  # a file, not a pipe: nothing to drain while waiting
         log = files.enter_context(open_log(log_path)) if log_path else None
+        at_exit = [None]  # what the scorer had written when it exited is its output, not what came later
         try:  # the scorer's leftovers end with it, like a harness's
             tree, proc = start_tree(command, shell=True, executable="/bin/sh", env=launcher_env(env), cwd=cwd,
                                     stdout=stdout, stderr=log or subprocess.DEVNULL)
         except (OSError, subprocess.SubprocessError) as exc:
             raise RewardError(f"reward command could not start: {exc}") from None
-        timed_out, cancelled, leftovers = finish_tree(tree, proc, timeout=timeout, kill_grace=1.0, cancel=cancel)
+        timed_out, cancelled, leftovers = finish_tree(
+            tree, proc, timeout=timeout, kill_grace=1.0, cancel=cancel, linger=LEFTOVER_LINGER,
+            on_exit=lambda: at_exit.__setitem__(0, os.fstat(stdout.fileno()).st_size))
         if log is not None:
             trim_to_tail(log_path, max_log_bytes, log)
-        stdout.seek(max(0, os.fstat(stdout.fileno()).st_size - SCORER_TAIL))
-        out = stdout.read()
+        size = at_exit[0] if at_exit[0] is not None else os.fstat(stdout.fileno()).st_size
+        stdout.seek(max(0, size - SCORER_TAIL))
+        out = stdout.read(size - stdout.tell())
     if cancelled:
         raise RewardCancelled("cancelled while the reward command ran")
     if timed_out:
         raise RewardError(f"reward command timed out after {timeout:g}s")
     if proc.returncode != 0:
         raise RewardError(f"reward command exited with {proc.returncode}")
-    if leftovers:  # one could have written after the verdict: the last line would then be its
-        raise RewardError(f"reward command exited leaving {leftovers} process(es) running (ended now): its output "
-                          "is not trusted; a scorer must wait for what it starts")
+    if leftovers:  # one still writing could have put its line after the verdict as the scorer exited
+        raise RewardError(f"reward command exited leaving {leftovers} process(es) running {LEFTOVER_LINGER:g} s "
+                          "later (ended now): its output is not trusted; a scorer must end what it starts")
     lines = [ln for ln in out.decode("utf-8", errors="replace").splitlines() if ln.strip()]
     if not lines:
         raise RewardError("reward command printed nothing")

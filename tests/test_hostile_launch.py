@@ -126,6 +126,11 @@ def test_the_reward_commands_leftovers_end_too_and_void_its_verdict(tmp_path, me
     with pytest.raises(RewardError, match="not trusted"):
         run_reward_cmd(hijack, {})
     assert run_reward_cmd("(echo 0.2) & wait; echo 0.7", {}).value == 0.7  # one that waits is judged
+    # found by review: processes that end just after the scorer (multiprocessing's helpers, a server
+    # stopped without a wait) are no leftovers; what they write after it exited is not its output
+    assert run_reward_cmd("(sleep 0.3; echo 1.0) & echo 0.4", {}).value == 0.4
+    mp = f"{sys.executable} -c 'import multiprocessing.shared_memory as s; m = s.SharedMemory(create=True, size=8)'"
+    assert run_reward_cmd(f"{mp}; echo 0.6", {}).value == 0.6
     with pytest.raises(RewardError, match="could not start"):
         run_reward_cmd("true", {}, cwd=str(tmp_path / "missing"))
 
