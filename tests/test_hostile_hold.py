@@ -224,3 +224,27 @@ def test_the_proxy_stamps_the_new_version_before_the_engine_serves_the_new_weigh
     long.join(60)
     run.swap(4, None, 3)
     assert modes == ["abort", "wait"]
+
+
+def test_an_answer_the_engine_aborted_is_not_trained_on(make_proxy, upstream):
+    """Found by review of the abort above: after a drain that timed out, vLLM ends what was in flight
+    with HTTP 200 and finish_reason 'abort' before the new version is stamped, so the partial answer
+    was recorded under the old version with no error and trained on. It is 'truncated' now, JSON and
+    streamed alike; the harness gets the answer as the engine sent it."""
+    from fixtures_proxy import read_spans
+
+    p = make_proxy(upstreams=[upstream.url])
+    url = p.env_for("aborted")["OPENAI_BASE_URL"] + "/chat/completions"
+    answer = {"id": "c", "object": "chat.completion", "model": "m", "prompt_token_ids": [1, 2],
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "par"}, "finish_reason": "abort",
+                           "token_ids": [7]}], "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}}
+    upstream.json(answer)
+    assert _post(url, json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    chunk = {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [
+        {"index": 0, "delta": {"content": "par"}, "finish_reason": None}]}
+    last = {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]}
+    upstream.sse([chunk, last, b"data: [DONE]\n\n"])
+    assert _post(url, json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+                 ).status_code == 200
+    _until(lambda: len(read_spans(p)) == 2)
+    assert [(s["error_kind"], "aborted" in (s["error"] or "")) for s in read_spans(p)] == [("truncated", True)] * 2

@@ -70,6 +70,13 @@ def _fit_ints(row: dict) -> bool:
     return fixed
 
 
+def _aborted(answer) -> bool:
+    """An answer one of whose choices the engine aborted (vLLM's ``finish_reason: "abort"``)."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "abort"
+                                             for c in choices)
+
+
 def _head(answer: dict | None) -> dict | None:
     """An assembled stream's top-level scalars (its id, model, status), without its choices or
     output. Why: the call lives as long as mitmproxy's flow, which sits in reference cycles; a long
@@ -363,6 +370,9 @@ class Capture:
         self.live.pop(id(call), None)
         self._note_size(len(call.request_text or "") + len(response_json or ""))
         self.state.end(call)
+        if kind is None and _aborted(call.response_obj):  # a swap's engine pause after a drain that timed out
+            kind, err = "truncated", ("the engine aborted the answer (finish_reason 'abort': a weight swap whose "
+                                      "drain timed out, or the engine stopped it): it is incomplete")
         if kind is None and call.model_version is not None and call.model_version != self.state.model_version:
             kind, err = "version_changed", (  # a drain that timed out, or a call let in while paused: the
                 # engine may have generated it, or part of it, with the next weights; never trained on
