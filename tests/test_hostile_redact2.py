@@ -239,3 +239,20 @@ def test_a_key_split_over_two_messages_system_blocks_flags_the_span(proxy):
     (span,) = read_spans(proxy)
     assert span["endpoint"] == "messages" and span["secret_detected"] is True
     assert span["prompt_token_ids"] is None and span["response_token_ids"] is None
+
+
+def test_a_key_an_attempt_sent_once_stays_known_in_its_later_calls(proxy):
+    """Found by review: a key sent in one call's header was unknown in the attempt's next call, which
+    sent a placeholder, so a tool output quoting it there was recorded in clear with its token ids."""
+    env = proxy.env_for("cross", api_key=GATEWAY_KEY)
+    base = env["OPENAI_BASE_URL"]
+    hello = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert _post(base + "/chat/completions", hello, {"Authorization": f"Bearer {GATEWAY_KEY}"})[0] == 200
+    quoted = {"model": "m", "messages": [{"role": "user", "content": f"$ cat .env\nKEY={GATEWAY_KEY}"}]}
+    assert _post(base + "/chat/completions", quoted, {"Authorization": "Bearer placeholder-key-12345"})[0] == 200
+    other = proxy.env_for("other")["OPENAI_BASE_URL"]  # another attempt never sent it: nothing to mask there
+    assert _post(other + "/chat/completions", hello, {"Authorization": "Bearer placeholder-key-12345"})[0] == 200
+    spans = {(s["rollout_id"], s["seq"]): s for s in read_spans(proxy)}
+    assert spans[("cross", 0)]["secret_detected"] is False
+    _assert_clean(spans[("cross", 1)], GATEWAY_KEY)
+    assert spans[("other", 0)]["secret_detected"] is False

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import re
 
 from mitmproxy import http
@@ -99,7 +100,28 @@ def credentials(headers: http.Headers, query=None) -> tuple[set[str], set[str]]:
 
 class Secrets:
     """Fills ``Call.key_secrets`` / ``Call.secrets`` of model calls and harness rewards from their request
-    headers and URL."""
+    headers and URL. An attempt's keys stay known in its later calls (the ``REMEMBERED_KEYS`` longest of
+    each of the last ``REMEMBERED`` attempts): a harness that sent its key in one call's header and
+    a placeholder in the next had the key recorded in clear there, where a tool printed it (found by
+    review)."""
+
+    REMEMBERED, REMEMBERED_KEYS = 4096, 8
+
+    def __init__(self) -> None:
+        self._keys: collections.OrderedDict[tuple[str, int], frozenset[str]] = collections.OrderedDict()
+
+    def _remembered(self, call: Call, keys: set[str]) -> frozenset[str]:
+        """This call's keys with those its attempt sent before (most recently used attempts kept)."""
+        if call.rollout_id is None:
+            return frozenset(keys)
+        ident = (call.rollout_id, call.attempt)
+        known = self._keys.pop(ident, frozenset()) | keys
+        if len(known) > self.REMEMBERED_KEYS:
+            known = frozenset(sorted(known, key=len, reverse=True)[:self.REMEMBERED_KEYS])
+        self._keys[ident] = known
+        while len(self._keys) > self.REMEMBERED:
+            self._keys.popitem(last=False)
+        return known
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
@@ -108,5 +130,5 @@ class Secrets:
         req = flow.request
         # the query is parsed only when there is one (most model calls have none)
         keys, others = credentials(req.headers, req.query if "?" in req.path else None)
-        call.key_secrets |= keys
+        call.key_secrets |= self._remembered(call, keys)
         call.secrets |= others
