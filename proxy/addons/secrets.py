@@ -73,6 +73,11 @@ def from_cookie(value: str) -> set[str]:
     return out
 
 
+def longest(values: set[str] | frozenset[str], n: int) -> list[str]:
+    """The ``n`` longest of ``values``: what each cap on a call's credential values keeps."""
+    return sorted(values, key=len, reverse=True)[:n]
+
+
 def credentials(headers: http.Headers, query=None) -> tuple[set[str], set[str]]:
     """(keys, others): the credential values of one request (headers and URL query; None: the URL
     has none). Keys: the ``KEY_HEADERS`` values; others: the longest of each other kind only."""
@@ -88,9 +93,6 @@ def credentials(headers: http.Headers, query=None) -> tuple[set[str], set[str]]:
         elif _CREDENTIAL_HEADER.search(low):
             others |= {value.strip()} | from_authorization(value)
     queried = {v for n, v in (query.items(multi=True) if query is not None else ()) if v and CREDENTIAL_QUERY.match(n)}
-
-    def longest(values: set[str], n: int) -> list[str]:
-        return sorted(values, key=len, reverse=True)[:n]
 
     out = {*longest(others, MAX_HEADER_SECRETS), *longest(queried, MAX_QUERY_SECRETS),
            *longest(cookies, MAX_COOKIE_SECRETS)}
@@ -117,7 +119,7 @@ class Secrets:
         ident = (call.rollout_id, call.attempt)
         known = self._keys.pop(ident, frozenset()) | keys
         if len(known) > self.REMEMBERED_KEYS:
-            known = frozenset(sorted(known, key=len, reverse=True)[:self.REMEMBERED_KEYS])
+            known = frozenset(longest(known, self.REMEMBERED_KEYS))
         self._keys[ident] = known
         while len(self._keys) > self.REMEMBERED:
             self._keys.popitem(last=False)
