@@ -110,9 +110,6 @@ def read_control_token(confdir: str | os.PathLike, reverse_port: int) -> str | N
 # -- Contract 2: the harness environment -------------------------------------------------------
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY")
 CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "CURL_CA_BUNDLE")
-# the variables whose values embed the attempt's credential or the user's API key (a k8s Secret holds them)
-SECRET_VARS = PROXY_VARS + ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY",
-                            "LIGHTNING_REWARD_URL")
 
 
 def harness_env(rollout_id: str, attempt: int, token: str | None, forward_url: str, reverse_url: str,
@@ -122,7 +119,8 @@ def harness_env(rollout_id: str, attempt: int, token: str | None, forward_url: s
 
     ``forward_url``/``reverse_url`` are the proxy listeners as the harness reaches them (e.g.
     ``http://127.0.0.1:PORT``). The launcher adds its part (``launcher/attempt.py contract_env``:
-    ``LIGHTNING_TASK``, ``LIGHTNING_OUTPUT_DIR`` etc.); :data:`SECRET_VARS` names the secret ones.
+    ``LIGHTNING_TASK``, ``LIGHTNING_OUTPUT_DIR`` etc.); a Kubernetes Job reads every value but the
+    public ones (``launcher/k8s.py is_public_var``) from the attempt's Secret.
     ``token`` is the proxy token; the harness gets only the credential derived from it for this
     attempt (the harness is untrusted: it may run model-written commands).
     """
