@@ -9,8 +9,10 @@ that fails is the batch split until the bad rows are isolated, and each is *salv
   objects in a string column become their ``str()``;
 - integers out of the column's range become null (a clamped value would look like a real
   attempt number or version); in a non-nullable integer column they are clamped instead;
-- a float with a fraction or a bool in an integer column becomes null likewise (pyarrow truncated 1.5
-  to 1 without a word); in a non-nullable one it is truncated;
+- a number with a fraction or a bool in an integer column becomes null likewise (pyarrow truncated 1.5
+  to 1 without a word); in a non-nullable one it is truncated. "A number" is any float (a subclass such
+  as ``numpy.float64`` too) and any other real number that is no integer (``numpy.float32``, a
+  ``Fraction``, a ``Decimal``), all of which pyarrow truncates alike; "a bool" includes numpy's;
 - any other value that does not fit its column becomes null.
 
 A salvaged row gets ``salvaged = True`` when the table has that column (``spans`` has). A row that
@@ -21,6 +23,8 @@ the caller counts and logs it, it is never dropped silently.
 from __future__ import annotations
 
 import datetime as _dt
+import decimal
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,15 +105,35 @@ def _table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
     ints = [f.name for f in schema if pa.types.is_integer(f.type)]  # lists of integers are not checked: too slow
     for row in rows:
         for name in ints:
-            if _fraction(row.get(name)):
-                raise ValueError(f"column {name!r} holds integers, not {row[name]!r}")
+            value = row.get(name)  # (an int or None, the usual values, costs no call)
+            if value is not None and type(value) is not int and _not_an_integer(value):
+                raise ValueError(f"column {name!r} holds integers, not {_short(value)}")
     return table
 
 
+def _not_an_integer(value: Any) -> bool:
+    """A value pyarrow would store in an integer column as another, real-looking one: a bool (numpy's
+    too: pyarrow refuses Python's but stores ``numpy.True_`` as 1) or a number with a fraction."""
+    return isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b" or _fraction(value)
+
+
 def _fraction(value: Any) -> bool:
-    """A float with a fraction (or not finite): pyarrow truncates 1.5 to 1 in an integer column, a seq or
-    version that looks real, so it fits none."""
-    return isinstance(value, float) and not value.is_integer()
+    """A number with a fraction (or not finite): pyarrow truncates 1.5 to 1 in an integer column, a seq or
+    version that looks real, so it fits none. Every kind pyarrow truncates is caught, not only Python's
+    float: its subclasses (``numpy.float64``; read through ``float.is_integer``, which a subclass cannot
+    override), numpy's other floats (``numpy.float32`` is no float), ``Fraction`` and ``Decimal``, whose
+    fraction is read exactly (``int(x) != x``: no rounding through a float; a Decimal is compared with
+    its integral value instead, as ``int(Decimal('1e999999'))`` would build a million-digit number)."""
+    if isinstance(value, float):
+        return not float.is_integer(value)
+    if isinstance(value, decimal.Decimal):
+        return not value.is_finite() or value != value.to_integral_value()
+    if value is None or isinstance(value, numbers.Integral) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return bool(int(value) != value)
+    except (ValueError, OverflowError, ArithmeticError):  # not a number, or not finite: no integer either
+        return True
 
 
 def salvage_row(row: dict[str, Any], schema: pa.Schema) -> dict[str, Any]:
@@ -160,7 +184,7 @@ def clean_text(value: Any) -> str:
 
 
 def _salvage_int(value: Any, typ: pa.DataType, nullable: bool) -> int | None:
-    if nullable and (isinstance(value, bool) or _fraction(value)):  # truncated, it would look like a real one
+    if nullable and _not_an_integer(value):  # truncated, it would look like a real one
         return None
     try:
         n = int(value)
@@ -174,7 +198,7 @@ def _salvage_int(value: Any, typ: pa.DataType, nullable: bool) -> int | None:
 
 
 def _fits(value: Any, typ: pa.DataType) -> bool:
-    if pa.types.is_integer(typ) and (isinstance(value, bool) or _fraction(value)):
+    if pa.types.is_integer(typ) and _not_an_integer(value):
         return False
     try:
         pa.array([value], type=typ)

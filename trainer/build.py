@@ -14,7 +14,7 @@ from rich.table import Table
 from ..schemas import PartWriter
 from ..schemas.compact import compaction_held
 from .advantages import ESTIMATORS, FAILED_POLICIES
-from .samples import MODES, build_samples
+from .samples import MODES, SampleOptions, build_samples
 from .views import past_damaged_parts
 from .weights import MODES as WEIGHT_MODES
 
@@ -60,6 +60,9 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
         row("token drift", f"{stats['drift_prompt']}/{stats['drift_response']} of {stats['drift_checked']}",
             "prompt/response ids that differ from a retokenisation")
     row("samples", stats["samples"], f"mode {stats['mode']}")
+    if stats.get("rollouts_capped"):
+        row("rollouts capped", stats["rollouts_capped"],
+            f"{stats['samples_capped']:,} samples left out: more than --max-samples-per-rollout, a random subset kept")
     row("samples per rollout", stats["samples_per_rollout"])
     row("rollouts kept as one sample", f"{100 * stats['single_sample_rollout_share']:.1f}%")
     row("calls continuing their history", stats["calls_continuing_history"])
@@ -100,6 +103,10 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
               help="rollout: each rollout weighs the same however many samples/tokens it produced.")
 @click.option("--max-prompt-len", type=int, default=None, help="Drop samples whose prompt is longer (reported).")
 @click.option("--max-response-len", type=int, default=None, help="Truncate longer responses (reported).")
+@click.option("--max-samples-per-rollout", type=click.IntRange(min=0),
+              default=SampleOptions.max_samples_per_rollout, show_default=True,
+              help="A rollout with more samples keeps a random subset of this many, the same at every rebuild "
+                   "(reported); its weight is unchanged, but its cost to the update is bounded. 0: no cap.")
 @click.option("--step", "steps", type=int, multiple=True, help="Only rollouts of this step (repeatable).")
 @click.option("--where", default=None, help="Extra SQL predicate on the `rollouts` view, e.g. \"split = 'train'\".")
 @click.option("--include-secret-spans", is_flag=True,
@@ -112,8 +119,8 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
               help="Replace an existing samples table (old parts are removed after the new one is written).")
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON instead of a table.")
 def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std, failed_policy, failed_reward,
-                  weight_mode, max_prompt_len, max_response_len, steps, where, include_secret_spans, temperature,
-                  replace, as_json) -> None:
+                  weight_mode, max_prompt_len, max_response_len, max_samples_per_rollout, steps, where,
+                  include_secret_spans, temperature, replace, as_json) -> None:
     """Build training samples from TRACES_DIR (spans + rewards + rollouts) into a `samples` table.
 
     \b
@@ -127,7 +134,8 @@ def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std,
         raise click.BadParameter("--failed-policy penalize needs --failed-reward", param_hint="--failed-reward")
     options = dict(mode=mode, tokenizer=tokenizer, group_by=group_by, advantage=advantage, norm_by_std=not no_std,
                    failed_policy=failed_policy, failed_reward=failed_reward, weight_mode=weight_mode,
-                   max_prompt_len=max_prompt_len, max_response_len=max_response_len, steps=list(steps) or None,
+                   max_prompt_len=max_prompt_len, max_response_len=max_response_len,
+                   max_samples_per_rollout=max_samples_per_rollout, steps=list(steps) or None,
                    where=where, include_secret_spans=include_secret_spans, temperature=temperature)
     t0 = time.perf_counter()
     with compaction_held(out_root, "samples"):  # a compaction in between would keep the rows --replace removes

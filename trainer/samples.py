@@ -14,6 +14,15 @@ Limits: a sample whose prompt exceeds ``max_prompt_len`` is dropped; a response 
 dropped. All three are counted. Sample ids (``rollout~attempt~index``) keep their index in the
 rollout even when an earlier sample was dropped.
 
+Samples per rollout: a rollout keeps at most ``max_samples_per_rollout`` samples (default 256; 0 or
+None: no cap). Why: per-rollout loss weights make a rollout of N samples weigh as much as one of
+one, but the update's cost still grows with N, so a harness that repeats a call N times, or
+breaks its history at every call so that nothing merges, could make every update as slow as it
+likes. A rollout over the cap (after the limits above) keeps a uniform random subset of that many
+samples, in their order, drawn with a generator seeded from the rollout's key (a rebuild keeps the
+same ones); its loss weights are then computed over what it kept, like any rollout's.
+Counted (``rollouts_capped``, ``samples_capped``) and logged once per build.
+
 Retokenisation: a span without token ids (an upstream that does not return them) is rebuilt from
 ``request_json``/``response_json`` with the tokenizer's chat template when ``tokenizer`` is given
 (flagged ``retokenized``; its logprobs are NaN unless the response carried per-token logprobs of the
@@ -60,6 +69,7 @@ measures the whole.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -117,6 +127,7 @@ class SampleOptions:
     drift_check: int = 256
     include_secret_spans: bool = False
     rollouts: Iterable[str] | None = None
+    max_samples_per_rollout: int | None = 256  # 0 or None: no cap (see the module doc)
     temperature: float = 1.0  # the update's; calls sampled otherwise are counted (``calls_other_sampling``)
     # what the engine applies to a call that gives no sampling setting (VLLMEngine.default_sampling;
     # None: not known)
@@ -135,6 +146,9 @@ class SampleOptions:
         for name in ("max_prompt_len", "max_response_len"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        cap = self.max_samples_per_rollout
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0):
+            raise ValueError(f"max_samples_per_rollout must be a whole number >= 0 (0 or null: no cap), got {cap!r}")
         steps = self.steps  # kept as tuples: an iterator given once is read once
         if steps is not None:
             object.__setattr__(self, "steps",
@@ -929,10 +943,12 @@ def _layout(calls: pa.Table, tok: TokenArrays, hist: np.ndarray, new_sample: np.
                    np.add.reduceat(rl, s_first).astype(np.int64) if any_s else np.zeros(0, np.int64))
 
 
-def _apply_limits(lay: _Layout, prompt_len: np.ndarray, opts: SampleOptions,
-                  stats: dict) -> tuple[np.ndarray, np.ndarray]:
+def _apply_limits(lay: _Layout, prompt_len: np.ndarray, s_ridx: np.ndarray, rollouts: pa.Table,
+                  opts: SampleOptions, stats: dict) -> tuple[np.ndarray, np.ndarray]:
     """Prompts too long drop the sample; responses too long are cut (token work only for the
-    samples concerned); samples left without a model token are dropped. Returns (kept, cut)."""
+    samples concerned); samples left without a model token are dropped; then a rollout with more
+    samples than ``max_samples_per_rollout`` left keeps a random subset of them
+    (:func:`_cap_per_rollout`). Returns (kept, cut)."""
     keep_s = np.ones(len(lay.first), dtype=bool)
     if opts.max_prompt_len is not None:
         keep_s &= prompt_len <= opts.max_prompt_len
@@ -952,6 +968,7 @@ def _apply_limits(lay: _Layout, prompt_len: np.ndarray, opts: SampleOptions,
     empty = keep_s & (lay.model_tokens == 0)
     stats["samples_dropped_no_model_tokens"] = int(empty.sum())
     keep_s &= ~empty
+    keep_s = _cap_per_rollout(keep_s, s_ridx, rollouts, opts.max_samples_per_rollout, stats)
     if not keep_s.all() or len(cut_idx):
         keep_tok = np.repeat(keep_s, lay.length)
         keep_tok[cut_idx] = False
@@ -959,19 +976,56 @@ def _apply_limits(lay: _Layout, prompt_len: np.ndarray, opts: SampleOptions,
     return keep_s, cut
 
 
+def _cap_per_rollout(keep_s: np.ndarray, s_ridx: np.ndarray, rollouts: pa.Table, cap: int | None,
+                     stats: dict) -> np.ndarray:
+    """``keep_s`` with, in every rollout that keeps more than ``cap`` samples, all but a uniform random
+    ``cap`` of them left out. Why: the update's cost grows with a rollout's samples while its weight
+    does not, so a harness could otherwise stall every update (module doc). Each rollout's draw is
+    seeded from its key, so a rebuild of the same traces keeps the same samples; ``s_ridx`` (each
+    sample's rollout row in ``rollouts``) is sorted, as the calls are."""
+    stats["rollouts_capped"] = stats["samples_capped"] = 0
+    if not cap:
+        return keep_s
+    counts = np.bincount(s_ridx[keep_s])
+    over = np.flatnonzero(counts > cap)
+    if not len(over):
+        return keep_s
+    keep_s = keep_s.copy()
+    keys = []
+    for r in map(int, over):
+        lo, hi = np.searchsorted(s_ridx, [r, r + 1])
+        rows = lo + np.flatnonzero(keep_s[lo:hi])
+        keys.append(w_mod.rollout_key(rollouts["rollout_id"][r].as_py(), rollouts["attempt"][r].as_py()))
+        chosen = _seeded(keys[-1]).choice(len(rows), size=cap, replace=False)
+        keep_s[rows] = False
+        keep_s[rows[chosen]] = True  # (a mask: the kept ones stay in their order)
+    stats["rollouts_capped"], stats["samples_capped"] = len(over), int((counts[over] - cap).sum())
+    log.warning("%d rollout(s) made more than max_samples_per_rollout=%d samples: each keeps a random %d of "
+                "them (%d samples left out): %s", len(over), cap, cap, stats["samples_capped"],
+                ", ".join(f"{k} ({n})" for k, n in zip(keys[:5], counts[over][:5].tolist()))
+                + (", ..." if len(over) > 5 else ""))
+    return keep_s
+
+
+def _seeded(key: str) -> np.random.Generator:
+    """A generator seeded from ``key`` alone (not Python's ``hash``, which changes between processes)."""
+    return np.random.default_rng(int.from_bytes(hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()[:16],
+                                                "big"))
+
+
 def _assemble(calls: pa.Table, kept: _Kept, tok: TokenArrays, m: Merge, new_sample: np.ndarray, retok: np.ndarray,
               opts: SampleOptions, stats: dict) -> pa.Table:
     """The samples table: token layout, limits, then one column per field of schemas.SAMPLES."""
     lay = _layout(calls, tok, m.hist, new_sample, stats)
     S, first = len(lay.first), lay.first
-    prompt_len = tok.pl[first]
-    keep_s, cut = _apply_limits(lay, prompt_len, opts, stats)
+    prompt_len, all_ridx = tok.pl[first], tok.ridx[first]
+    keep_s, cut = _apply_limits(lay, prompt_len, all_ridx, kept.table, opts, stats)
     ks = np.flatnonzero(keep_s)
-    s_ridx = tok.ridx[first][ks]
+    s_ridx = all_ridx[ks]
     model_tokens = lay.model_tokens[ks]
     n_calls = lay.n_calls[ks]
     off = pa.array(np.concatenate([[0], np.cumsum((lay.length - cut)[ks])]).astype(np.int32))
-    s_index = (np.arange(S) - np.searchsorted(tok.ridx[first], tok.ridx[first], side="left"))[ks]
+    s_index = (np.arange(S) - np.searchsorted(all_ridx, all_ridx, side="left"))[ks]
     reason = m.reason[first][ks] if opts.mode == "trajectory" else np.full(len(ks), -1, np.int8)
     mv = calls["model_version"].to_numpy(zero_copy_only=False).astype(np.float64)
 
