@@ -267,25 +267,32 @@ class VLLMEngine:
     def resume(self) -> None:
         self._call("POST", "/resume")
 
-    def reload_weights(self, weights_dir: str | Path) -> float:
+    def reload_weights(self, weights_dir: str | Path, *, kept: bool = False) -> float:
         """Load the safetensors in ``weights_dir`` into the running model, in place, then drop the
-        prefix cache (its KV was computed with the old weights). Returns seconds taken."""
+        prefix cache (its KV was computed with the old weights). ``kept``: requests frozen by
+        ``pause("keep")`` hold KV of the old weights too; they are preempted, so the engine recomputes
+        their prompt and what they generated so far with the new weights when it resumes. Returns
+        seconds taken."""
         weights_dir = Path(weights_dir).resolve()
         if not any(weights_dir.glob("*.safetensors")):
             raise EngineError(f"no *.safetensors in {weights_dir}")
         t0 = time.monotonic()
         self._call("POST", "/collective_rpc",
                    json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
-        self.reset_prefix_cache()
+        if not self.reset_prefix_cache(running=kept) and kept:
+            raise EngineError("the engine kept KV of the old weights: its prefix cache could not be reset")
         return time.monotonic() - t0
 
-    def reset_prefix_cache(self) -> bool:
-        return bool(self._call("POST", "/reset_prefix_cache").get("success", False))
+    def reset_prefix_cache(self, *, running: bool = False) -> bool:
+        """Drop the prefix cache; ``running``: preempt the running requests first, so none keeps its KV."""
+        params = {"reset_running_requests": "true"} if running else {}
+        return bool(self._call("POST", "/reset_prefix_cache", params=params).get("success", False))
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Free accelerator memory between rollout phases (GPU). On CPU vLLM only logs
-        "not supported" but still blocks generation until :meth:`wake_up`."""
-        self._call("POST", "/sleep", params={"level": level})
+        "not supported" but still blocks generation until :meth:`wake_up`. ``mode``: what becomes
+        of requests still in the engine, as for :meth:`pause` (vLLM's default aborts them)."""
+        self._call("POST", "/sleep", params={"level": level, "mode": mode})
 
     def wake_up(self) -> None:
         self._call("POST", "/wake_up")

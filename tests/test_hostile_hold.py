@@ -197,7 +197,8 @@ def test_the_proxy_stamps_the_new_version_before_the_engine_serves_the_new_weigh
 
     for fail in (False, True):
         run.engine = SimpleNamespace(
-            pause=lambda mode: None, is_sleeping=lambda: False, reload_weights=lambda d, f=fail: reload_weights(d, f),
+            pause=lambda mode: None, is_sleeping=lambda: False,
+            reload_weights=lambda d, f=fail, **kw: reload_weights(d, f),
             resume=lambda: seen.append(("engine resumes", p.control.state()["model_version"])))
         run.updater = SimpleNamespace(set_lr=lambda lr: None, update=lambda table: {},
                                       save=lambda d, **kw: d)
@@ -213,7 +214,7 @@ def test_the_proxy_stamps_the_new_version_before_the_engine_serves_the_new_weigh
     # a drain that timed out: what it left in the engine is aborted there, not awaited (found by
     # review: a call with a huge max_tokens kept vLLM's pause(wait) past its HTTP timeout, ending the run)
     modes = []
-    run.engine.pause, run.engine.reload_weights = modes.append, lambda d: 0.0
+    run.engine.pause, run.engine.reload_weights = modes.append, lambda d, **kw: 0.0
     run.cfg.proxy.drain_timeout_s = 0.2
     url = p.env_for("long")["OPENAI_BASE_URL"] + "/chat/completions"
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -257,8 +257,8 @@ class SwapFakes:
 
     @staticmethod
     def engine():
-        return SimpleNamespace(pause=lambda mode: None, resume=lambda: None, sleep=lambda level: None,
-                               wake_up=lambda: None, is_sleeping=lambda: False, reload_weights=lambda ckpt: 0.0)
+        return SimpleNamespace(pause=lambda mode: None, resume=lambda: None, sleep=lambda level, **kw: None,
+                               wake_up=lambda: None, is_sleeping=lambda: False, reload_weights=lambda ckpt, **kw: 0.0)
 
     @staticmethod
     def updater():
@@ -273,7 +273,7 @@ def swap_run(tmp_path, fakes: SwapFakes, state: dict) -> TrainingRun:
     from lightning_harness.trainer.config import UpdateConfig
 
     run = stub_run(tmp_path, Schedule(2, 2, 0, "tis"), state=state)
-    run.cfg.proxy = SimpleNamespace(drain_timeout_s=1.0)
+    run.cfg.proxy = SimpleNamespace(drain_timeout_s=1.0, in_flight="drain")
     run.cfg.engine = SimpleNamespace(sleep_on_update="never", sleep_level=1)
     run.cfg.checkpoint = SimpleNamespace(keep_last=2, save_optimizer=False)
     run.cfg.update = UpdateConfig()

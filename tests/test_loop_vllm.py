@@ -262,3 +262,81 @@ def test_a_harness_that_always_fails_stops_the_run_with_its_log(tmp_path, restor
     assert "cannot find my tool" in str(e.value) and "state=failed" in str(e.value)
     assert not (tmp_path / "run" / PIDS_FILE).exists()  # proxy stopped, nothing left behind
     assert not (tmp_path / "run" / STATE_FILE).exists()  # no step was completed
+
+
+def _long_stream(url: str, out: dict) -> None:
+    """A harness's streamed call that generates for seconds (ignore_eos): what an update meets in flight."""
+    chunks = 0
+    with httpx.stream("POST", url, timeout=600, trust_env=False, json={
+            "model": "x", "messages": [{"role": "user", "content": "count to a thousand"}],
+            "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks += 1
+                out["first"] = out.get("first") or time.monotonic()
+    out.update(chunks=chunks, ended=time.monotonic())
+
+
+def _timed(fn, name: str, times: dict):
+    def timed(*args):
+        times[name] = time.monotonic()
+        return fn(*args)
+    return timed
+
+
+def _swap_with_a_long_call(tmp_path, engine, model_dir, in_flight: str) -> tuple[dict, dict, list]:
+    """One real swap (engine attached, proxy started; the update a stand-in, the same weights
+    reloaded) while a long streamed call generates; returns the swap's report, the call, its spans."""
+    from types import SimpleNamespace
+
+    tmp_path.mkdir()
+    cfg = load_config(make_run(tmp_path, engine, model_dir, **{"proxy.in_flight": in_flight}))
+    run = TrainingRun(cfg)
+    run.prepare()
+    run.progress = SimpleNamespace(update=lambda **k: None, print=lambda *a, **k: None, close=lambda: None)
+    try:
+        run.start_services()
+        run.updater = SimpleNamespace(set_lr=lambda lr: None, update=lambda table: {}, save=lambda d, **kw: model_dir)
+        times = {}
+        for name in ("pause", "resume"):  # when the engine stopped and started generating
+            setattr(run.engine, name, _timed(getattr(run.engine, name), name, times))
+        out: dict = {}
+        url = run.proxy.env_for("long", 0)["OPENAI_BASE_URL"] + "/chat/completions"
+        call = threading.Thread(target=_long_stream, args=(url, out))
+        call.start()
+        deadline = time.monotonic() + 120
+        while "first" not in out:
+            assert time.monotonic() < deadline and call.is_alive(), out
+            time.sleep(0.02)
+        rep = run.swap(1, None, 0)
+        call.join(300)
+        rep["call_ended"] = ("before the engine paused" if out["ended"] < times["pause"] else
+                             "after the engine resumed" if out["ended"] > times["resume"] else "during the swap")
+        deadline = time.monotonic() + 30
+        while not (spans := [s for s in read_table(run.traces, "spans").to_pylist() if s["rollout_id"] == "long"]):
+            assert time.monotonic() < deadline, "the long call's span was not written"
+            time.sleep(0.2)
+        return rep, out, spans
+    finally:
+        run.shutdown()
+
+
+def test_keep_holds_only_the_swap_while_a_long_call_generates(tmp_path, restore_engine, served):
+    """``proxy.in_flight: keep``: a call generating when the update starts is frozen in the engine, not
+    waited for, so the hold is the swap alone; the call then ends whole (every token it asked for)
+    under the new weights, and its span says so (``version_changed``: never trained on). With the
+    default ``drain`` the same call holds the update until it ends, and is recorded as any call."""
+    engine, model_dir = served
+    rep, out, spans = _swap_with_a_long_call(tmp_path / "keep", engine, model_dir, "keep")
+    assert rep["call_ended"] == "after the engine resumed", rep  # frozen through the swap, not waited for
+    assert rep["time/drain_s"] == 0 and rep["proxy/in_flight_after_drain"] == 1 and rep["model_version"] == 1
+    assert out["status"] == 200 and out["chunks"] > 300
+    assert [(s["error_kind"], s["model_version"], len(s["response_token_ids"] or [])) for s in spans] == [
+        ("version_changed", 0, 400)]
+    assert not engine.is_paused()
+
+    rep, out, spans = _swap_with_a_long_call(tmp_path / "drain", engine, model_dir, "drain")
+    assert rep["call_ended"] == "before the engine paused" and rep["proxy/drained"] and rep["time/drain_s"] > 0, rep
+    assert out["status"] == 200 and out["chunks"] > 300
+    assert [(s["error_kind"], s["model_version"]) for s in spans] == [(None, 0)]

@@ -190,6 +190,10 @@ class EngineConfig(Section):
 
 @typed_section
 class ProxyRunConfig(Section):
+    # calls in flight when an update starts: 'drain' waits for them (at most drain_timeout_s, then aborts
+    # what is left); 'keep' freezes them in the engine, which finishes them under the new weights
+    # (recorded as 'version_changed', not trained on): the hold is then the swap alone
+    in_flight: Literal["drain", "keep"] = "drain"
     drain_timeout_s: float = 300.0  # how long an update waits for in-flight calls
     flush_seconds: float = 0.5
     inject_token_ids: bool = True

@@ -226,7 +226,9 @@ class TrainingRun:
     def swap(self, step: int, table, version: int) -> dict[str, Any]:
         """The hold: proxy pause + drain, the engine's part (:meth:`_engine_swap`), proxy resume.
         The proxy is resumed however the engine's part ends: a failed swap must not hold every
-        harness until someone stops the proxy (an attached one is never stopped by this run)."""
+        harness until someone stops the proxy (an attached one is never stopped by this run).
+        With ``proxy.in_flight: keep`` nothing is drained: the calls in flight are frozen in the
+        engine and finish after it, so the hold is the swap alone, however long they generate."""
         from .checkpoint import prune
 
         cfg, ctl, rep = self.cfg, self.proxy.control, {}
@@ -234,10 +236,13 @@ class TrainingRun:
         self.progress.update(phase="pause+drain")
         ctl.pause()
         try:
-            drain = ctl.drain(timeout=cfg.proxy.drain_timeout_s)
+            if cfg.proxy.in_flight == "keep":
+                drain = {"waited_s": 0.0, "drained": False, "in_flight": ctl.state().get("in_flight", 0)}
+            else:
+                drain = ctl.drain(timeout=cfg.proxy.drain_timeout_s)
             rep["time/drain_s"] = float(drain.get("waited_s", time.monotonic() - t_pause))
             rep["proxy/drained"] = bool(drain.get("drained", False))
-            rep["proxy/in_flight_after_drain"] = int(drain.get("in_flight", 0))
+            rep["proxy/in_flight_after_drain"] = int(drain.get("in_flight", 0) or 0)
             new_version, ckpt = self._engine_swap(step, table, version, rep)
             rep["proxy/held"] = int(ctl.state().get("held", 0) or 0)
         finally:
@@ -262,12 +267,14 @@ class TrainingRun:
         cfg = self.cfg
         when = cfg.engine.sleep_on_update
         sleep = when == "always" or (when == "auto" and self.device == "cuda")
+        # what the proxy's drain left in flight is aborted, not awaited: a harness's call with a huge
+        # max_tokens (ignore_eos) kept the engine's own wait past its HTTP timeout, ending the run
+        kept = cfg.proxy.in_flight == "keep"
+        mode = "keep" if kept else "wait" if rep.get("proxy/drained", True) else "abort"
         try:
-            # what the proxy's drain left in flight is aborted, not awaited: a harness's call with a huge
-            # max_tokens (ignore_eos) kept the engine's own wait past its HTTP timeout, ending the run
-            self.engine.pause("wait" if rep.get("proxy/drained", True) else "abort")
+            self.engine.pause(mode)
             if sleep:
-                self.engine.sleep(cfg.engine.sleep_level)
+                self.engine.sleep(cfg.engine.sleep_level, mode=mode)
             self._hook("paused", step)
             self.progress.update(phase="update")
             lr = scheduled_lr(self.cfg.update, step, self.cfg.steps)
@@ -289,7 +296,7 @@ class TrainingRun:
             self.progress.update(phase="reload")
             if sleep:
                 self.engine.wake_up()
-            rep["time/reload_s"] = self.engine.reload_weights(ckpt)
+            rep["time/reload_s"] = self.engine.reload_weights(ckpt, kept=kept)
         finally:
             if sleep and self.engine.is_sleeping():
                 self.engine.wake_up()

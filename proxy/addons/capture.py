@@ -374,8 +374,9 @@ class Capture:
             kind, err = "truncated", ("the engine aborted the answer (finish_reason 'abort': a weight swap whose "
                                       "drain timed out, or the engine stopped it): it is incomplete")
         if kind is None and call.model_version is not None and call.model_version != self.state.model_version:
-            kind, err = "version_changed", (  # a drain that timed out, or a call let in while paused: the
-                # engine may have generated it, or part of it, with the next weights; never trained on
+            kind, err = "version_changed", (  # a drain that timed out, a call let in while paused, or one
+                # kept through the swap (proxy.in_flight: keep): the engine may have generated it, or part
+                # of it, with the next weights; never trained on
                 f"the model version changed from {call.model_version} to {self.state.model_version} while the "
                 "call was in flight: its tokens may come from either weights")
         row = self._row(flow, call, kind, err, response_json, status)  # now: rewrite edits the answer next
