@@ -256,3 +256,18 @@ def test_a_key_an_attempt_sent_once_stays_known_in_its_later_calls(proxy):
     assert spans[("cross", 0)]["secret_detected"] is False
     _assert_clean(spans[("cross", 1)], GATEWAY_KEY)
     assert spans[("other", 0)]["secret_detected"] is False
+
+
+def test_junk_token_headers_cannot_crowd_a_vendors_credential_header_out(proxy):
+    """Found by review: the 16 longest credential-named headers were kept, so 16 longer ``X-Junk-Token-N``
+    headers pushed a real GitLab ``Private-Token`` or Google ``X-Goog-Api-Key`` out, and a prompt echoing
+    it was recorded in clear. Vendors' credential headers are kept apart from the others."""
+    env = proxy.env_for("vendor", api_key=GATEWAY_KEY)
+    gitlab, google = "gitlab-deploy-credential-5521", "goog-project-credential-9083"  # no provider shape
+    junk = {f"X-Junk-Token-{i}": f"junk-{i:03d}-" + "z" * 60 for i in range(20)}
+    prompt = {"model": "m", "messages": [{"role": "user", "content": f"$ env\nGITLAB={gitlab}\nGOOGLE={google}"}]}
+    headers = {"Authorization": f"Bearer {GATEWAY_KEY}", **junk, "Private-Token": gitlab, "X-Goog-Api-Key": google}
+    assert _post(env["OPENAI_BASE_URL"] + "/chat/completions", prompt, headers)[0] == 200
+    (span,) = read_spans(proxy)
+    _assert_clean(span, gitlab, google, GATEWAY_KEY)
+    assert json.loads(span["request_json"])["messages"][0]["content"] == f"$ env\nGITLAB={MASK}\nGOOGLE={MASK}"

@@ -11,7 +11,12 @@ ends in ``-key`` (``Ocp-Apim-Subscription-Key``, ``X-Functions-Key``), cookie va
 credentials, and query values named like credentials (``?api-key=``, ``?key=``, ``?token=``,
 ``?sig=``). Each of those three kinds is capped (the longest kept) below the redactor's per-call
 limit, so no number of junk values can push a real one out (found by review: 64 ``X-Trace-Token-N``
-headers pushed the API key and the proxy credential out, into the trace).
+headers pushed the API key and the proxy credential out, into the trace). The vendors' own
+credential headers (``WELL_KNOWN_HEADERS``: ``X-Goog-Api-Key``, GitLab's ``Private-Token``, ...) are
+kept apart from other credential-named headers, each name's ``PER_WELL_KNOWN_NAME`` longest values:
+16 longer ``X-Junk-Token`` values pushed a real ``Private-Token`` out of the header cap, and a prompt
+echoing it was recorded in clear (found by review). Bounded still: the list is fixed, and all four
+kinds together stay within the redactor's ``MAX_SECRETS``.
 
 Order: right after Attribution, whose ``requestheaders`` creates the :class:`Call` (so this hook
 has one to fill) and pops ``Proxy-Authorization`` / ``X-Lightning-Token`` first. Those carry the
@@ -32,7 +37,13 @@ from mitmproxy import http
 from ..redact import MAX_SECRETS
 from ..state import META, MODEL, REWARD, Call
 
-MAX_COOKIE_SECRETS = MAX_HEADER_SECRETS = MAX_QUERY_SECRETS = 16  # per request, each (3 x 16 < MAX_SECRETS)
+MAX_COOKIE_SECRETS = MAX_HEADER_SECRETS = MAX_QUERY_SECRETS = 16  # per request, each (4 x 16 <= MAX_SECRETS)
+# credential headers that vendors define (Google, GitLab, OpenStack/Keystone, AWS session, Azure API
+# Management, Azure Functions, HashiCorp Vault, Cloudflare Access): a junk header of another name cannot
+# push their values out; each name keeps its PER_WELL_KNOWN_NAME longest (a real request sends one)
+WELL_KNOWN_HEADERS = ("x-goog-api-key", "private-token", "x-auth-token", "x-amz-security-token",
+                      "ocp-apim-subscription-key", "x-functions-key", "x-vault-token", "cf-access-client-secret")
+PER_WELL_KNOWN_NAME = MAX_HEADER_SECRETS // len(WELL_KNOWN_HEADERS)  # (2: all of them together, 16)
 # the call's own keys: the redactor keeps them whatever else the call holds (the MAX_SECRETS longest:
 # a request holds no more real ones, and the cost stays bounded)
 KEY_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key", "api-key"})
@@ -80,22 +91,28 @@ def longest(values: set[str] | frozenset[str], n: int) -> list[str]:
 
 def credentials(headers: http.Headers, query=None) -> tuple[set[str], set[str]]:
     """(keys, others): the credential values of one request (headers and URL query; None: the URL
-    has none). Keys: the ``KEY_HEADERS`` values; others: the longest of each other kind only."""
+    has none). Keys: the ``KEY_HEADERS`` values; others: the longest of each other kind only (of each
+    ``WELL_KNOWN_HEADERS`` name apart)."""
     keys: set[str] = set()
     others: set[str] = set()
     cookies: set[str] = set()
+    well_known: dict[str, set[str]] = {n: set() for n in WELL_KNOWN_HEADERS}
     for name, value in headers.items(multi=True):
         low = name.lower()
         if low == "cookie":
             cookies |= from_cookie(value)
         elif low in KEY_HEADERS:
             keys |= {value.strip()} | from_authorization(value)
+        elif low in well_known:
+            well_known[low] |= {value.strip()} | from_authorization(value)
         elif _CREDENTIAL_HEADER.search(low):
             others |= {value.strip()} | from_authorization(value)
     queried = {v for n, v in (query.items(multi=True) if query is not None else ()) if v and CREDENTIAL_QUERY.match(n)}
 
     out = {*longest(others, MAX_HEADER_SECRETS), *longest(queried, MAX_QUERY_SECRETS),
            *longest(cookies, MAX_COOKIE_SECRETS)}
+    for values in well_known.values():
+        out.update(longest(values, PER_WELL_KNOWN_NAME))
     # keys are bounded by the redactor's own limit only: a request cannot hold more real keys
     return {v for v in longest(keys, MAX_SECRETS) if v}, {v for v in out if v}
 
