@@ -47,8 +47,6 @@ from .sse import EVENT_END
 
 MESSAGES = "messages"  # the span's endpoint for Anthropic Messages calls
 
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
-                "content_filter": "refusal"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                529: "overloaded_error"}
@@ -66,6 +64,17 @@ BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's first system bloc
 
 class MessagesError(ValueError):
     """A Messages request the proxy cannot translate; the message says which rule it broke."""
+
+
+class AnswerError(ValueError):
+    """A chat answer vLLM's own ``/v1/messages`` cannot turn into a Messages answer either (a tool
+    call whose arguments are not JSON): its endpoint fails the call, so the proxy answers as it does
+    (``status``: 400, or 500 for arguments nested too deep to decode), never a guessed ``input``.
+    The message holds the decoder's, as vLLM's does."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 # -- request --------------------------------------------------------------------------------
@@ -328,8 +337,8 @@ def to_chat(req: Any) -> dict:
 
 # -- answer ---------------------------------------------------------------------------------
 def _input(arguments: Any) -> dict:
-    """A tool call's arguments as the ``input`` object (arguments that are not a JSON object,
-    say cut by max_tokens, give ``{}``; the span keeps what the model wrote)."""
+    """A native answer's streamed tool arguments as the span's ``input`` (arguments that are not a
+    JSON object, say cut by max_tokens, give ``{}``; the span's record is no client's answer)."""
     try:
         value = json.loads(arguments) if isinstance(arguments, str) else arguments
     except (ValueError, RecursionError):  # RecursionError: nested thousands deep
@@ -337,23 +346,47 @@ def _input(arguments: Any) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _answer_input(arguments: Any) -> dict | None:
+    """A tool call's arguments as the ``input`` object, as vLLM's ``/v1/messages`` decodes them:
+    text that is not JSON (a call cut by max_tokens) or JSON that is not an object (nor null, which
+    leaves the block without ``input`` there) raises :class:`AnswerError`, where vLLM's endpoint
+    answers 400. Arguments that are no text at all (a hostile upstream; vLLM's engine never makes
+    them) are kept if an object, else ``{}``: the span keeps what the model wrote."""
+    if not isinstance(arguments, str):
+        return arguments if isinstance(arguments, dict) else {}
+    try:
+        value = json.loads(arguments)
+    except ValueError as exc:
+        raise AnswerError(f"the tool call's arguments are not valid JSON: {exc}") from None
+    except RecursionError as exc:  # nested thousands deep: no client error on vLLM's endpoint, a 500
+        raise AnswerError(f"the tool call's arguments cannot be decoded: {exc}", status=500) from None
+    if value is not None and not isinstance(value, dict):
+        raise AnswerError(f"the tool call's arguments are JSON but not an object (a {type(value).__name__})")
+    return value
+
+
 def stop_reason(choice: dict, stop: Any, tool_used: bool = False, tool_complete: bool = False
                 ) -> tuple[str | None, str | None]:
-    """(``stop_reason``, ``stop_sequence``) of a chat choice, as vLLM's ``/v1/messages`` gives them:
-    ``max_tokens`` first; then ``tool_use`` for a complete tool call (``tool_complete``: its
-    arguments parse), which a named tool choice ends with ``finish_reason: "stop"``; then the stop
-    string that ended the answer (vLLM's ``stop_reason``); then ``tool_use`` for any call made."""
+    """(``stop_reason``, ``stop_sequence``) of a chat choice, as vLLM's ``/v1/messages`` maps them:
+    ``length`` is ``max_tokens``; any finish reason but ``stop`` and ``tool_calls`` (none yet,
+    ``abort``, ``repetition``, ``content_filter``...) has no Messages stop reason (null: a client
+    must not read an engine's abort as a finished turn); then ``tool_use`` for a complete tool call
+    (``tool_complete``: its arguments parse), which a named tool choice ends with ``finish_reason:
+    "stop"``; then the stop string that ended the answer (vLLM's ``stop_reason``); then
+    ``tool_use`` for any call made; else ``end_turn``."""
     finish = choice.get("finish_reason")
     matched = choice.get("stop_reason")
-    if finish is None:
+    if finish == "length":
+        return "max_tokens", None
+    if finish not in ("stop", "tool_calls"):
         return None, None
-    if finish in ("stop", "tool_calls") and tool_complete:
+    if tool_complete:
         return "tool_use", None
-    if finish in ("stop", "tool_calls") and isinstance(matched, str) and isinstance(stop, list) and matched in stop:
+    if isinstance(matched, str) and isinstance(stop, list) and matched in stop:
         return "stop_sequence", matched  # (a call the stop string cut short must not run)
-    if finish == "stop" and tool_used:
+    if finish == "tool_calls" or tool_used:
         return "tool_use", None
-    return STOP_REASONS.get(finish, "end_turn") if isinstance(finish, str) else "end_turn", None
+    return "end_turn", None
 
 
 def _is_json(text: Any) -> bool:
@@ -393,6 +426,15 @@ def _tool_block(tc: dict) -> dict:
     return {"type": "tool_use", "id": call_id, "name": fn["name"] if isinstance(fn.get("name"), str) else ""}
 
 
+def _key(value: Any) -> Any:
+    """A tool call's ``index`` as a dict key (a hostile upstream's list or object is keyed by its text)."""
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
 def _str(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
@@ -401,8 +443,21 @@ def message_id(chat_id: Any) -> str:
     return f"msg_{chat_id}" if isinstance(chat_id, str) and chat_id else f"msg_{uuid.uuid4().hex}"
 
 
+def untranslatable(chat: Any) -> str | None:
+    """Why no Messages answer can be made of this chat answer (the harness gets vLLM's error for it,
+    so its span is an error, never trained on), or None. Anything but an object is capture's to judge."""
+    if not isinstance(chat, dict):
+        return None
+    try:
+        to_message(chat, None)
+    except AnswerError as exc:
+        return f"no Messages answer can be made of it (the harness got HTTP {exc.status}): {exc}"
+    return None
+
+
 def to_message(chat: dict, model: str | None, stop: Any = None) -> dict:
-    """A chat completion (token fields already stripped) as the Messages answer."""
+    """A chat completion (token fields already stripped) as the Messages answer; raises
+    :class:`AnswerError` where vLLM's ``/v1/messages`` fails the answer."""
     choices = _list(chat.get("choices"))
     choice = choices[0] if choices and isinstance(choices[0], dict) else {}
     msg = choice.get("message") if isinstance(choice.get("message"), dict) else {}
@@ -412,16 +467,15 @@ def to_message(chat: dict, model: str | None, stop: Any = None) -> dict:
         content.append({"type": "thinking", "thinking": reasoning, "signature": uuid.uuid4().hex})  # (as vLLM signs)
     if isinstance(msg.get("content"), str) and msg["content"]:
         content.append({"type": "text", "text": msg["content"]})
-    args = None
     for tc in _list(msg.get("tool_calls")):
         if isinstance(tc, dict):
             fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
-            args = fn.get("arguments")
-            content.append({**_tool_block(tc), "input": _input(args)})
+            block, value = _tool_block(tc), _answer_input(fn.get("arguments"))
+            content.append(block if value is None else {**block, "input": value})  # (null: none, as vLLM's)
     if not content:  # vLLM's (and Anthropic's) empty answer: one empty text block, not []
         content.append({"type": "text", "text": ""})
-    used = any(block["type"] == "tool_use" for block in content)
-    reason, sequence = stop_reason(choice, stop, tool_used=used, tool_complete=used and _is_json(args))
+    used = any(block["type"] == "tool_use" for block in content)  # (each decoded: complete, as vLLM reads it)
+    reason, sequence = stop_reason(choice, stop, tool_used=used, tool_complete=used)
     return {"id": message_id(chat.get("id")), "type": "message", "role": "assistant",
             "model": model or _str(chat.get("model")), "content": content, "stop_reason": reason,
             "stop_sequence": sequence, "usage": _usage(chat.get("usage"))}
@@ -460,8 +514,8 @@ class EventTranslator:
     """Chat-completion chunks in, Messages stream events out (as SSE bytes), one chunk at a time.
 
     Reasoning deltas open a ``thinking`` block, text deltas a ``text`` block, each tool call a
-    ``tool_use`` block (its argument pieces are ``input_json_delta``); a block is stopped when the
-    next kind starts or the answer ends.
+    ``tool_use`` block once a delta gives its id and name together (its argument pieces are
+    ``input_json_delta``); a block is stopped when the next kind starts or the answer ends.
     The answer ends as the span's does (:class:`AnswerEnd`): once choice 0 has ended and the usage
     of the whole answer is in (or at ``[DONE]``), ``message_delta`` (stop reason, output tokens) and
     ``message_stop`` go out, and what a hostile upstream sends after them (more deltas, another
@@ -480,9 +534,10 @@ class EventTranslator:
         self.on_error = on_error
         self.started = self.finished = False
         self.stopped = False  # message_stop sent: only an error event may follow
-        self.block: tuple[str, int] | None = None  # ('text', -1) or ('tool', call index) now open
+        self.block: tuple[str, Any] | None = None  # ('text', -1) or ('tool', call id) now open
         self.held_text: list[str] = []  # text that came while a tool call was open: its own block after it
         self.tool_args: list[str] | None = None  # the last tool call's argument pieces (None: no call)
+        self.tool_ids: dict[Any, str] = {}  # a call's index -> the id its first delta gave it
         self.index = -1  # content block index
         self.choice: dict = {}
         self.end_rule = AnswerEnd()
@@ -536,18 +591,31 @@ class EventTranslator:
         yield sse_event("message_start", {"type": "message_start", "message": message})
 
     def _tool_piece(self, tc: Any) -> Iterator[bytes]:
+        """One tool-call delta, read as vLLM's ``/v1/messages`` reads it: a delta with an ``id`` and a
+        function ``name`` opens the call's ``tool_use`` block (unless that call's block is the one
+        open); a delta with only an ``id`` names the call at its index and opens nothing, so a call
+        whose name never comes with its id is left out (it was opened with ``name: ""``, a call
+        the client could not run); argument pieces (by id, or by the index an id was given at) go
+        to the call's block only while it is the open one."""
         if not isinstance(tc, dict):
             return
-        k = tc.get("index", 0)
         fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
-        if self.block != ("tool", k):
-            yield from self._open(("tool", k), {**_tool_block(tc), "input": {}})
-            self.tool_args = []
-        if isinstance(fn.get("arguments"), str) and fn["arguments"]:
-            self.tool_args.append(fn["arguments"])
-            yield self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
+        index = _key(tc.get("index"))
+        call_id = tc.get("id") if isinstance(tc.get("id"), str) else None
+        if call_id is None:
+            call_id = self.tool_ids.get(index)
+        else:
+            self.tool_ids[index] = call_id
+            if self.block != ("tool", call_id) and isinstance(fn.get("name"), str):
+                yield from self._open(("tool", call_id), {"type": "tool_use", "id": call_id, "name": fn["name"],
+                                                          "input": {}})
+                self.tool_args = []
+        pieces = fn.get("arguments")
+        if call_id is not None and self.block == ("tool", call_id) and isinstance(pieces, str) and pieces:
+            self.tool_args.append(pieces)
+            yield self._delta({"type": "input_json_delta", "partial_json": pieces})
 
-    def _open(self, block: tuple[str, int], content_block: dict) -> Iterator[bytes]:
+    def _open(self, block: tuple[str, Any], content_block: dict) -> Iterator[bytes]:
         if self.block == block:
             return
         yield from self._close()
@@ -598,10 +666,12 @@ class EventTranslator:
         yield from self._close()
         self.stopped = True
         used = self.tool_args is not None
-        reason, sequence = stop_reason(self.choice, self.stop, tool_used=used,
+        # no finish reason yet (``[DONE]`` before it) reads as ``stop``, as vLLM's converter reads it
+        ended = {**self.choice, "finish_reason": self.choice.get("finish_reason") or "stop"}
+        reason, sequence = stop_reason(ended, self.stop, tool_used=used,
                                        tool_complete=used and _is_json("".join(self.tool_args)))
         usage = _usage(self.end_rule.usage)
-        yield sse_event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason or "end_turn",
+        yield sse_event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason,
                                                                               "stop_sequence": sequence},
                                           "usage": usage})
         yield sse_event("message_stop", {"type": "message_stop"})

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from lightning_harness.proxy.anthropic import (
+    AnswerError,
     EventStream,
     EventTranslator,
     MessageAssembler,
@@ -182,8 +183,14 @@ def _chunks(finish, stop_reason=None, args=None):
     ("stop", None, None, ("end_turn", None)),
 ])
 def test_stop_reason_as_vllms_messages_endpoint_gives_it(finish, matched, args, want):
-    msg = to_message(_chat_answer(finish, matched, args), "m", ["}}"])
-    assert (msg["stop_reason"], msg["stop_sequence"]) == want
+    """(A JSON answer whose call does not decode fails there, as on vLLM's endpoint: only streamed
+    arguments can be cut short.)"""
+    if args is None or args.endswith("}"):
+        msg = to_message(_chat_answer(finish, matched, args), "m", ["}}"])
+        assert (msg["stop_reason"], msg["stop_sequence"]) == want
+    else:
+        with pytest.raises(AnswerError):
+            to_message(_chat_answer(finish, matched, args), "m", ["}}"])
     translator = EventTranslator("m", ["}}"])
     raw = b"".join(b"".join(translator.chunk(c)) for c in _chunks(finish, matched, args))
     raw += b"".join(translator.finish())
@@ -341,14 +348,20 @@ def test_output_config_is_read_as_vllms_own_messages_endpoint_reads_it(config):
 def test_a_stop_string_that_cut_a_tool_call_is_the_stop_reason():
     """vLLM's ``/v1/messages`` reports a stop string that ended the answer inside a tool call (its
     arguments incomplete) as ``stop_sequence``: a call cut short must not run. The proxy said
-    ``tool_use`` where the chat answer's finish reason was ``tool_calls`` (a streamed call)."""
-    chat = {"id": "c", "choices": [{"index": 0, "finish_reason": "tool_calls", "stop_reason": "STOP", "message": {
-        "role": "assistant", "content": None,
-        "tool_calls": [{"id": "t", "type": "function", "function": {"name": "calc", "arguments": '{"x": "1'}}]}}]}
-    msg = to_message(chat, "m", ["STOP"])
-    assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "STOP")
-    chat["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = '{"x": "1"}'  # whole: it runs
-    assert to_message(chat, "m", ["STOP"])["stop_reason"] == "tool_use"
+    ``tool_use`` where the chat answer's finish reason was ``tool_calls`` (a streamed call). (A JSON
+    answer with such a call fails there: test_anthropic_parity.)"""
+    def streamed(args: str) -> dict:
+        chunks = [{"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [
+                      {"index": 0, "id": "t", "function": {"name": "calc", "arguments": args}}]}}]},
+                  {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls",
+                                           "stop_reason": "STOP"}]}]
+        translator = EventTranslator("m", ["STOP"])
+        raw = b"".join(b"".join(translator.chunk(c)) for c in chunks) + b"".join(translator.finish())
+        (delta,) = [d["delta"] for e, d in _parse(raw) if e == "message_delta"]
+        return delta
+
+    assert streamed('{"x": "1') == {"stop_reason": "stop_sequence", "stop_sequence": "STOP"}
+    assert streamed('{"x": "1"}')["stop_reason"] == "tool_use"  # whole: it runs
 
 
 def test_answer_translation():
@@ -356,12 +369,14 @@ def test_answer_translation():
             "choices": [{"finish_reason": "stop", "stop_reason": "END", "message": {
                 "role": "assistant", "content": "hi", "tool_calls": [
                     {"id": "c", "function": {"name": "t", "arguments": '{"a": 1}'}},
-                    {"id": "d", "function": {"name": "t", "arguments": '{"a": '}}]}}]}
+                    {"id": "d", "function": {"name": "t", "arguments": '{"b": 2}'}}]}}]}
     msg = to_message(chat, "asked", ["END"])
-    assert msg["id"] == "msg_chatcmpl-1" and (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "END")
+    assert msg["id"] == "msg_chatcmpl-1" and (msg["stop_reason"], msg["stop_sequence"]) == ("tool_use", None)
     assert msg["content"] == [{"type": "text", "text": "hi"},
                               {"type": "tool_use", "id": "c", "name": "t", "input": {"a": 1}},
-                              {"type": "tool_use", "id": "d", "name": "t", "input": {}}]
+                              {"type": "tool_use", "id": "d", "name": "t", "input": {"b": 2}}]
+    del chat["choices"][0]["message"]["tool_calls"]  # a stop string ended a text answer
+    assert (to_message(chat, "asked", ["END"])["stop_sequence"]) == "END"
     assert msg["usage"] == {"input_tokens": 5, "output_tokens": 2}
 
 

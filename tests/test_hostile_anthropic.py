@@ -90,7 +90,8 @@ def test_a_json_answer_of_an_odd_shape_is_still_a_message(aproxy, upstream):
     msg = r.json()
     assert msg["type"] == "message" and msg["content"][0] == {"type": "text", "text": "a\ud800"}
     assert msg["content"][1]["name"] == "" and msg["content"][1]["id"].startswith("toolu_")
-    assert msg["usage"] == {"input_tokens": 0, "output_tokens": 0} and msg["stop_reason"] == "end_turn"
+    # a finish reason vLLM's /v1/messages does not map has no stop reason there
+    assert msg["usage"] == {"input_tokens": 0, "output_tokens": 0} and msg["stop_reason"] is None
 
 
 def test_a_trailing_slash_still_reaches_chat_completions(aproxy, upstream):
@@ -283,3 +284,21 @@ def test_a_native_stream_ends_with_message_stop(aproxy):
     error = _named("error", {"error": {"type": "overloaded_error", "message": "overloaded"}})
     span = _native_span(aproxy, "m-late-err", "/v1/messages", [*NATIVE_ANSWER, error], {**REQ, "stream": True})
     assert span["error_kind"] == "malformed_response" and "overloaded" in span["error"]
+
+
+def test_a_tool_call_whose_arguments_are_not_json_fails_as_on_vllms_own_endpoint(aproxy, upstream):
+    """vLLM's ``/v1/messages`` fails an answer whose tool call arguments do not decode (a named tool
+    call cut by max_tokens) with HTTP 400; the proxy answered 200 with ``input: {}``, a call the
+    harness would run with no arguments. Its span is an error (the harness never got the answer it
+    records), never trained on."""
+    upstream.json({"id": "c1", "usage": {"prompt_tokens": 3, "completion_tokens": 4}, "choices": [{
+        "index": 0, "finish_reason": "length", "token_ids": [1, 2, 3, 4], "message": {
+            "role": "assistant", "content": None, "tool_calls": [
+                {"id": "t1", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "2+'}}]}}]})
+    r = _post(aproxy, "a-badargs", REQ)
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["type"] == "error" and "Unterminated string" in body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error"  # (the type every 400 of the proxy's Messages has)
+    span = _span(aproxy, "a-badargs")
+    assert span["error_kind"] == "malformed_response" and "HTTP 400" in span["error"], span["error"]

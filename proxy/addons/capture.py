@@ -23,6 +23,7 @@ from mitmproxy import http
 from mitmproxy.connection import ConnectionState
 
 from .. import fastjson
+from ..anthropic import untranslatable
 from ..assemble import MESSAGES, RESPONSES, assembler_for, behaviour_logprobs, token_fields, unfinished_response
 from ..codec import TooLarge, client_accepts, decode_body, json_text, utf8_text
 from ..lax import engine_flag
@@ -212,6 +213,9 @@ class Capture:
             response_json, kind, err = self._stream_result(call, resp.status_code)
         else:
             response_json, kind, err = self._body_result(call, resp)
+            if kind is None and call.api == MESSAGES and resp.status_code < 400:
+                err = untranslatable(call.response_obj)
+                kind = None if err is None else "malformed_response"  # the harness got the error instead
         if resp.status_code >= 400:
             kind = "upstream_status"
             body = (response_json or "")[:MAX_ERROR_BODY]

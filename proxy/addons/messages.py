@@ -5,8 +5,10 @@ Two hooks must sit on either side of the rewrite addon (which injects ``return_t
 small classes: :class:`MessagesRequest` (after capture, before rewrite) turns the Messages body into
 the chat request (``proxy/anthropic.py``) and wraps the relay so the harness gets Messages events;
 :class:`MessagesResponse` (after rewrite) turns a whole chat answer, or any error answer, into the
-Messages shape. The span keeps the Messages request as the harness sent it and the chat answer as
-upstream sent it (token ids and logprobs included), with ``endpoint = 'messages'``.
+Messages shape (a chat answer vLLM's own ``/v1/messages`` fails, a tool call whose arguments do
+not decode, gets the error it gives: ``anthropic.AnswerError``). The span keeps the Messages
+request as the harness sent it and the chat answer as upstream sent it (token ids and logprobs
+included), with ``endpoint = 'messages'``.
 
 A Messages call not routed to the pool (a hosted ``api.anthropic.com`` harness without a route) is
 forwarded untouched and recorded natively (no token ids). A body that is not a valid Messages request
@@ -21,6 +23,7 @@ from mitmproxy import http
 
 from ..anthropic import (
     MESSAGES,
+    AnswerError,
     EventStream,
     EventTranslator,
     MessagesError,
@@ -107,7 +110,11 @@ class MessagesResponse:
                     obj = None
             body = error_from(resp.status_code, obj, text)
         elif isinstance(call.response_obj, dict):
-            body = to_message(call.response_obj, call.model, _stops(call))
+            try:
+                body = to_message(call.response_obj, call.model, _stops(call))
+            except AnswerError as exc:  # vLLM's own /v1/messages fails such an answer too
+                json_answer(flow, exc.status, dumps(error_body(exc.status, f"lightning-proxy: {exc}")))
+                return
         else:
             return  # not JSON (capture recorded it as malformed): relayed as it came
         resp.headers.pop("Content-Encoding", None)  # first: setting .content encodes by this header
