@@ -294,8 +294,10 @@ class VLLMEngine:
         of requests still in the engine, as for :meth:`pause` (vLLM's default aborts them)."""
         self._call("POST", "/sleep", params={"level": level, "mode": mode})
 
-    def wake_up(self) -> None:
-        self._call("POST", "/wake_up")
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the engine (``tags``: only those parts, ``weights`` or ``kv_cache``). A full wake also
+        resumes vLLM's scheduler, whatever paused it; a partial one leaves it paused."""
+        self._call("POST", "/wake_up", params={"tags": tags} if tags else None)
 
     def _call(self, method: str, path: str, **kw) -> dict:
         try:

@@ -443,15 +443,16 @@ def message_id(chat_id: Any) -> str:
     return f"msg_{chat_id}" if isinstance(chat_id, str) and chat_id else f"msg_{uuid.uuid4().hex}"
 
 
-def untranslatable(chat: Any) -> str | None:
+def untranslatable(chat: Any) -> AnswerError | None:
     """Why no Messages answer can be made of this chat answer (the harness gets vLLM's error for it,
-    so its span is an error, never trained on), or None. Anything but an object is capture's to judge."""
+    so its span is an error, never trained on, with the status the harness got), or None. Anything
+    but an object is capture's to judge."""
     if not isinstance(chat, dict):
         return None
     try:
         to_message(chat, None)
     except AnswerError as exc:
-        return f"no Messages answer can be made of it (the harness got HTTP {exc.status}): {exc}"
+        return exc
     return None
 
 

@@ -41,7 +41,9 @@ from .keyshapes import mask_keys
 
 MASK = "[REDACTED]"
 MIN_SECRET_LEN = 8  # shorter values cannot be told from words; a credential that short is not one
-MAX_SECRETS = 64  # per call, of its other values (longest kept): thousands of cookies must not cost seconds
+# per call, of its other values (longest kept): thousands of cookies must not cost seconds; above what
+# addons/secrets.py keeps of a request (3 x 16, and 8 vendor header names x 2 values x 4 forms: 112)
+MAX_SECRETS = 128
 MAX_SPELLED_LEN = 4096  # longer values are masked in their raw spelling only
 PUBLIC_VALUES = frozenset({PLACEHOLDER_API_KEY})  # documented placeholders, not secrets
 JSON_COLUMNS = ("request_json", "response_json")
@@ -63,16 +65,18 @@ _ASCII_ESCAPE = re.compile(r"\\u00(?:2[5dDeE]|[3-7][0-9a-fA-F])")
 # ':' '/' '=' '{' of ordinary URLs (text with those alone is not parsed and searched: 4x the cost), or
 # of a '\' (``%5Cu0073`` decodes to ``\u0073``, then to 's')
 _ASCII_PERCENT_TAIL = r"(?:25)*(?:2[dDeE]|3[0-9]|4[1-9a-fA-F]|5[0-9aAcCfF]|6[1-9a-fA-F]|7[0-9aAeE])"
-# one raw piece of a run of key characters: a key character or any %XX (which decodes to one at most)
-_RUN_PIECE = r"(?:[A-Za-z0-9_.~-]|%[0-9a-fA-F]{2})"
+# one raw piece of a run of key characters: any %XX (which decodes to one character at most), a key
+# character, or a bare '%', which decoding may join with the escaped hex digits after it into a new
+# escape ('%%36%31' -> '%61' -> 'a'; '%6%31' likewise: found by review)
+_RUN_PIECE = r"(?:%[0-9a-fA-F]{2}|[A-Za-z0-9_.~%-])"
 # such a %XX with a piece right before or after it (a printf '%4d' has none: it is not looked at twice),
 # or any %XX right before a run as long as the shortest key shape (an AWS key id): decoded (``%3D``
 # '=', ``%0A``) it may give that key the boundary it lacks. One pattern, whose lookbehind comes after
 # the '%', so that the search jumps from '%' to '%' once
 _PERCENT_SUSPECT = re.compile(rf"%(?:(?P<before_key>[0-9a-fA-F]{{2}}[A-Za-z0-9_.~-]{{20}})"
-                              rf"|(?<=[A-Za-z0-9_.~-]%){_ASCII_PERCENT_TAIL}|{_ASCII_PERCENT_TAIL}(?={_RUN_PIECE}))")
+                              rf"|(?<=[A-Za-z0-9_.~%-]%){_ASCII_PERCENT_TAIL}|{_ASCII_PERCENT_TAIL}(?={_RUN_PIECE}))")
 _HEX = frozenset("0123456789abcdefABCDEF")
-_KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.~-")
+_KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.~-%")  # (a bare '%' too)
 MIN_CORE = 4  # a core shorter than this makes KnownSecrets.always true: such a set looks at every text
 # a \u escape of any character right before a run as long as a key: decoded (``\u000a`` a newline,
 # ``\u00e9``) it may give that key the boundary it lacks (as ``_PERCENT_SUSPECT``'s first branch)

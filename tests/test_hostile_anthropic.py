@@ -302,3 +302,4 @@ def test_a_tool_call_whose_arguments_are_not_json_fails_as_on_vllms_own_endpoint
     assert body["error"]["type"] == "invalid_request_error"  # (the type every 400 of the proxy's Messages has)
     span = _span(aproxy, "a-badargs")
     assert span["error_kind"] == "malformed_response" and "HTTP 400" in span["error"], span["error"]
+    assert span["status_code"] == 400  # what the harness got, as the column says

@@ -271,3 +271,18 @@ def test_junk_token_headers_cannot_crowd_a_vendors_credential_header_out(proxy):
     (span,) = read_spans(proxy)
     _assert_clean(span, gitlab, google, GATEWAY_KEY)
     assert json.loads(span["request_json"])["messages"][0]["content"] == f"$ env\nGITLAB={MASK}\nGOOGLE={MASK}"
+
+
+def test_a_basic_password_in_a_vendors_credential_header_stays_known(proxy):
+    """Found by review of the test above's fix: each vendor header name kept its 2 longest values after
+    expanding them, and a Basic value expands to 4 (value, base64, user:password, password): the password,
+    the shortest, was dropped, so a prompt echoing it was recorded in clear. Values are capped as sent,
+    then expanded."""
+    env = proxy.env_for("vendor-basic", api_key=GATEWAY_KEY)
+    password = "Zq8-hunter2-password-77"
+    basic = "Basic " + base64.b64encode(f"svc:{password}".encode()).decode()
+    prompt = {"model": "m", "messages": [{"role": "user", "content": f"the tool printed: password={password}"}]}
+    headers = {"Authorization": f"Bearer {GATEWAY_KEY}", "X-Auth-Token": basic}
+    assert _post(env["OPENAI_BASE_URL"] + "/chat/completions", prompt, headers)[0] == 200
+    (span,) = read_spans(proxy)
+    _assert_clean(span, password, GATEWAY_KEY)

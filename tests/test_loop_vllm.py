@@ -274,24 +274,30 @@ def _long_stream(url: str, out: dict) -> None:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 chunks += 1
+                out.setdefault("stamps", []).append(time.monotonic())
                 out["first"] = out.get("first") or time.monotonic()
     out.update(chunks=chunks, ended=time.monotonic())
 
 
 def _timed(fn, name: str, times: dict):
-    def timed(*args):
+    """``fn`` noting when it was called (``name``) and when it returned (``name`` + ' done')."""
+    def timed(*args, **kw):
         times[name] = time.monotonic()
-        return fn(*args)
+        try:
+            return fn(*args, **kw)
+        finally:
+            times[name + " done"] = time.monotonic()
     return timed
 
 
-def _swap_with_a_long_call(tmp_path, engine, model_dir, in_flight: str) -> tuple[dict, dict, list]:
+def _swap_with_a_long_call(tmp_path, engine, model_dir, in_flight: str, sleep: str = "auto") -> tuple[dict, dict, list]:
     """One real swap (engine attached, proxy started; the update a stand-in, the same weights
     reloaded) while a long streamed call generates; returns the swap's report, the call, its spans."""
     from types import SimpleNamespace
 
     tmp_path.mkdir()
-    cfg = load_config(make_run(tmp_path, engine, model_dir, **{"proxy.in_flight": in_flight}))
+    cfg = load_config(make_run(tmp_path, engine, model_dir, **{"proxy.in_flight": in_flight,
+                                                               "engine.sleep_on_update": sleep}))
     run = TrainingRun(cfg)
     run.prepare()
     run.progress = SimpleNamespace(update=lambda **k: None, print=lambda *a, **k: None, close=lambda: None)
@@ -299,7 +305,7 @@ def _swap_with_a_long_call(tmp_path, engine, model_dir, in_flight: str) -> tuple
         run.start_services()
         run.updater = SimpleNamespace(set_lr=lambda lr: None, update=lambda table: {}, save=lambda d, **kw: model_dir)
         times = {}
-        for name in ("pause", "resume"):  # when the engine stopped and started generating
+        for name in ("pause", "resume", "reload_weights"):  # when the engine stopped and started generating
             setattr(run.engine, name, _timed(getattr(run.engine, name), name, times))
         out: dict = {}
         url = run.proxy.env_for("long", 0)["OPENAI_BASE_URL"] + "/chat/completions"
@@ -311,6 +317,8 @@ def _swap_with_a_long_call(tmp_path, engine, model_dir, in_flight: str) -> tuple
             time.sleep(0.02)
         rep = run.swap(1, None, 0)
         call.join(300)
+        rep["chunks_before_new_weights"] = sum(times["pause done"] < t < times["reload_weights done"]
+                                               for t in out["stamps"])
         rep["call_ended"] = ("before the engine paused" if out["ended"] < times["pause"] else
                              "after the engine resumed" if out["ended"] > times["resume"] else "during the swap")
         deadline = time.monotonic() + 30
@@ -330,11 +338,19 @@ def test_keep_holds_only_the_swap_while_a_long_call_generates(tmp_path, restore_
     engine, model_dir = served
     rep, out, spans = _swap_with_a_long_call(tmp_path / "keep", engine, model_dir, "keep")
     assert rep["call_ended"] == "after the engine resumed", rep  # frozen through the swap, not waited for
+    assert rep["chunks_before_new_weights"] == 0, rep
     assert rep["time/drain_s"] == 0 and rep["proxy/in_flight_after_drain"] == 1 and rep["model_version"] == 1
     assert out["status"] == 200 and out["chunks"] > 300
     assert [(s["error_kind"], s["model_version"], len(s["response_token_ids"] or [])) for s in spans] == [
         ("version_changed", 0, 400)]
     assert not engine.is_paused()
+
+    # asleep for the update (as on a GPU): a full wake resumes vLLM's scheduler, so the weights wake,
+    # the reload runs, then the rest wakes (found by review: the kept call generated with the old
+    # weights between a full wake and the reload)
+    rep, out, spans = _swap_with_a_long_call(tmp_path / "asleep", engine, model_dir, "keep", sleep="always")
+    assert rep["call_ended"] == "after the engine resumed" and rep["chunks_before_new_weights"] == 0, rep
+    assert [(s["error_kind"], len(s["response_token_ids"] or [])) for s in spans] == [("version_changed", 400)]
 
     rep, out, spans = _swap_with_a_long_call(tmp_path / "drain", engine, model_dir, "drain")
     assert rep["call_ended"] == "before the engine paused" and rep["proxy/drained"] and rep["time/drain_s"] > 0, rep

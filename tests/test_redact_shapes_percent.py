@@ -51,14 +51,21 @@ def test_printf_heavy_code_stays_on_the_fast_path_with_the_slow_paths_output():
     assert r.scrub_json(doc, known) == _slow_path(r, doc, known) == (doc, False)
 
 
-_STYLES = ["%{x}", "%{xl}", "%25{x}", "%2525{x}", "%5Cu00{x}", "\\u00{x}"]
+# ... and two that only a second decode joins: a bare '%' before escaped hex digits ('%%36%31' and
+# '%6%31' both decode to '%61', then 'a': found by review)
+_STYLES = ["%{x}", "%{xl}", "%25{x}", "%2525{x}", "%5Cu00{x}", "\\u00{x}", "%%{x0h}%{x1h}", "%{x0}%{x1h}"]
 
 
 def _spell(rnd: random.Random, text: str) -> str:
     """Part of a secret as some encoder chain may leave it in a JSON string: one escape style, at a
     random rate (one style alone is what a pre-check blind to it misses)."""
     style, rate = rnd.choice(_STYLES), rnd.random()
-    return "".join(style.format(x=f"{ord(c):02X}", xl=f"{ord(c):02x}") if rnd.random() < rate else c for c in text)
+    return "".join(_styled(style, c) if rnd.random() < rate else c for c in text)
+
+
+def _styled(style: str, c: str) -> str:
+    x = f"{ord(c):02X}"
+    return style.format(x=x, xl=x.lower(), x0=x[0], x0h=f"{ord(x[0]):02X}", x1h=f"{ord(x[1]):02X}")
 
 
 def test_secrets_spelled_with_percent_escapes_are_masked_among_printf_formats():
@@ -68,7 +75,8 @@ def test_secrets_spelled_with_percent_escapes_are_masked_among_printf_formats():
     every = "".join(f"%{b:02X}" for b in SECRET.encode())
     spelled = [SECRET.replace("-", "%2D", 1), every, SECRET.replace("-", "%252D", 1),
                SECRET.replace("-", "%25252D", 1), SECRET.replace("-", "%5Cu002D", 1),
-               f"OPENAI_API_KEY%3D{KEY}&x=1", KEY.replace("-", "%2d", 1)]
+               f"OPENAI_API_KEY%3D{KEY}&x=1", KEY.replace("-", "%2d", 1),
+               "".join(_styled("%%{x0h}%{x1h}", c) for c in SECRET), "".join(_styled("%{x0}%{x1h}", c) for c in KEY)]
     for around in ("", code):  # alone in prose, and among printf formats
         for s in spelled:
             doc = _request(f"{around}\nGET /cb?state={s}&y=2\n{around}")

@@ -59,7 +59,8 @@ class TrainingRun:
 
     def _hook(self, point: str, step: int) -> None:
         """Extension point (tests, custom schedulers): ``self.hooks[point](run, step)``. Points:
-        'paused' (proxy paused and drained, vLLM paused; samples built, before the update)."""
+        'paused' (proxy paused and drained, or with ``proxy.in_flight: keep`` its calls in flight kept
+        frozen in vLLM; vLLM paused; samples built, before the update)."""
         fn = self.hooks.get(point)
         if fn is not None:
             fn(self, step)
@@ -236,8 +237,9 @@ class TrainingRun:
         self.progress.update(phase="pause+drain")
         ctl.pause()
         try:
-            if cfg.proxy.in_flight == "keep":
-                drain = {"waited_s": 0.0, "drained": False, "in_flight": ctl.state().get("in_flight", 0)}
+            if cfg.proxy.in_flight == "keep":  # 'drained': nothing was in flight to keep
+                in_flight = int(ctl.state().get("in_flight", 0) or 0)
+                drain = {"waited_s": 0.0, "drained": in_flight == 0, "in_flight": in_flight}
             else:
                 drain = ctl.drain(timeout=cfg.proxy.drain_timeout_s)
             rep["time/drain_s"] = float(drain.get("waited_s", time.monotonic() - t_pause))
@@ -294,9 +296,13 @@ class TrainingRun:
             self.proxy.control.set_model_version(new_version)
             # new weights into the engine, in place
             self.progress.update(phase="reload")
+            # a full wake resumes vLLM's scheduler: calls kept frozen would generate with the old weights
+            # (or, at sleep level 2, with none) until the reload. Kept: the weights first, the rest after it
             if sleep:
-                self.engine.wake_up()
+                self.engine.wake_up(tags=["weights"] if kept else None)
             rep["time/reload_s"] = self.engine.reload_weights(ckpt, kept=kept)
+            if sleep and kept:
+                self.engine.wake_up(tags=["kv_cache"])
         finally:
             if sleep and self.engine.is_sleeping():
                 self.engine.wake_up()

@@ -213,9 +213,12 @@ class Capture:
             response_json, kind, err = self._stream_result(call, resp.status_code)
         else:
             response_json, kind, err = self._body_result(call, resp)
-            if kind is None and call.api == MESSAGES and resp.status_code < 400:
-                err = untranslatable(call.response_obj)
-                kind = None if err is None else "malformed_response"  # the harness got the error instead
+        status = resp.status_code
+        whole_message = call.sse is None and call.api == MESSAGES and kind is None and status < 400
+        failed = untranslatable(call.response_obj) if whole_message else None
+        if failed is not None:  # the harness gets vLLM's error for it (addons/messages.py), not this answer
+            kind, status = "malformed_response", failed.status
+            err = f"no Messages answer can be made of it (the harness got HTTP {failed.status}): {failed}"
         if resp.status_code >= 400:
             kind = "upstream_status"
             body = (response_json or "")[:MAX_ERROR_BODY]
@@ -223,7 +226,6 @@ class Capture:
             err = f"{who} HTTP {resp.status_code}: {body}"
         if call.request_error:
             kind, err = "malformed_request", call.request_error + (f"; {err}" if err else "")
-        status = resp.status_code
         if kind == "too_large" and call.sse is None and not self._client_takes_coding(call, resp):
             status = 502  # the encoding addon answers 502 instead of expanding the bomb
         self._finish(flow, call, kind, err, response_json=response_json, status=status)

@@ -37,13 +37,15 @@ from mitmproxy import http
 from ..redact import MAX_SECRETS
 from ..state import META, MODEL, REWARD, Call
 
-MAX_COOKIE_SECRETS = MAX_HEADER_SECRETS = MAX_QUERY_SECRETS = 16  # per request, each (4 x 16 <= MAX_SECRETS)
+MAX_COOKIE_SECRETS = MAX_HEADER_SECRETS = MAX_QUERY_SECRETS = 16  # per request, each (see MAX_SECRETS)
 # credential headers that vendors define (Google, GitLab, OpenStack/Keystone, AWS session, Azure API
 # Management, Azure Functions, HashiCorp Vault, Cloudflare Access): a junk header of another name cannot
-# push their values out; each name keeps its PER_WELL_KNOWN_NAME longest (a real request sends one)
+# push their values out; each name keeps its PER_WELL_KNOWN_NAME longest as sent (a real request sends
+# one), each expanded after (a Basic value gives 4 forms, its password the shortest: found by review)
 WELL_KNOWN_HEADERS = ("x-goog-api-key", "private-token", "x-auth-token", "x-amz-security-token",
                       "ocp-apim-subscription-key", "x-functions-key", "x-vault-token", "cf-access-client-secret")
-PER_WELL_KNOWN_NAME = MAX_HEADER_SECRETS // len(WELL_KNOWN_HEADERS)  # (2: all of them together, 16)
+PER_WELL_KNOWN_NAME = 2
+assert 3 * 16 + len(WELL_KNOWN_HEADERS) * PER_WELL_KNOWN_NAME * 4 <= MAX_SECRETS  # the redactor keeps them all
 # the call's own keys: the redactor keeps them whatever else the call holds (the MAX_SECRETS longest:
 # a request holds no more real ones, and the cost stays bounded)
 KEY_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key", "api-key"})
@@ -104,7 +106,7 @@ def credentials(headers: http.Headers, query=None) -> tuple[set[str], set[str]]:
         elif low in KEY_HEADERS:
             keys |= {value.strip()} | from_authorization(value)
         elif low in well_known:
-            well_known[low] |= {value.strip()} | from_authorization(value)
+            well_known[low].add(value)  # capped as sent, then expanded (a Basic value's password is shorter)
         elif _CREDENTIAL_HEADER.search(low):
             others |= {value.strip()} | from_authorization(value)
     queried = {v for n, v in (query.items(multi=True) if query is not None else ()) if v and CREDENTIAL_QUERY.match(n)}
@@ -112,7 +114,8 @@ def credentials(headers: http.Headers, query=None) -> tuple[set[str], set[str]]:
     out = {*longest(others, MAX_HEADER_SECRETS), *longest(queried, MAX_QUERY_SECRETS),
            *longest(cookies, MAX_COOKIE_SECRETS)}
     for values in well_known.values():
-        out.update(longest(values, PER_WELL_KNOWN_NAME))
+        for value in longest(values, PER_WELL_KNOWN_NAME):
+            out |= {value.strip()} | from_authorization(value)
     # keys are bounded by the redactor's own limit only: a request cannot hold more real keys
     return {v for v in longest(keys, MAX_SECRETS) if v}, {v for v in out if v}
 
