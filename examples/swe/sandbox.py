@@ -39,7 +39,9 @@ What a command in the sandbox gets:
   is a bounded tmpfs (without this, a command parked gigabytes in memory past the `/tmp` bound);
 * the whole command tree's processes and memory (tmpfs pages included) in a cgroup of its own
   (`confined`) where one is writable: per-process rlimits bound neither a fork bomb nor many
-  processes of 1 GiB each;
+  processes of 1 GiB each. Where none is, the processes are still bounded, per sandbox, by
+  ``RLIMIT_NPROC`` set inside its user namespace (``with_process_cap``, Linux 5.14 or later), but
+  their total memory is not (``check`` warns);
 * the work folder's growth (`run_capped(..., workdir=)`: bytes and entries, polled every
   `WATCH_INTERVAL_S` while the command runs): `--fsize` bounds one file, not how many a command
   writes to the host disk. A command is killed once the folder passes `WORK_BYTES` or `WORK_FILES`,
@@ -58,7 +60,10 @@ import contextlib
 import errno
 import functools
 import itertools
+import logging
 import os
+import re
+import resource
 import shutil
 import signal
 import stat
@@ -78,6 +83,8 @@ TMP_BYTES = 256 << 20           # the private /tmp (memory-backed) holds at most
 MAX_OUTPUT_BYTES = 1 << 20      # of a command's output kept (observation and trajectory)
 SHM_BYTES = 64 << 20            # the private /dev/shm (memory-backed) holds at most this
 DEFAULT_PROCESSES = 512         # tasks (processes and threads) of one command tree (cgroup pids.max)
+SANDBOX_PROCESSES = 512         # ... and of one sandbox, cgroup or not (RLIMIT_NPROC inside it: with_process_cap)
+NPROC_PER_NAMESPACE = (5, 14)   # the first Linux counting RLIMIT_NPROC per user namespace, not per host uid
 TOTAL_MEMORY_BYTES = 2 << 30    # memory of one command tree, its tmpfs pages included (cgroup memory)
 WORK_BYTES = 256 << 20          # the work folder may hold this many bytes (polled; see the docstring) ...
 WORK_FILES = 20_000             # ... and this many entries
@@ -87,6 +94,7 @@ REFUSED = 126                   # run_capped's exit status for a command it did 
 # sandbox user and as large as half the RAM, becomes read-only
 SEAL = ["--remount-ro", "/"]
 SANDBOX_PATH_TAIL = "/usr/local/bin:/usr/bin:/bin"
+log = logging.getLogger("lightning.swe.sandbox")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -324,25 +332,63 @@ def host_ids() -> tuple[int, int] | None:
 
 def _binds(argv: list[str]) -> list[tuple[int, str]]:
     """(index of the source, option) of each bind of bubblewrap's own options in argv."""
+    return _bwrap_options(argv)[0]
+
+
+def _bwrap_options(argv: list[str]) -> tuple[list[tuple[int, str]], int]:
+    """(``_binds``, the index of the command's first word) of a sandbox argv: bubblewrap's options end at
+    ``--`` (``argv``) or at the first word that is not one (the harness's argv)."""
     start = next(i for i, a in enumerate(argv) if Path(a).name == "bwrap") + 1
     found, i = [], start
-    while i < len(argv) and argv[i] != "--" and argv[i].startswith("-"):  # (the command: after -- or the first word)
+    while i < len(argv) and argv[i] != "--" and argv[i].startswith("-"):
         if argv[i] not in _BWRAP_ARITY:
             raise ValueError(f"sandbox: bubblewrap option {argv[i]!r} is not known to the launcher (_BWRAP_ARITY)")
         if argv[i] in ("--bind", "--ro-bind"):
             found.append((i + 1, argv[i]))
         i += 1 + _BWRAP_ARITY[argv[i]]
-    return found
+    return found, i + 1 if i < len(argv) and argv[i] == "--" else i
+
+
+def with_process_cap(argv: list[str]) -> list[str]:
+    """The sandbox argv with ``prlimit --nproc=SANDBOX_PROCESSES`` run inside bubblewrap, just before the
+    command (unchanged if it is there already).
+
+    Why inside: a cgroup (``confined``) is the other bound on a command tree's processes, and where none
+    is writable (a harness run ``--run-as`` a user, a cgroup-v2 host whose leaf group delegates nothing)
+    one command forked 1,200 processes and could have forked until the host failed. Since Linux 5.14
+    the kernel counts ``RLIMIT_NPROC`` per user namespace, so set in the sandbox's own namespace it
+    bounds this sandbox alone; set on bubblewrap (outside that namespace) it would count every sandbox
+    of the host uid together, and concurrent rollouts would starve each other. Older kernels count it
+    per host uid wherever it is set (``check`` warns)."""
+    _, at = _bwrap_options(argv)
+    if at >= len(argv):
+        raise ValueError("sandbox: the argv names no command after bubblewrap's options")
+    hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]  # (never raised: the command could not start)
+    limit = SANDBOX_PROCESSES if hard == resource.RLIM_INFINITY else min(SANDBOX_PROCESSES, hard)
+    cap = [_inside_tool("prlimit"), f"--nproc={limit}", "--"]
+    if argv[at:at + len(cap)] == cap:
+        return list(argv)
+    return [*argv[:at], *cap, *argv[at:]]
+
+
+def _inside_tool(name: str) -> str:
+    """The path of a host tool as the sandbox sees it: only ``/usr`` (with ``/bin`` a link into it) is bound."""
+    path = str(Path(_tool(name)).resolve())
+    if not path.startswith("/usr/"):
+        raise SandboxUnavailable(f"{name} is at {path}, outside /usr: the sandbox cannot run it")
+    return path
 
 
 @contextlib.contextmanager
 def launch(argv: list[str]):
     """The full argument list that runs a sandbox argv (``env -i ... bwrap ...``): in fresh cgroups
-    (``confined``) and, when this process is root, as the unprivileged ``host_ids`` user. Its folders
+    (``confined``), its command under the per-sandbox process cap (``with_process_cap``: every sandboxed
+    command goes through here) and, when this process is root, as the unprivileged ``host_ids`` user. Its folders
     are then bound, as root, in a private mount namespace (``unshare``) at a staging folder that user
     can reach, and bubblewrap binds them from there. Before and after the command, each writable
     folder it binds is ``settle``d (given to that user; no setuid/setgid bit)."""
     ids = host_ids()
+    argv = with_process_cap(argv)
     writable = [argv[i] for i, opt in _binds(argv) if opt == "--bind"]
     stage, pairs, staged = None, [], list(argv)
     try:
@@ -450,11 +496,14 @@ def seccomp(argv: list[str]):
 def settle(folder: str | Path, ids: tuple[int, int] | None = None) -> int:
     """Give everything under folder (itself included, following no symlink) to ``ids`` (uid, gid) when
     given, and clear every setuid/setgid bit there; returns how many entries changed. Run on the
-    writable folder before and after each command (``launch``) and by the scorer.
+    writable folder before and after each command (``launch``) and by the scorer, as root.
 
-    Entries are reached relative to an open folder (``_Anchor``), never by a path past ``ANCHOR_PATH``
-    bytes: a command can nest folders past the kernel's 4,096-byte path bound (``mkdir`` and ``cd`` in a
-    loop), and a walk by full paths then failed there (ENAMETOOLONG), leaving a ``chmod 4755`` file kept."""
+    Each entry is reached by its own name from its folder's open descriptor (``_Anchor``), never by a
+    path of several names: a command can nest folders past the kernel's 4,096-byte path bound (a walk by
+    full paths then failed there, ENAMETOOLONG, leaving a ``chmod 4755`` file kept), and a folder on a
+    longer path swapped for a symlink mid-walk would lead the walk out of the folder onto the host. The
+    walk holds one descriptor per folder level it is below. Modes and owners change through a
+    descriptor, never by name (``_settle_one``)."""
     changed, stack = 0, [(_Anchor(None), str(folder))]
     while stack:
         anchor, rel = stack.pop()
@@ -468,9 +517,6 @@ def settle(folder: str | Path, ids: tuple[int, int] | None = None) -> int:
         finally:
             anchor.release()
     return changed
-
-
-ANCHOR_PATH = 1024  # longest path settle walks by before it opens the folder and goes on relative to it
 
 
 class _Anchor:
@@ -488,34 +534,52 @@ class _Anchor:
 
 
 def _children(anchor: _Anchor, rel: str) -> list[tuple[_Anchor, str]]:
-    """(anchor, path relative to it) of each entry of the folder ``rel`` (opened without following a
-    symlink); a long ``rel`` becomes the anchor of its entries."""
+    """(anchor, name) of each entry of the folder ``rel`` (opened without following a symlink), the
+    folder's own descriptor their anchor."""
     fd = os.open(rel, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=anchor.fd)
     try:
         names = os.listdir(fd)
     except BaseException:
         os.close(fd)
         raise
-    if len(os.fsencode(rel)) <= ANCHOR_PATH:
-        os.close(fd)
-        anchor.waiting += len(names)
-        return [(anchor, os.path.join(rel, name)) for name in names]
     below = _Anchor(fd, len(names))
     if not names:
         below.release()
     return [(below, name) for name in names]
 
 
+_SETID = stat.S_ISUID | stat.S_ISGID
+
+
 def _settle_one(dir_fd: int | None, rel: str, st: os.stat_result, ids: tuple[int, int] | None) -> int:
-    """Chown (when ids) and clear the setuid/setgid bits of one entry; how many of the two changed."""
-    changed = 0
-    if ids is not None and (st.st_uid, st.st_gid) != ids:
+    """Chown (when ids) and clear the setuid/setgid bits of one entry (``st``: what lstat saw); how many of
+    the two changed.
+
+    A regular file or folder is opened (``O_PATH | O_NOFOLLOW``) and changed through that descriptor, as
+    what ``fstat`` says it now is: by name, ``chmod`` follows a symlink, and a command that swapped a
+    ``chmod 4777`` file for a link to a host file between the lstat and the chmod had root make that host
+    file 0777. A symlink (or what became one) is never chmodded; any other entry only gets its own owner."""
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        if ids is None or (st.st_uid, st.st_gid) == ids:
+            return 0
         os.chown(rel, *ids, dir_fd=dir_fd, follow_symlinks=False)
-        changed += 1
-    if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
-        os.chmod(rel, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID), dir_fd=dir_fd)
-        changed += 1
-    return changed
+        return 1
+    fd = os.open(rel, os.O_PATH | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        now = os.fstat(fd)  # (O_NOFOLLOW with O_PATH: a symlink there now is opened itself, never its target)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not (stat.S_ISREG(now.st_mode)
+                                                                       or stat.S_ISDIR(now.st_mode)):
+            return 0  # swapped since the lstat: left to the next settle (launch runs one after the command)
+        path, changed = f"/proc/self/fd/{fd}", 0  # (an O_PATH descriptor takes no fchmod: its /proc link does)
+        if ids is not None and (now.st_uid, now.st_gid) != ids:
+            os.chown(path, *ids)
+            changed += 1
+        if now.st_mode & _SETID:
+            os.chmod(path, stat.S_IMODE(now.st_mode) & ~_SETID)
+            changed += 1
+        return changed
+    finally:
+        os.close(fd)
 
 
 # -- cgroups: the whole command tree's processes and memory -------------------------------------------
@@ -637,3 +701,27 @@ def check(secrets: tuple[Path, ...] = (Path(__file__).resolve().parent,)) -> Non
             hint = (f" (run as root, bubblewrap runs as host uid {ids[0]}: the Python installation must be readable "
                     "by it, and bubblewrap 0.8 or later is needed for --disable-userns)") if ids else ""
             raise SandboxUnavailable(f"bubblewrap failed ({proc.returncode}): {proc.stderr.strip()[-400:]}{hint}")
+    for warning in limit_warnings():
+        log.warning("sandbox: %s", warning)
+
+
+def limit_warnings(release: str | None = None) -> list[str]:
+    """What the sandbox cannot bound on this host (kernel ``release``, default this one's), each with its
+    consequence: ``check`` logs them. A command tree's total memory needs a writable memory cgroup
+    (rlimits bound one process's address space, not how many processes hold it), and the per-sandbox
+    process cap needs a kernel counting ``RLIMIT_NPROC`` per user namespace (``with_process_cap``)."""
+    warnings = []
+    if "memory" not in dict(cgroup_parents()):
+        warnings.append(
+            f"no writable memory cgroup: a command tree's total memory is NOT bounded (each process gets "
+            f"{DEFAULT_MEMORY_BYTES} bytes of address space, and up to {SANDBOX_PROCESSES} processes may hold "
+            "that much each), so one model command can exhaust the host's memory; run the harness where it "
+            "can make child cgroups (as root with cgroup v1, or in a v2 group that delegates memory)")
+    found = re.match(r"(\d+)\.(\d+)", release or os.uname().release)
+    if found and (int(found[1]), int(found[2])) < NPROC_PER_NAMESPACE:
+        warnings.append(
+            f"Linux {found[0]} counts RLIMIT_NPROC per host uid, not per user namespace: the cap of "
+            f"{SANDBOX_PROCESSES} processes is shared by every sandbox (and every other process) of the host "
+            "user bubblewrap runs as, so concurrent rollouts may be refused forks" +
+            ("" if "pids" in dict(cgroup_parents()) else ", and no pids cgroup bounds one sandbox alone"))
+    return warnings
