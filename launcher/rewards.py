@@ -9,15 +9,17 @@ non-finite is an error attached to the rollout, not a number.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
+import logging
 import os
 import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,8 @@ from lightning_harness.schemas.rewards import MAX_REWARD_BYTES, RewardError, par
 
 from .local import MAX_LOG_BYTES, launcher_env, open_log, open_regular, trim_to_tail
 from .proctree import finish_tree, start_tree
+
+log = logging.getLogger("lightning.launcher")
 
 MAX_REWARD_FILE = MAX_REWARD_BYTES  # a reward is a number and a little info; more is not a reward
 SCORER_TAIL = 1 << 16  # of a scorer's stdout only the end is read: its reward is the last line
@@ -43,6 +47,7 @@ class Reward:
     source: str  # 'command', 'api' (verifier rank); 'file', 'proxy' (self-reports)
     info: Mapping[str, Any] | None = None
     at: dt.datetime | None = None  # when it was reported (file: its mtime); orders reports of one rank
+    info_json: str | None = field(default=None, repr=False, compare=False)  # a stored row's info, not parsed yet
 
 
 def read_reward_file(path: Path) -> Reward | None:
@@ -153,18 +158,19 @@ class RewardsTable:
             except Exception:  # a foreign or broken file must not stop the batch; skip it
                 continue
             for r in rows:
-                self._add(r)
+                try:
+                    self._add(r)
+                except (TypeError, ValueError) as exc:  # a row no writer of ours makes: the others still count
+                    log.warning("rewards row skipped (%s: %s) in %s", type(exc).__name__, exc, path)
 
     def _add(self, r: dict) -> None:
+        """Keep the row if it is the latest of its attempt and source. Its info stays text here, parsed
+        for the report a lookup returns only (a flood of reports must not be parsed, nor one report of
+        odd nesting break the scan of the rows after it)."""
         source = r.get("source") or "proxy"  # unlabelled rows rank as self-reports
         by_source = self._latest.setdefault((r["rollout_id"], int(r["attempt"] or 0)), {})
-        info = None
-        if r.get("info_json"):
-            try:
-                info = json.loads(r["info_json"])
-            except json.JSONDecodeError:
-                info = {"raw": r["info_json"]}
-        by_source[source] = winner(Reward(float(r["reward"]), source, info, r["created_at"]), by_source.get(source))
+        report = Reward(float(r["reward"]), source, None, r["created_at"], info_json=r.get("info_json"))
+        by_source[source] = winner(report, by_source.get(source))
 
     def _flush(self, ended_mono: float) -> None:
         if self.flush_fn is None:
@@ -186,7 +192,18 @@ class RewardsTable:
             self._scan()
             by_source = self._latest.get((rollout_id, int(attempt)), {})
             hits = [hit for src, hit in by_source.items() if sources is None or src in sources]
-        return winner(*hits)
+        best = winner(*hits)
+        return best if best is None or not best.info_json else dataclasses.replace(
+            best, info=_info(best.info_json), info_json=None)
+
+
+def _info(text: str) -> Mapping[str, Any]:
+    """A stored report's info as its object; text that does not decode to one is kept as ``raw``."""
+    try:
+        info = json.loads(text)
+    except (ValueError, RecursionError):  # (RecursionError: nested deeper than the parser goes)
+        info = None
+    return info if isinstance(info, dict) else {"raw": text[:1000]}
 
 
 def winner(*rewards: Reward | None) -> Reward | None:

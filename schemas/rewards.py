@@ -33,6 +33,14 @@ MAX_REWARD = 1e15
 # A reward report's bytes (a reward file, a harness's POST, decoded): a number and a little info. Past it is
 # no reward: a 300 KB gzip POST that expanded to 300 MB held the proxy 3.5 GB and stalled every rollout 18 s.
 MAX_REWARD_BYTES = 1 << 16
+# Reward reports one attempt may POST to the proxy (the latest of a source wins, so one is all a harness
+# needs): past it, 429. Why: a harness posted 1,000 reports of 60 KB in 5 s, each stored, and the
+# launcher's reader then parsed them all while every attempt being judged waited (found by review).
+MAX_REWARD_POSTS = 16
+# How deep a reward's info may nest. A report nested ~980 deep passed the launcher's parse of the reward
+# file but not its later parse of the stored row (two frames deeper: RecursionError), which failed the
+# attempt being judged then, another rollout's, in every batch that read the row (found by review).
+MAX_INFO_DEPTH = 32
 
 
 def check_reward(value: Any, *, what: str = "reward") -> float:
@@ -54,7 +62,21 @@ def reward_from_object(obj: Any, *, what: str = "reward") -> tuple[float, dict |
         raise RewardError(f'{what} must be {{"reward": number, "info": {{...}}}}, got {obj!r}'[:200])
     if obj.get("info") is not None and not isinstance(obj["info"], dict):
         raise RewardError(f"{what} info must be a JSON object, got {type(obj['info']).__name__}")
+    if not _nested_within(obj.get("info"), MAX_INFO_DEPTH):
+        raise RewardError(f"{what} info nests deeper than {MAX_INFO_DEPTH} levels")
     return check_reward(obj["reward"], what=what), obj.get("info")
+
+
+def _nested_within(value: Any, limit: int) -> bool:
+    """Whether decoded JSON ``value`` nests at most ``limit`` containers deep (no recursion: any depth)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return False
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return True
 
 
 def parse_reward(text: str | bytes, *, what: str = "reward") -> tuple[float, dict | None]:

@@ -112,3 +112,35 @@ def test_a_reward_no_float_holds_is_a_clear_error_not_a_crashed_batch(tmp_path):
                        run_id="r")
     assert (row.state, row.reward) == ("no_reward", None)
     assert "within +-1e+15" in row.error
+
+
+def test_a_reward_nested_deep_fails_no_other_rollout(tmp_path):
+    """Found by review: a reward file whose info nested ~980 deep passed the reader of the file, was stored,
+    and then broke the launcher's parse of the stored row (two frames deeper: RecursionError): the attempt
+    being judged at that moment, another rollout's, failed, in this batch and in every later one reading
+    the row. Info past ``MAX_INFO_DEPTH`` is now refused (no reward, a clear error), and a stored row of
+    any nesting is read without breaking the scan."""
+    import sys
+
+    from lightning_harness.launcher.batch import run_batch
+    from lightning_harness.schemas.rewards import MAX_INFO_DEPTH
+
+    deep = ("import json, os; d = json.loads(os.environ['LIGHTNING_TASK']).get('depth', 0)\n"
+            "open(os.environ['LIGHTNING_REWARD_FILE'], 'w').write("
+            "'{\"reward\": 1.0, \"info\": {\"x\": ' + '[' * d + ']' * d + '}}' if d else '0.5')")
+    tasks = [{"id": "deep", "depth": 984}, {"id": "ok", "depth": MAX_INFO_DEPTH - 1}, {"id": "victim"}]
+    rows = {r.task_id: r for r in run_batch(tasks, [sys.executable, "-c", deep], traces_dir=tmp_path / "traces",
+                                            run_id="r", concurrency=1)}
+    assert (rows["deep"].state, rows["deep"].reward) == ("no_reward", None) and "nests deeper" in rows["deep"].error
+    assert (rows["ok"].state, rows["ok"].reward) == ("succeeded", 1.0)
+    assert (rows["victim"].state, rows["victim"].reward) == ("succeeded", 0.5)
+
+    # a row stored deeper than the parser goes (an older writer): skipped as info, the scan goes on
+    writer = PartWriter(tmp_path / "t2", "rewards", background=False)
+    writer.extend([{**_reward_row("r-a-0", 0, 1.0), "info_json": '{"x": ' + "[" * 100_000 + "]" * 100_000 + "}"},
+                   _reward_row("r-b-0", 0, 0.25)])
+    writer.flush()
+    table = RewardsTable(tmp_path / "t2")
+    assert table.lookup("r-b-0", 0).value == 0.25
+    got = table.lookup("r-a-0", 0)
+    assert got.value == 1.0 and list(got.info) == ["raw"]

@@ -191,7 +191,8 @@ def _stub_run(tmp_path, keep_last: int = 1):
     ck = tmp_path / "checkpoints"
     run = object.__new__(TrainingRun)
     run.run_dir, run.ckpt_dir, run.traces = tmp_path, ck, tmp_path / "traces"
-    run.cfg = SimpleNamespace(checkpoint=SimpleNamespace(keep_last=keep_last), proxy=SimpleNamespace(drain_timeout_s=1),
+    run.cfg = SimpleNamespace(checkpoint=SimpleNamespace(keep_last=keep_last),
+                              proxy=SimpleNamespace(drain_timeout_s=1, in_flight="drain"),
                               steps=5, eval=SimpleNamespace(every=1, after=True, success_threshold=0.5))
     step_dir(ck, 1).mkdir(parents=True)
     run.state = {"step": 1, "model_version": 1, "checkpoint": str(step_dir(ck, 1)), "base_model": str(tmp_path)}

@@ -98,6 +98,25 @@ def test_rewards_from_api_and_from_harness(proxy):
         ctl.reward("r-api", 0, float("nan"))
 
 
+def test_an_attempt_reports_its_reward_a_bounded_number_of_times(proxy):
+    """Found by review: one attempt posted 1,000 reports of 60 KB in 5 s, all stored, and the launcher's
+    reader then parsed them all while every attempt being judged waited. The latest report wins, so
+    ``MAX_REWARD_POSTS`` are plenty: past them, 429, nothing stored; other attempts are not affected. Info
+    nested past ``MAX_INFO_DEPTH`` is refused (400) like any report that is no reward."""
+    from lightning_harness.schemas.rewards import MAX_INFO_DEPTH, MAX_REWARD_POSTS
+
+    env, other = proxy.env_for("r-flood", 0), proxy.env_for("r-other", 0)
+    with httpx.Client(trust_env=False, timeout=60) as c:
+        deep = '{"reward": 1, "info": {"x": ' + "[" * MAX_INFO_DEPTH + "]" * MAX_INFO_DEPTH + "}}"
+        assert c.post(env["LIGHTNING_REWARD_URL"], content=deep).status_code == 400
+        codes = [c.post(env["LIGHTNING_REWARD_URL"], json={"reward": i / 100}).status_code
+                 for i in range(MAX_REWARD_POSTS + 3)]
+        assert codes == [200] * (MAX_REWARD_POSTS - 1) + [429] * 4, codes
+        assert c.post(other["LIGHTNING_REWARD_URL"], json={"reward": 0.5}).status_code == 200
+    rows = read_rewards(proxy)
+    assert sorted(r["rollout_id"] for r in rows) == ["r-flood"] * (MAX_REWARD_POSTS - 1) + ["r-other"]
+
+
 def test_control_api_requires_its_token(proxy):
     bad = ProxyControl(proxy.reverse_url, "wrong")
     with pytest.raises(ProxyError, match="401"):

@@ -14,6 +14,7 @@ answer as the proxy's.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
 import logging
@@ -25,7 +26,7 @@ from datetime import UTC, datetime
 from mitmproxy import http
 
 from ...schemas import BufferFull
-from ...schemas.rewards import MAX_REWARD_BYTES, RewardError, reward_from_object
+from ...schemas.rewards import MAX_REWARD_BYTES, MAX_REWARD_POSTS, RewardError, reward_from_object
 from ..codec import TooLarge, decode_body
 from ..credentials import InvalidId, check_attempt, check_model_version, check_rollout_id, log_safe
 from ..state import CONTROL, META, REWARD, ProxyState
@@ -40,6 +41,10 @@ class BadRequest(ValueError):
 
 class TooLargeReward(BadRequest):
     status = 413
+
+
+class TooManyRewards(BadRequest):
+    status = 429
 
 
 def _body(flow: http.HTTPFlow) -> dict:
@@ -73,16 +78,20 @@ def _object(raw: bytes) -> dict:
         return {}
     try:
         obj = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # (RecursionError: nested deeper than the parser goes)
         raise BadRequest(f"body is not JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise BadRequest("body must be a JSON object")
     return obj
 
 
+REMEMBERED_ATTEMPTS = 4096  # whose reward posts are counted (MAX_REWARD_POSTS; the oldest forgotten first)
+
+
 class Control:
     def __init__(self, state: ProxyState) -> None:
         self.state = state
+        self.reward_posts: collections.OrderedDict[tuple[str, int], int] = collections.OrderedDict()
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         """Refused on its headers without the control token: its body is then not wanted (read to
@@ -114,9 +123,21 @@ class Control:
     def _harness_reward(self, flow: http.HTTPFlow, call) -> None:
         if flow.request.method != "POST":
             return json_answer(flow, 405, {"error": "POST {\"reward\": number, \"info\": {...}}"})
+        self._count_reward_post(call.rollout_id, call.attempt)
         value, info = reward_from_object(_reward_body(flow))
         row = self.write_reward(call.rollout_id, call.attempt, value, info, "proxy", call.secrets, call.key_secrets)
         return json_answer(flow, 200, {"ok": True, "reward_id": row})
+
+    def _count_reward_post(self, rollout_id: str, attempt: int) -> None:
+        """Count one reward post of the attempt; past ``MAX_REWARD_POSTS``, refuse it (429)."""
+        key = (rollout_id, attempt)
+        n = self.reward_posts.pop(key, 0) + 1
+        self.reward_posts[key] = n
+        while len(self.reward_posts) > REMEMBERED_ATTEMPTS:
+            self.reward_posts.popitem(last=False)
+        if n > MAX_REWARD_POSTS:
+            raise TooManyRewards(f"an attempt may report its reward {MAX_REWARD_POSTS} times (the latest counts); "
+                                 f"this was report {n}")
 
     def _authorized(self, flow: http.HTTPFlow) -> bool:
         secret = self.state.config.control_secret
