@@ -450,29 +450,42 @@ def untranslatable(chat: Any) -> AnswerError | None:
     if not isinstance(chat, dict):
         return None
     try:
-        to_message(chat, None)
+        _tool_uses(_first_choice(chat)[1])  # (what to_message decodes; the rest of it cannot fail)
     except AnswerError as exc:
         return exc
     return None
 
 
+def _first_choice(chat: dict) -> tuple[dict, dict]:
+    """(choice, message) of a chat completion's first choice, ``{}`` for either that is missing."""
+    choices = _list(chat.get("choices"))
+    choice = choices[0] if choices and isinstance(choices[0], dict) else {}
+    return choice, choice.get("message") if isinstance(choice.get("message"), dict) else {}
+
+
+def _tool_uses(msg: dict) -> list[dict]:
+    """The ``tool_use`` blocks of a chat message's tool calls, their arguments decoded as vLLM's
+    ``/v1/messages`` decodes them (:func:`_answer_input`: raises :class:`AnswerError`)."""
+    blocks = []
+    for tc in _list(msg.get("tool_calls")):
+        if isinstance(tc, dict):
+            fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+            block, value = _tool_block(tc), _answer_input(fn.get("arguments"))
+            blocks.append(block if value is None else {**block, "input": value})  # (null: none, as vLLM's)
+    return blocks
+
+
 def to_message(chat: dict, model: str | None, stop: Any = None) -> dict:
     """A chat completion (token fields already stripped) as the Messages answer; raises
     :class:`AnswerError` where vLLM's ``/v1/messages`` fails the answer."""
-    choices = _list(chat.get("choices"))
-    choice = choices[0] if choices and isinstance(choices[0], dict) else {}
-    msg = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    choice, msg = _first_choice(chat)
     content: list[dict] = []
     reasoning = msg.get("reasoning_content") or msg.get("reasoning")
     if isinstance(reasoning, str) and reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": uuid.uuid4().hex})  # (as vLLM signs)
     if isinstance(msg.get("content"), str) and msg["content"]:
         content.append({"type": "text", "text": msg["content"]})
-    for tc in _list(msg.get("tool_calls")):
-        if isinstance(tc, dict):
-            fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
-            block, value = _tool_block(tc), _answer_input(fn.get("arguments"))
-            content.append(block if value is None else {**block, "input": value})  # (null: none, as vLLM's)
+    content += _tool_uses(msg)
     if not content:  # vLLM's (and Anthropic's) empty answer: one empty text block, not []
         content.append({"type": "text", "text": ""})
     used = any(block["type"] == "tool_use" for block in content)  # (each decoded: complete, as vLLM reads it)

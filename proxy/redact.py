@@ -32,6 +32,7 @@ import functools
 import json
 import os
 import re
+import string
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -58,7 +59,9 @@ _JSON_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})|\\/")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _PERCENT_ESCAPE = re.compile(r"%[0-9a-fA-F]{2}")  # what unquote decodes (it leaves any other % as is)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-_SAFE_RUN = re.compile(r"[A-Za-z0-9_.~-]+")
+# what a value's core and a key shape are made of: the characters no encoder rewrites (a '-' after it)
+_KEY_SET = "A-Za-z0-9_.~"
+_SAFE_RUN = re.compile(f"[{_KEY_SET}-]+")
 # \u escape of a char a core or key may hold, or of a '%' (the JSON string then holds a %XX to decode)
 _ASCII_ESCAPE = re.compile(r"\\u00(?:2[5dDeE]|[3-7][0-9a-fA-F])")
 # %XX (or %25XX: quoted twice or more) of a character a core or key may hold: [A-Za-z0-9_.~-], not the
@@ -68,19 +71,19 @@ _ASCII_PERCENT_TAIL = r"(?:25)*(?:2[dDeE]|3[0-9]|4[1-9a-fA-F]|5[0-9aAcCfF]|6[1-9
 # one raw piece of a run of key characters: any %XX (which decodes to one character at most), a key
 # character, or a bare '%', which decoding may join with the escaped hex digits after it into a new
 # escape ('%%36%31' -> '%61' -> 'a'; '%6%31' likewise: found by review)
-_RUN_PIECE = r"(?:%[0-9a-fA-F]{2}|[A-Za-z0-9_.~%-])"
+_RUN_PIECE = f"(?:%[0-9a-fA-F]{{2}}|[{_KEY_SET}%-])"
 # such a %XX with a piece right before or after it (a printf '%4d' has none: it is not looked at twice),
 # or any %XX right before a run as long as the shortest key shape (an AWS key id): decoded (``%3D``
 # '=', ``%0A``) it may give that key the boundary it lacks. One pattern, whose lookbehind comes after
 # the '%', so that the search jumps from '%' to '%' once
-_PERCENT_SUSPECT = re.compile(rf"%(?:(?P<before_key>[0-9a-fA-F]{{2}}[A-Za-z0-9_.~-]{{20}})"
-                              rf"|(?<=[A-Za-z0-9_.~%-]%){_ASCII_PERCENT_TAIL}|{_ASCII_PERCENT_TAIL}(?={_RUN_PIECE}))")
+_PERCENT_SUSPECT = re.compile(rf"%(?:(?P<before_key>[0-9a-fA-F]{{2}}[{_KEY_SET}-]{{20}})"
+                              rf"|(?<=[{_KEY_SET}%-]%){_ASCII_PERCENT_TAIL}|{_ASCII_PERCENT_TAIL}(?={_RUN_PIECE}))")
 _HEX = frozenset("0123456789abcdefABCDEF")
-_KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.~-%")  # (a bare '%' too)
+_KEY_CHARS = frozenset(string.ascii_letters + string.digits + "_.~-%")  # _RUN_PIECE's characters (a bare '%' too)
 MIN_CORE = 4  # a core shorter than this makes KnownSecrets.always true: such a set looks at every text
 # a \u escape of any character right before a run as long as a key: decoded (``\u000a`` a newline,
 # ``\u00e9``) it may give that key the boundary it lacks (as ``_PERCENT_SUSPECT``'s first branch)
-_U_ESCAPE_BEFORE_KEY = re.compile(r"\\u[0-9a-fA-F]{4}[A-Za-z0-9_.~-]{20}")
+_U_ESCAPE_BEFORE_KEY = re.compile(rf"\\u[0-9a-fA-F]{{4}}[{_KEY_SET}-]{{20}}")
 # JSON text that may be cut short: its strings (the closing quote may be missing), a key's colon
 # before a container value, and what a container scan steps over
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)

@@ -36,6 +36,16 @@ REWARD = "reward"  # a harness reporting its own reward
 OTHER = "other"  # any other traffic: forwarded untouched, not recorded
 
 
+
+def keep_newest(lru: collections.OrderedDict, key: Any, value: Any, limit: int) -> Any:
+    """``value`` set as ``lru``'s newest entry for ``key``, the oldest forgotten past ``limit`` entries:
+    the memories kept per attempt or per answer, which a long run must not grow without bound."""
+    lru.pop(key, None)
+    lru[key] = value
+    while len(lru) > limit:
+        lru.popitem(last=False)
+    return value
+
 @dataclass
 class Call:
     """What the addons know about one flow (``flow.metadata["lh"]``)."""

@@ -29,7 +29,7 @@ from ...schemas import BufferFull
 from ...schemas.rewards import MAX_REWARD_BYTES, MAX_REWARD_POSTS, RewardError, reward_from_object
 from ..codec import TooLarge, decode_body
 from ..credentials import InvalidId, check_attempt, check_model_version, check_rollout_id, log_safe
-from ..state import CONTROL, META, REWARD, ProxyState
+from ..state import CONTROL, META, REWARD, ProxyState, keep_newest
 from .answers import json_answer
 
 log = logging.getLogger("lightning.proxy")
@@ -131,10 +131,7 @@ class Control:
     def _count_reward_post(self, rollout_id: str, attempt: int) -> None:
         """Count one reward post of the attempt; past ``MAX_REWARD_POSTS``, refuse it (429)."""
         key = (rollout_id, attempt)
-        n = self.reward_posts.pop(key, 0) + 1
-        self.reward_posts[key] = n
-        while len(self.reward_posts) > REMEMBERED_ATTEMPTS:
-            self.reward_posts.popitem(last=False)
+        n = keep_newest(self.reward_posts, key, self.reward_posts.get(key, 0) + 1, REMEMBERED_ATTEMPTS)
         if n > MAX_REWARD_POSTS:
             raise TooManyRewards(f"an attempt may report its reward {MAX_REWARD_POSTS} times (the latest counts); "
                                  f"this was report {n}")

@@ -39,7 +39,7 @@ from ..credentials import log_safe
 from ..filters import make_model_restorer, make_responses_stripper, make_stripper
 from ..lax import engine_flag, engine_int, reads_as_bool
 from ..sse import SSERelay
-from ..state import META, MODEL, OTHER, Call, ProxyState
+from ..state import META, MODEL, OTHER, Call, ProxyState, keep_newest
 from .answers import json_answer, rewrite_failed
 from .routing import response_action
 
@@ -152,11 +152,7 @@ class StoredAnswers:
     def put(self, response_id: str, entry: tuple) -> None:
         if isinstance(entry[2], str) and len(entry[2]) > self.MAX_NAME:
             entry = (*entry[:2], None, *entry[3:])
-        key = self._key(response_id)
-        self.ids[key] = entry
-        self.ids.move_to_end(key)
-        if len(self.ids) > self.limit:
-            self.ids.popitem(last=False)
+        keep_newest(self.ids, self._key(response_id), entry, self.limit)
 
     def get(self, response_id: str) -> tuple | None:
         return self.ids.get(self._key(response_id))

@@ -35,7 +35,7 @@ import re
 from mitmproxy import http
 
 from ..redact import MAX_SECRETS
-from ..state import META, MODEL, REWARD, Call
+from ..state import META, MODEL, REWARD, Call, keep_newest
 
 MAX_COOKIE_SECRETS = MAX_HEADER_SECRETS = MAX_QUERY_SECRETS = 16  # per request, each (see MAX_SECRETS)
 # credential headers that vendors define (Google, GitLab, OpenStack/Keystone, AWS session, Azure API
@@ -86,6 +86,11 @@ def from_cookie(value: str) -> set[str]:
     return out
 
 
+def _forms(value: str) -> set[str]:
+    """A credential header's value and what it holds (an Authorization scheme's token, Basic decoded)."""
+    return {value.strip()} | from_authorization(value)
+
+
 def longest(values: set[str] | frozenset[str], n: int) -> list[str]:
     """The ``n`` longest of ``values``: what each cap on a call's credential values keeps."""
     return sorted(values, key=len, reverse=True)[:n]
@@ -104,18 +109,18 @@ def credentials(headers: http.Headers, query=None) -> tuple[set[str], set[str]]:
         if low == "cookie":
             cookies |= from_cookie(value)
         elif low in KEY_HEADERS:
-            keys |= {value.strip()} | from_authorization(value)
+            keys |= _forms(value)
         elif low in well_known:
             well_known[low].add(value)  # capped as sent, then expanded (a Basic value's password is shorter)
         elif _CREDENTIAL_HEADER.search(low):
-            others |= {value.strip()} | from_authorization(value)
+            others |= _forms(value)
     queried = {v for n, v in (query.items(multi=True) if query is not None else ()) if v and CREDENTIAL_QUERY.match(n)}
 
     out = {*longest(others, MAX_HEADER_SECRETS), *longest(queried, MAX_QUERY_SECRETS),
            *longest(cookies, MAX_COOKIE_SECRETS)}
     for values in well_known.values():
         for value in longest(values, PER_WELL_KNOWN_NAME):
-            out |= {value.strip()} | from_authorization(value)
+            out |= _forms(value)
     # keys are bounded by the redactor's own limit only: a request cannot hold more real keys
     return {v for v in longest(keys, MAX_SECRETS) if v}, {v for v in out if v}
 
@@ -137,13 +142,10 @@ class Secrets:
         if call.rollout_id is None:
             return frozenset(keys)
         ident = (call.rollout_id, call.attempt)
-        known = self._keys.pop(ident, frozenset()) | keys
+        known = self._keys.get(ident, frozenset()) | keys
         if len(known) > self.REMEMBERED_KEYS:
             known = frozenset(longest(known, self.REMEMBERED_KEYS))
-        self._keys[ident] = known
-        while len(self._keys) > self.REMEMBERED:
-            self._keys.popitem(last=False)
-        return known
+        return keep_newest(self._keys, ident, known, self.REMEMBERED)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(META)
