@@ -324,21 +324,7 @@ def test_a_folder_the_harness_cannot_list_counts_as_over_its_bounds():
 
 # ---------------------------------------------------------------- through the harness's own path
 
-DRIVE = '''
-import json, os, sys
-from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-os.environ.update(MSWEA_GLOBAL_CONFIG_DIR=sys.argv[3], MSWEA_CONFIGURED="true", MSWEA_SILENT_STARTUP="1",
-                  LITELLM_LOCAL_MODEL_COST_MAP="True")
-import harness
-workdir = Path(sys.argv[2])
-(workdir / "demo.py").write_text("x = 1\\n")
-agent = harness.build_agent(harness.load_config(harness.DEFAULT_CONFIG), workdir, "openai/x", None,
-                            "http://127.0.0.1:9/v1", None, "sk-test")
-for command in json.loads(sys.stdin.read()):
-    print(json.dumps(agent.env.execute({"command": command})), flush=True)
-agent.env.cleanup()
-'''
+DRIVE = ROOT / "tests" / "support" / "swe_drive.py"  # the harness's own command path
 
 
 @needs_root
@@ -351,11 +337,12 @@ def test_the_harness_commands_are_unprivileged_and_bounded(tmp_path):
     work.mkdir()
     (tmp_path / "probe.py").write_text(PROBE)
     shutil.copy(tmp_path / "probe.py", work / "probe.py")
+    (work / "demo.py").write_text("x = 1\n")
     commands = ["echo 'y = 2' >> demo.py && python probe.py && cp /usr/bin/python3 rootpy && chmod 4755 rootpy; "
                 "unshare -Ur true; echo unshare=$?",
                 "for i in $(seq 24); do fallocate -l 15M big$i || break; done; echo done",
                 "echo still-running"]
-    proc = subprocess.run([str(SWE_PY), "-B", "-c", DRIVE, str(SWE), str(work), str(tmp_path / "cfg")],
+    proc = subprocess.run([str(SWE_PY), "-B", str(DRIVE), str(SWE), str(work), str(tmp_path / "cfg")],
                           input=json.dumps(commands), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     first, second, third = (json.loads(line) for line in proc.stdout.splitlines()[-3:])

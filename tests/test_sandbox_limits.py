@@ -123,19 +123,7 @@ def test_the_cap_is_set_inside_the_sandbox_not_on_bubblewrap(tmp_path):
     assert (text, code) == (f"{sandbox.SANDBOX_PROCESSES}\n{sandbox.SANDBOX_PROCESSES}\n", 0)
 
 
-DRIVE = '''
-import json, os, sys
-sys.path.insert(0, sys.argv[1])
-os.environ.update(MSWEA_GLOBAL_CONFIG_DIR=sys.argv[3], MSWEA_CONFIGURED="true", MSWEA_SILENT_STARTUP="1",
-                  LITELLM_LOCAL_MODEL_COST_MAP="True")
-import harness
-harness.sandbox.cgroup_parents = lambda: ()  # (what an unprivileged harness finds)
-agent = harness.build_agent(harness.load_config(harness.DEFAULT_CONFIG), sys.argv[2], "openai/x", None,
-                            "http://127.0.0.1:9/v1", None, "sk-test")
-for command in json.loads(sys.stdin.read()):
-    print(json.dumps(agent.env.execute({"command": command})), flush=True)
-agent.env.cleanup()
-'''
+DRIVE = ROOT / "tests" / "support" / "swe_drive.py"  # the harness's own command path
 
 
 @needs_bwrap
@@ -147,7 +135,7 @@ def test_the_harness_commands_are_capped_without_any_cgroup(tmp_path):
     work.mkdir()
     (work / "flood.py").write_text(FLOOD)
     marker = f"5{os.getpid() % 1000}.56"
-    proc = subprocess.run([str(SWE_PY), "-B", "-c", DRIVE, str(SWE), str(work), str(tmp_path / "cfg")],
+    proc = subprocess.run([str(SWE_PY), "-B", str(DRIVE), str(SWE), str(work), str(tmp_path / "cfg"), "--no-cgroup"],
                           input=json.dumps([f"python flood.py {marker}", "echo next-ran"]), capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]

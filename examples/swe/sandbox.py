@@ -83,7 +83,7 @@ TMP_BYTES = 256 << 20           # the private /tmp (memory-backed) holds at most
 MAX_OUTPUT_BYTES = 1 << 20      # of a command's output kept (observation and trajectory)
 SHM_BYTES = 64 << 20            # the private /dev/shm (memory-backed) holds at most this
 DEFAULT_PROCESSES = 512         # tasks (processes and threads) of one command tree (cgroup pids.max)
-SANDBOX_PROCESSES = 512         # ... and of one sandbox, cgroup or not (RLIMIT_NPROC inside it: with_process_cap)
+SANDBOX_PROCESSES = DEFAULT_PROCESSES  # ... and of one sandbox, cgroup or not (RLIMIT_NPROC inside it)
 NPROC_PER_NAMESPACE = (5, 14)   # the first Linux counting RLIMIT_NPROC per user namespace, not per host uid
 TOTAL_MEMORY_BYTES = 2 << 30    # memory of one command tree, its tmpfs pages included (cgroup memory)
 WORK_BYTES = 256 << 20          # the work folder may hold this many bytes (polled; see the docstring) ...
@@ -710,8 +710,8 @@ def limit_warnings(release: str | None = None) -> list[str]:
     consequence: ``check`` logs them. A command tree's total memory needs a writable memory cgroup
     (rlimits bound one process's address space, not how many processes hold it), and the per-sandbox
     process cap needs a kernel counting ``RLIMIT_NPROC`` per user namespace (``with_process_cap``)."""
-    warnings = []
-    if "memory" not in dict(cgroup_parents()):
+    warnings, parents = [], dict(cgroup_parents())
+    if "memory" not in parents:
         warnings.append(
             f"no writable memory cgroup: a command tree's total memory is NOT bounded (each process gets "
             f"{DEFAULT_MEMORY_BYTES} bytes of address space, and up to {SANDBOX_PROCESSES} processes may hold "
@@ -723,5 +723,5 @@ def limit_warnings(release: str | None = None) -> list[str]:
             f"Linux {found[0]} counts RLIMIT_NPROC per host uid, not per user namespace: the cap of "
             f"{SANDBOX_PROCESSES} processes is shared by every sandbox (and every other process) of the host "
             "user bubblewrap runs as, so concurrent rollouts may be refused forks" +
-            ("" if "pids" in dict(cgroup_parents()) else ", and no pids cgroup bounds one sandbox alone"))
+            ("" if "pids" in parents else ", and no pids cgroup bounds one sandbox alone"))
     return warnings
