@@ -79,7 +79,7 @@ def run_one(work: Path, in_flight: str, a, model: Path, engine) -> dict:
         "drain_mean_s": mean("time/drain_s"), "swap_mean_s": sum(swap) / len(swap),
         "steps_meeting_target": sum(r["time/pause_s"] <= s + 1.0 for r, s in zip(reps, swap)),
         "steps": len(reps),
-        "calls_kept_in_flight": sum(r.get("proxy/in_flight_after_drain", 0) for r in reps),  # (drain: what it left)
+        "calls_in_flight_at_hold": sum(r.get("proxy/in_flight_after_drain", 0) for r in reps),  # (drain: left after it)
         "spans": len(spans),
         "spans_version_changed": sum(s["error_kind"] == "version_changed" for s in spans),
         "samples_trained": sum(r.get("update/samples_in", 0) for r in reps),
