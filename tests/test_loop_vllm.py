@@ -309,14 +309,16 @@ def _swap_with_a_long_call(tmp_path, engine, model_dir, in_flight: str, sleep: s
             setattr(run.engine, name, _timed(getattr(run.engine, name), name, times))
         out: dict = {}
         url = run.proxy.env_for("long", 0)["OPENAI_BASE_URL"] + "/chat/completions"
+        if in_flight == "keep":  # frozen in the engine before it is sent (queued there), so it is surely
+            run.engine.pause("keep")  # in flight when the swap begins: twice a loaded CI machine's test
+            # thread, polling for its first chunk, woke after all 400 tokens had come
         call = threading.Thread(target=_long_stream, args=(url, out))
         call.start()
         deadline = time.monotonic() + 120
-        while "first" not in out:
+        while ("first" not in out) if in_flight == "drain" else run.proxy.control.state()["in_flight"] < 1:
             assert time.monotonic() < deadline and call.is_alive(), out
             time.sleep(0.02)
-        if in_flight == "keep":  # frozen in the engine already, so it is surely in flight when the swap
-            run.engine.pause("keep")  # begins (a loaded CI machine once took longer than its 400 tokens)
+        time.sleep(0.2)  # (the proxy has sent it on: it reaches the engine, which queues it while paused)
         rep = run.swap(1, None, 0)
         call.join(300)
         rep["chunks_before_new_weights"] = sum(times["pause done"] < t < times["reload_weights done"]
@@ -333,10 +335,11 @@ def _swap_with_a_long_call(tmp_path, engine, model_dir, in_flight: str, sleep: s
 
 
 def test_keep_holds_only_the_swap_while_a_long_call_generates(tmp_path, restore_engine, served):
-    """``proxy.in_flight: keep``: a call generating when the update starts is frozen in the engine, not
-    waited for, so the hold is the swap alone; the call then ends whole (every token it asked for)
-    under the new weights, and its span says so (``version_changed``: never trained on). With the
-    default ``drain`` the same call holds the update until it ends, and is recorded as any call."""
+    """``proxy.in_flight: keep``: a call in flight when the update starts is kept frozen in the engine
+    (here queued there before it generates, so the test does not race the engine), not waited for,
+    so the hold is the swap alone; the call then ends whole (every token it asked for) under the new
+    weights, and its span says so (``version_changed``: never trained on). With the default ``drain``
+    a call generating when the update starts holds it until it ends, and is recorded as any call."""
     engine, model_dir = served
     rep, out, spans = _swap_with_a_long_call(tmp_path / "keep", engine, model_dir, "keep")
     assert rep["call_ended"] == "after the engine resumed", (rep, {k: v for k, v in out.items() if k != "stamps"})
