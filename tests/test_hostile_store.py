@@ -26,6 +26,7 @@ import pytest
 from fixtures_traces import span, write_traces
 
 from lightning_harness.schemas import TABLES, PartWriter, compact_table, finished_parts, read_table
+from lightning_harness.schemas.checked import replaced_parts
 from lightning_harness.schemas.parts import RAW_BYTES, write_part
 from lightning_harness.trainer.views import connect, define_views, past_damaged_parts
 
@@ -147,7 +148,7 @@ def _mode(p: Path) -> int:
 
 
 def _compacted(root: Path) -> Path:
-    (part,) = [p for p in spans_folder(root).glob("*.parquet") if "-c" in p.name]
+    (part,) = [p for p in spans_folder(root).glob("*.parquet") if replaced_parts(p)]
     return part
 
 

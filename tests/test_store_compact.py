@@ -24,6 +24,7 @@ from fixtures_traces import reward, rollout, span, write_traces
 from rich.console import Console
 
 from lightning_harness.schemas import PartWriter, compact_store, compact_table, finished_parts, read_table
+from lightning_harness.schemas.checked import replaced_parts
 from lightning_harness.trainer.samples import build_samples
 from lightning_harness.trainer.views import connect, define_views, past_damaged_parts
 
@@ -276,7 +277,7 @@ def test_the_proxy_compacts_its_tables(make_proxy, tmp_path):
         time.sleep(0.5)
     # each round merges what is new; a compacted part joins the next round once its inputs are gone
     parts = finished_parts(root, "spans")[0]
-    assert len(parts) <= 3 and any("-c" in p.name for p in parts)
+    assert len(parts) <= 3 and any(replaced_parts(p) for p in parts)
     assert len(span_ids(root)) == 12
 
 

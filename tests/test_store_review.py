@@ -22,6 +22,7 @@ import pytest
 from fixtures_traces import reward, span, write_traces
 
 from lightning_harness.schemas import TABLES, PartWriter, compact_store, compact_table, read_table, salvage
+from lightning_harness.schemas.checked import replaced_parts
 from lightning_harness.schemas.parts import write_part
 from lightning_harness.trainer.views import connect
 
@@ -164,7 +165,7 @@ def test_a_damaged_compacted_part_never_makes_its_inputs_compactable_again(tmp_p
     for i in range(2):
         write_traces(root, spans=[span(f"r{i}", k, [1], [2], request_json=os.urandom(200).hex()) for k in range(3)])
     assert compact_table(root, "spans", grace_s=300).parts_written == 1
-    (compacted,) = [p for p in _day(root, "spans").glob("*.parquet") if "-c" in p.name]
+    (compacted,) = [p for p in _day(root, "spans").glob("*.parquet") if replaced_parts(p)]
     _damage_data(compacted)
     assert read_table(root, "spans").num_rows == 6  # the compacted part is skipped, its inputs read instead
     again = compact_table(root, "spans", grace_s=300)
