@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from . import tokenchunk
 from .fastjson import dumps_bytes
 from .sse import emptied, emptied_bytes
 
@@ -93,9 +94,17 @@ def make_stripper(token_ids: bool, logprobs: bool, as_null: bool = False):
 
     if token_ids and logprobs:
         strip.cut = functools.partial(cut_chat_chunk, as_null=True) if as_null else cut_chat_chunk
+        strip.token_edit = functools.partial(_strip_token_chunk, b',"token_ids":null' if as_null else b"")
     else:
-        strip.cut = None
+        strip.cut = strip.token_edit = None
     return strip
+
+
+def _strip_token_chunk(ids: bytes, pieces: list[bytes]) -> None:
+    """``strip`` of a matched token chunk (``tokenchunk.parts``, edited in place): logprobs null, token
+    ids as ``ids`` (null, or gone). It has text, so the relay never drops it (``sse.emptied``)."""
+    pieces[tokenchunk.LOGPROBS] = b"null"
+    pieces[tokenchunk.TOKEN_IDS] = ids
 
 
 def _held_back(sent: dict, out: dict) -> dict:
@@ -252,7 +261,13 @@ def make_model_restorer(asked: str):
 
     value = dumps_bytes(asked)  # (UTF-8 whatever the name holds: escapes where it has no UTF-8 form)
     restore.cut = lambda payload: cut_chunk_model(payload, value)
+    restore.token_edit = functools.partial(_restore_token_chunk, value)
     return restore
+
+
+def _restore_token_chunk(value: bytes, pieces: list[bytes]) -> None:
+    """``restore`` of a matched token chunk (``tokenchunk.parts``, edited in place)."""
+    pieces[tokenchunk.MODEL] = value
 
 
 _MODEL = b',"model":"'

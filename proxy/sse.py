@@ -6,7 +6,8 @@ are kept for the span (parsed in batches: :meth:`SSERelay.settle`). With rewriti
 injected token ids / logprobs), only complete events can be rewritten, so a partial event waits
 for its end (never longer than the upstream takes to send it). An empty list, never ``b""``,
 means "nothing to send yet": ``b""`` ends an HTTP/1.1 body.
-The sink sees each event as upstream sent it: filters return rewritten copies and never change
+The sink sees each event as upstream sent it (a run of plain-text token chunks as the one chunk
+that holds them all, :func:`tokenchunk.merged`): filters return rewritten copies and never change
 the object they are given.
 """
 
@@ -16,7 +17,7 @@ import re
 import time
 from collections.abc import Callable
 
-from . import fastjson
+from . import fastjson, tokenchunk
 
 # A blank line ends an event; a line ends with CRLF, LF or CR (the SSE spec), so a line end followed
 # by another is one of these (the longest first where they start at the same byte). An end cut at
@@ -50,7 +51,9 @@ class SSERelay:
     (parsed at settle, in that loop); with filters, each event is parsed once as it arrives, and that
     object is held (filters return copies, so it is the event as upstream sent it), unless every
     filter can rewrite the event's bytes itself (``cut``: a vLLM chat token chunk, see
-    ``filters.cut_chat_chunk``): then the raw bytes are held, as without filters."""
+    ``filters.cut_chat_chunk``): then the raw bytes are held, as without filters. A chunk of plain
+    text as vLLM sends it (``tokenchunk.TOKEN_CHUNK``) is matched whole: every filter rewrites its
+    parts (``token_edit``), and a run of them reaches the sink as one chunk (``tokenchunk.merged``)."""
 
     SETTLE_EVERY = 256
 
@@ -62,7 +65,7 @@ class SSERelay:
         self.max_event = max_event
         self.buf = bytearray()
         self.scan = 0  # event ends before this offset were already looked for
-        self.pending: list[bytes | dict] = []  # events the sink has not had yet, in stream order
+        self.pending: list[bytes | dict | re.Match] = []  # events the sink has not had yet, in stream order
         self.done = False  # saw data: [DONE]
         self.oversize = False
         self.salvaged = False
@@ -71,6 +74,8 @@ class SSERelay:
         self.last_chunk: float | None = None
         self._cuts: list | None = None  # the filters' ``cut`` functions, when every one has one
         self._cuts_for = -1  # for how many filters _cuts was looked up
+        self._edits: list | None = None  # the filters' ``token_edit`` functions, when every one has one
+        self._edits_for = -1
 
     def __call__(self, chunk: bytes) -> bytes | list[bytes]:
         if not chunk:  # end of stream
@@ -87,6 +92,16 @@ class SSERelay:
         if self.oversize:
             return chunk
         buf = self.buf
+        if not buf and (edits := self._token_edits()) is not None:
+            m = tokenchunk.TOKEN_CHUNK.fullmatch(chunk)
+            if m is not None:  # a token of plain text, as vLLM sends it (held as the match)
+                self._hold(m)
+                if not edits:
+                    return chunk
+                pieces = tokenchunk.parts(m)
+                for edit in edits:
+                    edit(pieces)
+                return tokenchunk.joined(pieces)
         # the usual chunk: exactly one whole one-line `data:` event, as engines send them. It skips
         # the general scan below (which gives the same result for the same bytes, at more calls)
         if not buf and chunk[:5] == b"data:" and chunk.find(b"\n") == len(chunk) - 2 and chunk[-2:] == b"\n\n" \
@@ -129,16 +144,36 @@ class SSERelay:
     def settle(self) -> None:
         """Give the sink every event held so far (in order)."""
         pending, self.pending = self.pending, []
+        run: list[re.Match] = []  # token chunks in a row (tokenchunk): given as one
         for held in pending:
-            obj = held if type(held) is dict else self._json(held)  # a malformed event is reported here
-            if not isinstance(obj, dict):
+            if type(held) is re.Match:
+                run.append(held)
                 continue
-            self.events += 1
-            try:
-                self.on_event(obj)
-            except Exception as exc:  # an event of an unexpected shape must not break the relay
-                if self.on_error:
-                    self.on_error(f"SSE event not understood ({type(exc).__name__}: {exc}): {str(obj)[:200]!r}")
+            if run:
+                self._give_run(run)
+                run = []
+            self._give(held)
+        if run:
+            self._give_run(run)
+
+    def _give_run(self, run: list[re.Match]) -> None:
+        one = tokenchunk.merged(run) if len(run) > 1 else None
+        if one is None:  # one chunk, or a payload that is not JSON: each is parsed (and reported) alone
+            for m in run:
+                self._give(tokenchunk.payload(m))
+        else:
+            self._give(one, len(run))
+
+    def _give(self, held: bytes | dict, events: int = 1) -> None:
+        obj = held if type(held) is dict else self._json(held)  # a malformed event is reported here
+        if not isinstance(obj, dict):
+            return
+        self.events += events
+        try:
+            self.on_event(obj)
+        except Exception as exc:  # an event of an unexpected shape must not break the relay
+            if self.on_error:
+                self.on_error(f"SSE event not understood ({type(exc).__name__}: {exc}): {str(obj)[:200]!r}")
 
     def _overflow(self, chunk: bytes, out: bytes) -> bytes:
         """A partial event passed ``max_event``: stop parsing, relay everything from here on as is."""
@@ -221,6 +256,13 @@ class SSERelay:
                 return None
         return payload
 
+    def _token_edits(self) -> list | None:
+        """The filters' ``token_edit`` functions ([] without filters), or None where one has none."""
+        if self._edits_for != len(self.filters):  # (the list is live: looked up again if it grew)
+            edits = [getattr(f, "token_edit", None) for f in self.filters]
+            self._edits, self._edits_for = (None if None in edits else edits), len(self.filters)
+        return self._edits
+
     @staticmethod
     def _loads(payload: bytes):
         """orjson's parse, or None where it fails (the general path then decides and reports)."""
@@ -229,7 +271,7 @@ class SSERelay:
         except Exception:  # no orjson (AttributeError), not UTF-8, or a value orjson refuses
             return None
 
-    def _hold(self, event: bytes | dict) -> None:
+    def _hold(self, event: bytes | dict | re.Match) -> None:
         if self.done:  # an event after [DONE] is none of the answer's: the clients stop reading there
             return
         self.pending.append(event)

@@ -14,6 +14,7 @@ import random
 from lightning_harness.proxy.assemble import CHAT, StreamAssembler
 from lightning_harness.proxy.filters import cut_chat_chunk, make_model_restorer, make_stripper
 from lightning_harness.proxy.sse import SSERelay
+from lightning_harness.proxy.tokenchunk import TOKEN_CHUNK
 
 STRIP = make_stripper(token_ids=True, logprobs=True)
 STRIP_NULL = make_stripper(token_ids=True, logprobs=True, as_null=True)  # the pool's answers: vLLM's nulls
@@ -295,3 +296,80 @@ def test_a_last_event_without_its_blank_line_is_stripped_too():
         assert rest.endswith(tail) and rest.startswith(b"data: ") and rest == first[:len(first) - 2] + tail
         assert b"token_ids" not in rest and b'"policy"' not in rest
         assert relay.events == 2 and asm.result()["choices"][0]["token_ids"] == [42]  # (the first finish ends it)
+
+
+# -- a token of plain text, matched whole (tokenchunk) --------------------------------------------------
+
+
+def _token_chunk(rng: random.Random) -> dict:
+    """A chunk in the shape vLLM streams a token of plain text (tokenchunk.TOKEN_CHUNK), the model's
+    text in every string, one to three tokens (a loaded engine sends several in one chunk)."""
+    n = rng.randint(1, 3)
+    entry = lambda: {"token": _text(rng), "logprob": rng.choice([-0.5, -1e-7, 0.0, -23.25, -9999.0]),  # noqa: E731
+                     "bytes": rng.choice([None, [104, 105], []]), "top_logprobs": []}
+    choice = {"index": 0, "delta": {"content": _text(rng)},
+              "logprobs": None if rng.random() < 0.2 else {"content": [entry() for _ in range(n)]},
+              "finish_reason": None}
+    if rng.random() < 0.5:
+        choice["stop_reason"] = None
+    choice["token_ids"] = [rng.randint(0, 200000) for _ in range(n)]
+    return {"id": f"chatcmpl-{_text(rng)}", "object": "chat.completion.chunk", "created": rng.randint(0, 2**40),
+            "model": rng.choice(["m", "qwen/Qwen3-0.6B", _text(rng)]), "choices": [choice]}
+
+
+def test_a_token_chunk_is_matched_whole_and_rewritten_as_the_cut_and_the_parse_rewrite_it():
+    rng = random.Random(5)
+    restore = make_model_restorer('é"gpt')
+    for n in range(3000):
+        obj = _token_chunk(rng)
+        raw = _dump(obj, ascii_only=n % 2 == 0)
+        m = TOKEN_CHUNK.fullmatch(b"data: " + raw + b"\n\n")
+        assert m is not None, raw
+        for filters, cut in (([STRIP], cut_chat_chunk(raw)), ([STRIP_NULL], cut_chat_chunk(raw, as_null=True)),
+                             ([STRIP, restore], cut_chat_chunk(raw) and restore.cut(cut_chat_chunk(raw))),
+                             ([restore], restore.cut(raw))):
+            got = SSERelay(lambda e: None, filters)(b"data: " + raw + b"\n\n")
+            parsed = obj
+            for f in filters:
+                parsed = f(parsed)
+            assert json.loads(got[6:-2]) == parsed and got.endswith(b"}]}\n\n"), raw
+            assert cut is None or got == b"data: " + cut + b"\n\n"  # vLLM's bytes, as the cut writes them
+        assert SSERelay(lambda e: None, [])(b"data: " + raw + b"\n\n") == b"data: " + raw + b"\n\n"
+    for other in ({"delta": {"content": "x", "role": "assistant"}}, {"finish_reason": "stop"}, {"token_ids": []},
+                  {"logprobs": {"content": []}}, {"stop_reason": 7}, {"index": 1}):
+        obj = _token_chunk(rng)
+        obj["choices"][0].update(other)
+        assert TOKEN_CHUNK.fullmatch(b"data: " + _dump(obj, True) + b"\n\n") is None, other
+    obj = _token_chunk(rng)
+    for odd in (b'"logprob":NaN', b'"logprob":01', b' "content"'):  # not JSON, or not vLLM's spelling
+        raw = _dump(obj, True).replace(b'"logprob":', odd[:-2] if odd.startswith(b'"logprob"') else b'"logprob":', 1)
+        raw = raw.replace(b'"logprob":-', odd + b"-", 1) if odd.startswith(b'"logprob"') else raw.replace(
+            b'"content"', odd, 1)
+        assert TOKEN_CHUNK.fullmatch(b"data: " + raw + b"\n\n") is None, raw
+
+
+def test_a_run_of_token_chunks_reaches_the_span_as_the_chunks_would_one_by_one():
+    """The assembler gets a run of matched chunks as one (tokenchunk.merged): the span's answer, the
+    event count and the errors are those of the parsing path, with other chunks between runs, a
+    finish that ends the answer, chunks after it, and a matched chunk that is not JSON (its run is
+    then parsed chunk by chunk, and that one reported)."""
+    rng = random.Random(6)
+    first = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "prompt_token_ids": [1, 2],
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}]}
+    bad = _dump(_token_chunk(rng), True).replace(b'"created":', b'"created":0', 1)  # 0123: not JSON
+    for trial in range(40):
+        chunks = [_dump(first, trial % 2 == 0)]
+        for _ in range(rng.randint(1, 600)):
+            pick = rng.random()
+            chunks.append(bad if pick < 0.01 else _dump(_token_chunk(rng) if pick < 0.85 else _chunk(rng), False))
+        runs = []
+        for filters in ([STRIP_NULL, make_model_restorer("gpt-4o")], [lambda o: STRIP_NULL(o)]):
+            asm, errors = StreamAssembler(CHAT), []
+            relay = SSERelay(asm.add, filters, on_error=errors.append)
+            for e in _stream(chunks):
+                relay(e)
+            relay(b"")
+            runs.append((json.loads(json.dumps(asm.result())), errors, relay.events, relay.done, relay.salvaged))
+        assert runs[0] == runs[1]
+        assert len(runs[0][1]) == chunks.count(bad)  # each malformed one reported once

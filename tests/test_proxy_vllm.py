@@ -53,6 +53,7 @@ def test_vllm_stream_chunks_are_cut_as_bytes(vllm_engine):
     import urllib.request
 
     from lightning_harness.proxy.filters import cut_chat_chunk, make_model_restorer, make_stripper
+    from lightning_harness.proxy.tokenchunk import TOKEN_CHUNK
 
     body = {"model": vllm_engine.served_name, "messages": MSG, "max_tokens": 8, "temperature": 0, "stream": True,
             "return_token_ids": True, "logprobs": True, "ignore_eos": True}  # (8 tokens, whatever the model says)
@@ -70,6 +71,10 @@ def test_vllm_stream_chunks_are_cut_as_bytes(vllm_engine):
     for raw, got in zip(events[1:-1], cut[1:-1]):
         assert json.loads(got) == strip(json.loads(raw))
         assert json.loads(restore.cut(got)) == restore(strip(json.loads(raw)))
+    # a token of plain text is matched whole (tokenchunk): every chunk with only text in its delta
+    plain = [e for e in events if set(json.loads(e)["choices"][0]["delta"]) == {"content"}
+             and json.loads(e)["choices"][0]["finish_reason"] is None]
+    assert plain and all(TOKEN_CHUNK.fullmatch(b"data: " + e + b"\n\n") for e in plain), plain
 
 
 def test_vllm_responses_api_captured_with_token_ids(make_proxy, vllm_engine, tiny_model_dir, openai_from_env):
