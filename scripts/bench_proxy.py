@@ -23,6 +23,7 @@ opened before the clock starts) so that it costs far less CPU than the proxy it 
     .venv/bin/python scripts/bench_proxy.py --quick    # ~30 s smoke run
     .venv/bin/python scripts/bench_proxy.py --only-plain   # just the proxy vs plain mitmproxy table
     .venv/bin/python scripts/bench_proxy.py --only-plain --bare --seconds 3 --rounds 5   # + where the SSE gap is
+    .venv/bin/python scripts/bench_proxy.py --only-plain --bare --together --rounds 7    # a busy machine: both at once
 """
 
 from __future__ import annotations
@@ -224,10 +225,25 @@ def measure(target: Target, pid: int, concurrency: int, seconds: float, body: by
     return x
 
 
+def measure_together(sides: list[tuple[Target, int, bytes]], concurrency: int, seconds: float) -> list[dict]:
+    """Every side (target, pid, body) loaded at the same time for ``seconds``, each with the CPU its
+    process spent: all see the same moment of a shared machine, so load from elsewhere hits them
+    alike (each gets less CPU than alone: compare them with each other, not with a run in turns)."""
+    async def run() -> list[dict]:
+        return await asyncio.gather(*(run_load(t, concurrency, seconds=seconds, body=b) for t, _, b in sides))
+
+    before = [cpu_seconds(pid) for _, pid, _ in sides]
+    got = asyncio.run(run())
+    for x, (_, pid, _), cpu0 in zip(got, sides, before):
+        x["cpu_ms_per_req"] = 1000 * (cpu_seconds(pid) - cpu0) / max(1, x["requests"])
+    return got
+
+
 def plain_comparison(a, proxy_target: Target, proxy_pid: int, plain: PlainMitmproxy, bodies: dict,
                      bare: tuple[Target, int] | None = None) -> list[dict]:
     """The proxy vs plain mitmproxy, alternating (plain, proxy) ``--rounds`` times per case so
-    that load from other processes on the machine hits both alike; the median round counts.
+    that load from other processes on the machine hits both alike (``--together``: both loaded at
+    once each round, which narrows the spread much more); the median round counts.
     ``bare``: a second proxy with token-id injection off (target, pid), for the "SSE, nothing injected"
     row: the same small stream as plain mitmproxy, capture and recording only, no stripping."""
     plain_target = Target(plain.url)
@@ -249,8 +265,14 @@ def plain_comparison(a, proxy_target: Target, proxy_pid: int, plain: PlainMitmpr
     for kind, c, plain_body, proxy_body, (target, pid) in cases:
         rounds = {"plain": [], "proxy": []}
         for _ in range(a.rounds):
-            rounds["plain"].append(measure(plain_target, plain.pid, c, a.seconds, bodies[plain_body]))
-            rounds["proxy"].append(measure(target, pid, c, a.seconds, bodies[proxy_body]))
+            if a.together:
+                sides = [(plain_target, plain.pid, bodies[plain_body]), (target, pid, bodies[proxy_body])]
+                b, x = measure_together(sides, c, a.seconds)
+            else:
+                b = measure(plain_target, plain.pid, c, a.seconds, bodies[plain_body])
+                x = measure(target, pid, c, a.seconds, bodies[proxy_body])
+            rounds["plain"].append(b)
+            rounds["proxy"].append(x)
         point = {"case": kind, "concurrency": c}
         for who, xs in rounds.items():
             point[who] = {key: sorted(x[key] for x in xs)[len(xs) // 2]
@@ -280,6 +302,8 @@ def main() -> int:
     ap.add_argument("--sse-concurrency", type=int, default=16)
     ap.add_argument("--plain-json-concurrency", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per case vs plain mitmproxy (median)")
+    ap.add_argument("--together", action="store_true",
+                    help="vs plain mitmproxy: load both at once each round, not in turns (a noisy machine)")
     ap.add_argument("--no-plain", action="store_true", help="skip the comparison with plain mitmproxy")
     ap.add_argument("--only-plain", action="store_true", help="only the comparison with plain mitmproxy")
     ap.add_argument("--bare", action="store_true",
@@ -303,7 +327,8 @@ def main() -> int:
     stub = StubServer(work)
     plain: PlainMitmproxy | None = None
     proxies: list[ProxyProcess] = []
-    results: dict = {"points": [], "config": vars(a)}
+    results: dict = {"points": [], "config": {**vars(a), "how": "rounds loading both at once" if a.together
+                                               else "alternating rounds"}}
     try:
         def start_proxy(i: int, inject: bool = not a.no_inject) -> ProxyProcess:
             p = ProxyProcess(work / f"traces-{i}", upstreams=[stub.url], route_hosts=["api.openai.com"],
@@ -414,7 +439,7 @@ def main() -> int:
 
 def report_plain(out: Console, res: dict) -> None:
     t = Table(title="lightning-proxy vs plain mitmproxy (mitmdump, event streams streamed), same stub, median of "
-                    f"{res['config']['rounds']} alternating rounds (ratios: of the medians, then the lowest "
+                    f"{res['config']['rounds']} {res['config']['how']} (ratios: of the medians, then the lowest "
                     "and highest of one round's pair)")
     for col in ("case", "conc", "plain req/s", "proxy req/s", "plain CPU ms/req", "proxy CPU ms/req", "CPU ratio",
                 "plain p50", "proxy p50", "p50 ratio", "plain TTFB", "proxy TTFB", "TTFB ratio", "errors"):

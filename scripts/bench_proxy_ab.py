@@ -25,7 +25,6 @@ holds KB kilobytes of source code (this repository's), as an agent resends the f
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import json
 import os
@@ -40,7 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
 
-from bench_proxy import Target, cpu_seconds, load, measure, rss_mib, run_load  # noqa: E402
+from bench_proxy import Target, load, measure, measure_together, rss_mib  # noqa: E402
 
 from lightning_harness.proxy.client import ProxyProcess  # noqa: E402
 from lightning_harness.proxy.config import parse_pairs  # noqa: E402
@@ -94,12 +93,8 @@ def request_body(sse_tokens: int, context_kb: int) -> bytes:
 
 def together(targets: dict, procs: dict, concurrency: int, seconds: float, body: bytes) -> dict[str, float]:
     """CPU per request of every side, all loaded at once for ``seconds``."""
-    async def run() -> list[dict]:
-        return await asyncio.gather(*(run_load(t, concurrency, seconds=seconds, body=body) for t in targets.values()))
-
-    before = {n: cpu_seconds(p.pid) for n, p in procs.items()}
-    got = asyncio.run(run())
-    return {n: 1000 * (cpu_seconds(procs[n].pid) - before[n]) / max(1, x["requests"]) for n, x in zip(targets, got)}
+    got = measure_together([(targets[n], p.pid, body) for n, p in procs.items()], concurrency, seconds)
+    return {n: x["cpu_ms_per_req"] for n, x in zip(procs, got)}
 
 
 def main() -> int:
