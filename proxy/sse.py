@@ -93,7 +93,7 @@ class SSERelay:
             return chunk
         buf = self.buf
         if not buf and (edits := self._token_edits()) is not None:
-            m = tokenchunk.TOKEN_CHUNK.fullmatch(chunk)
+            m = tokenchunk.match(chunk)
             if m is not None:  # a token of plain text, as vLLM sends it (held as the match)
                 self._hold(m)
                 if not edits:

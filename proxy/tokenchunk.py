@@ -10,9 +10,14 @@ vLLM (pydantic's compact JSON, its field order) streams such a token as::
 
 Why a match has that structure whatever the model wrote: a JSON string runs to the first ``"`` no
 backslash escapes, which ``STRING`` follows exactly, and every other byte of the pattern is literal
-structure or a number. A match may still not be valid JSON (a raw control character, a bad escape):
-:func:`merged` parses every payload of a run and gives up on the run where one fails, and the relay
-then parses its events one at a time, reporting the malformed one as ever.
+structure or a number. The pattern is JSON's own grammar for what it covers (no raw control
+character or bad escape in a string, no leading zero in a number), and :func:`match` also wants
+UTF-8, so a matched event is valid JSON text: what the filters cut out of it (a logprob's token, the
+model) can never have been what made it malformed, so the client never gets a clean event whose
+text the span refuses. What a parser may still refuse (a lone surrogate escape, a number past 64
+bits or a double) is valid JSON: :func:`merged` then gives up on the run and the relay parses its
+events one at a time, as it parses any other event. The quantifiers are possessive: a long chunk
+that fails near its end costs one pass, not a backtrack over every byte.
 
 Measured (``scripts/bench_proxy_ab.py``): the parts the relay rewrites byte by byte
 (``filters.cut_chat_chunk``) and the assembler's work per event were ~0.5 ms of a 50-token streamed
@@ -22,22 +27,45 @@ tool calls; reasoning; the last, with its finish reason and usage) takes the gen
 
 from __future__ import annotations
 
+import json
 import re
 
 from . import fastjson
 
-STRING = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
-NUMBER = rb"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?"
+STRING = rb'"[^"\\\x00-\x1f]*+(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*+)*+"'
+NUMBER = rb"-?(?:0|[1-9]\d*+)(?:\.\d++)?+(?:[eE][-+]?\d++)?+"
+_INT = rb"(?:0|[1-9]\d*+)"
 _ENTRY = (rb'\{"token":' + STRING + rb',"logprob":' + NUMBER
-          + rb',"bytes":(?:null|\[(?:\d+(?:,\d+)*)?\]),"top_logprobs":\[\]\}')
+          + rb',"bytes":(?:null|\[(?:' + _INT + rb"(?:," + _INT + rb')*+)?+\]),"top_logprobs":\[\]\}')
 # groups: 1 the head up to the model's value, 2 the model, 3 the choice up to its logprobs' value,
 # 4 that value, 5 finish_reason (and stop_reason), 6 the token ids' digits
 TOKEN_CHUNK = re.compile(
-    rb'data: (\{"id":' + STRING + rb',"object":"chat\.completion\.chunk","created":\d+,"model":)(' + STRING + rb")"
+    rb'data: (\{"id":' + STRING + rb',"object":"chat\.completion\.chunk","created":' + _INT + rb',"model":)('
+    + STRING + rb")"
     rb'(,"choices":\[\{"index":0,"delta":\{"content":' + STRING + rb'\},"logprobs":)'
-    rb'(null|\{"content":\[' + _ENTRY + rb"(?:," + _ENTRY + rb")*\]\})"
-    rb'(,"finish_reason":null(?:,"stop_reason":null)?),"token_ids":\[(\d+(?:,\d+)*)\]\}\]\}\n\n')
+    rb'(null|\{"content":\[' + _ENTRY + rb"(?:," + _ENTRY + rb")*+\]\})"
+    rb'(,"finish_reason":null(?:,"stop_reason":null)?+),"token_ids":\['
+    rb"(" + _INT + rb"(?:," + _INT + rb")*+)" rb"\]\}\]\}\n\n")
 MODEL, LOGPROBS, TOKEN_IDS = 1, 3, 5  # the parts (below) a filter replaces
+# a token's chunk is a few hundred bytes (several tokens in one under load): a longer chunk is not tried,
+# so a hostile upstream's megabyte chunks cost the general path alone, not a pass of the pattern first
+MAX_BYTES = 16384
+
+
+def match(chunk: bytes) -> re.Match | None:
+    """``chunk`` (one whole SSE event) matched as a token chunk, or None: not that shape, longer than
+    ``MAX_BYTES``, or not UTF-8 (such an event is parsed with replacement characters and the span
+    marked salvaged)."""
+    if len(chunk) > MAX_BYTES:
+        return None
+    m = TOKEN_CHUNK.fullmatch(chunk)
+    if m is None or chunk.isascii():
+        return m
+    try:
+        chunk.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return m
 
 
 def parts(m: re.Match) -> list[bytes]:
@@ -59,14 +87,19 @@ def payload(m: re.Match) -> bytes:
 def merged(run: list[re.Match]) -> dict | None:
     """One chunk holding the run's text, logprob entries and token ids, in order: what the assembler
     makes of the run chunk by chunk (the first chunk's id, created and model, as there: the first
-    value of each wins). None when a payload is not JSON (or not UTF-8): the caller parses them one
-    at a time, and reports the one that is not."""
+    value of each wins). None where a parser refuses a payload (orjson: a lone surrogate escape, an
+    integer past 64 bits; read alone, such an event gets the standard library's reading, which the
+    run's others must not share), or where only some chunks have logprobs (the span's answer would
+    then list its keys in another order): the caller then gives them one at a time."""
+    data = b"[" + b",".join([payload(m) for m in run]) + b"]"
     try:
-        events = fastjson.loads(b"[" + b",".join([payload(m) for m in run]) + b"]")
-    except (ValueError, RecursionError):
+        events = fastjson.orjson.loads(data) if fastjson.orjson is not None else json.loads(data.decode("utf-8"))
+    except ValueError:  # (orjson's JSONDecodeError and UnicodeDecodeError are ValueErrors)
         return None
     choices = [e["choices"][0] for e in events]
     logprobs = [c["logprobs"] for c in choices if c["logprobs"] is not None]
+    if logprobs and len(logprobs) < len(choices):
+        return None
     first = events[0]
     first["choices"] = [{
         "index": 0,

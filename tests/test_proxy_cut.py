@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+from pathlib import Path
 
 from lightning_harness.proxy.assemble import CHAT, StreamAssembler
 from lightning_harness.proxy.filters import cut_chat_chunk, make_model_restorer, make_stripper
 from lightning_harness.proxy.sse import SSERelay
-from lightning_harness.proxy.tokenchunk import TOKEN_CHUNK
+from lightning_harness.proxy.tokenchunk import MAX_BYTES, TOKEN_CHUNK, match
 
 STRIP = make_stripper(token_ids=True, logprobs=True)
 STRIP_NULL = make_stripper(token_ids=True, logprobs=True, as_null=True)  # the pool's answers: vLLM's nulls
@@ -373,3 +375,84 @@ def test_a_run_of_token_chunks_reaches_the_span_as_the_chunks_would_one_by_one()
             runs.append((json.loads(json.dumps(asm.result())), errors, relay.events, relay.done, relay.salvaged))
         assert runs[0] == runs[1]
         assert len(runs[0][1]) == chunks.count(bad)  # each malformed one reported once
+
+
+def _tok(content: bytes = b'"a"', model: bytes = b'"m"', ids: bytes = b"5", logprobs: bytes = b"null",
+         created: bytes = b"1", token: bytes | None = None) -> bytes:
+    """One token chunk's SSE event, spelled byte by byte (to write what json.dumps never writes)."""
+    if token is not None:
+        logprobs = b'{"content":[{"token":' + token + b',"logprob":-0.5,"bytes":null,"top_logprobs":[]}]}'
+    return (b'data: {"id":"c","object":"chat.completion.chunk","created":' + created + b',"model":' + model
+            + b',"choices":[{"index":0,"delta":{"content":' + content + b'},"logprobs":' + logprobs
+            + b',"finish_reason":null,"token_ids":[' + ids + b"]}]}\n\n")
+
+
+_FIRST = _dump({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}, True)
+_LAST = _dump({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+    {"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": "stop", "token_ids": [2]}]}, True)
+
+
+def _both_paths(events: list[bytes]) -> list[tuple]:
+    """What the span and the relay's counters get from ``events`` through the token path and through
+    the parsing path (the filters wrapped, so that none has ``cut`` or ``token_edit``)."""
+    from lightning_harness.proxy.fastjson import dumps_text
+
+    out = []
+    for filters in ([STRIP_NULL, make_model_restorer("gpt-4o")],
+                    [lambda o: STRIP_NULL(o), lambda o: make_model_restorer("gpt-4o")(o)]):
+        asm, errors = StreamAssembler(CHAT), []
+        relay = SSERelay(asm.add, filters, on_error=errors.append)
+        for e in events:
+            relay(e)
+        relay(b"")
+        out.append((dumps_text(asm.result()), relay.events, relay.salvaged, len(errors)))
+    return out
+
+
+HOSTILE_RUNS = {  # (a review's finds: each gave the span, or the client, something the parsing path does not)
+    "encoded surrogate (not UTF-8) in a run": [_tok(b'"x\xed\xa0\x80y"'), _tok(b'"b"', ids=b"6")],
+    "byte FF in a run": [_tok(b'"x\xffy"'), _tok(b'"b"', ids=b"6")],
+    "lone surrogate escape beside an integer past 64 bits": [_tok(b'"a\\ud800"'),
+                                                             _tok(b'"b"', ids=b"18446744073709551616")],
+    "a logprob past a double beside an integer past 64 bits": [_tok(token=b'"t"').replace(b"-0.5", b"-1e400"),
+                                                               _tok(b'"b"', ids=b"18446744073709551616")],
+    "logprobs in only some chunks of a run": [_tok(b'"a"'), _tok(b'"b"', ids=b"6", token=b'"b"')],
+    "raw line breaks in a string": [_tok(b'"a\n\ndata: {}\n\nz"'), _tok(b'"b"', ids=b"6")],
+    "a raw tab in a logprob's token": [_tok(b'"SECRET"', token=b'"t\tx"'), _tok(b'"b"', ids=b"6")],
+    "a bad escape in the model": [_tok(b'"a"', model=b'"m\\x"'), _tok(b'"b"', ids=b"6")],
+}
+
+
+def test_hostile_token_chunks_reach_the_span_as_through_the_parsing_path():
+    """Byte for byte the same answer text in the span, the same event count, salvaged flag and error
+    count, for the shapes a review found to differ. Run here with the standard library, and by
+    test_hostile_token_chunks_with_orjson with orjson (the proxy's environment)."""
+    for name, run in HOSTILE_RUNS.items():
+        token, parsing = _both_paths([*run, b"data: " + _LAST + b"\n\n"])  # (no role chunk: it orders keys)
+        assert token == parsing, name
+
+
+def test_hostile_token_chunks_with_orjson():
+    from lightning_harness.proxy.locate import proxy_python
+
+    code = ("import sys; sys.path[:0] = sys.argv[1:]; import test_proxy_cut as t; "
+            "from lightning_harness.proxy import fastjson; assert fastjson.orjson is not None; "
+            "t.test_hostile_token_chunks_reach_the_span_as_through_the_parsing_path(); print('same')")
+    here = str(Path(__file__).parent)
+    got = subprocess.run([proxy_python(), "-c", code, here, str(Path(here) / "support")], capture_output=True,
+                         text=True, timeout=120)
+    assert got.stdout.strip() == "same", got.stderr[-3000:]
+
+
+def test_what_is_not_json_or_too_long_is_never_matched_as_a_token_chunk():
+    """A match is valid JSON text in UTF-8, so the filters can never cut away what made an event
+    malformed and hand the client a clean one whose text the span refuses."""
+    assert match(_tok()) is not None and match(_tok(b'"\\u00e9\\n\\"\xc3\xa9"')) is not None
+    for bad in (_tok(b'"a\nb"'), _tok(b'"a\rb"'), _tok(token=b'"t\tx"'), _tok(model=b'"m\x00"'),
+                _tok(b'"a\\x"'), _tok(b'"a\\u12"'), _tok(created=b"01"), _tok(ids=b"05"),
+                _tok(token=b'"t"').replace(b"-0.5", b"NaN"), _tok(token=b'"t"').replace(b"-0.5", b"-.5"),
+                _tok(b'"x\xed\xa0\x80"'), _tok(b'"x\xff"')):
+        assert match(bad) is None, bad
+    long = _tok(b'"' + b"a" * MAX_BYTES + b'"')
+    assert TOKEN_CHUNK.fullmatch(long) is not None and match(long) is None  # (the general path takes it)
