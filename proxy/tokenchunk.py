@@ -13,10 +13,12 @@ backslash escapes, which ``STRING`` follows exactly, and every other byte of the
 structure or a number. The pattern is JSON's own grammar for what it covers (no raw control
 character or bad escape in a string, no leading zero in a number), and :func:`match` also wants
 UTF-8, so a matched event is valid JSON text: what the filters cut out of it (a logprob's token, the
-model) can never have been what made it malformed, so the client never gets a clean event whose
-text the span refuses. What a parser may still refuse (a lone surrogate escape, a number past 64
-bits or a double) is valid JSON: :func:`merged` then gives up on the run and the relay parses its
-events one at a time, as it parses any other event. The quantifiers are possessive: a long chunk
+model) can never have been what made it malformed, so this path never hands the client a clean
+event whose text the span refuses. (An event it refuses goes on to the older byte cut,
+``filters.cut_chat_chunk``, which checks structure, not JSON: a raw control character in a logprob's
+token is cut away there, as before this path existed.) What a parser may still refuse (a lone
+surrogate escape, a number past a double) is valid JSON: :func:`merged` then gives up on the run and
+the relay parses its events one at a time, as it parses any other event. The quantifiers are possessive: a long chunk
 that fails near its end costs one pass, not a backtrack over every byte.
 
 Measured (``scripts/bench_proxy_ab.py``): the parts the relay rewrites byte by byte
@@ -87,10 +89,11 @@ def payload(m: re.Match) -> bytes:
 def merged(run: list[re.Match]) -> dict | None:
     """One chunk holding the run's text, logprob entries and token ids, in order: what the assembler
     makes of the run chunk by chunk (the first chunk's id, created and model, as there: the first
-    value of each wins). None where a parser refuses a payload (orjson: a lone surrogate escape, an
-    integer past 64 bits; read alone, such an event gets the standard library's reading, which the
-    run's others must not share), or where only some chunks have logprobs (the span's answer would
-    then list its keys in another order): the caller then gives them one at a time."""
+    value of each wins). None where a parser refuses a payload (orjson: a lone surrogate escape, a
+    number past a double; read alone, such an event gets the standard library's reading, which the
+    run's others must not share: orjson reads an integer past 64 bits as a float, the standard
+    library as an integer), or where only some chunks have logprobs (the span's answer would then
+    list its keys in another order): the caller then gives them one at a time."""
     data = b"[" + b",".join([payload(m) for m in run]) + b"]"
     try:
         events = fastjson.orjson.loads(data) if fastjson.orjson is not None else json.loads(data.decode("utf-8"))
