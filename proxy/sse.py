@@ -72,10 +72,7 @@ class SSERelay:
         self.events = 0  # object events the sink got
         self.bytes = 0
         self.last_chunk: float | None = None
-        self._cuts: list | None = None  # the filters' ``cut`` functions, when every one has one
-        self._cuts_for = -1  # for how many filters _cuts was looked up
-        self._edits: list | None = None  # the filters' ``token_edit`` functions, when every one has one
-        self._edits_for = -1
+        self._looked_up: dict[str, tuple[int, list | None]] = {}  # (see _every_filters)
 
     def __call__(self, chunk: bytes) -> bytes | list[bytes]:
         if not chunk:  # end of stream
@@ -92,7 +89,7 @@ class SSERelay:
         if self.oversize:
             return chunk
         buf = self.buf
-        if not buf and (edits := self._token_edits()) is not None:
+        if not buf and (edits := self._every_filters("token_edit")) is not None:
             m = tokenchunk.match(chunk)
             if m is not None:  # a token of plain text, as vLLM sends it (held as the match)
                 self._hold(m)
@@ -112,7 +109,7 @@ class SSERelay:
                 if not filters:
                     self._hold(payload)
                     return chunk
-                out = self._cut(payload, filters)
+                out = self._cut(payload)
                 if out is not None:  # rewritten as bytes; the held bytes are parsed at settle
                     self._hold(payload)
                     return [] if emptied_bytes(out) else b"data: " + out + b"\n\n"
@@ -242,26 +239,27 @@ class SSERelay:
         head = b"\n".join(other) + b"\n" if other else b""
         return head + b"data: " + fastjson.dumps_bytes(new)
 
-    def _cut(self, payload: bytes, filters: list) -> bytes | None:
+    def _cut(self, payload: bytes) -> bytes | None:
         """The event rewritten by the filters' byte-level versions (``cut``), or None where one has
         none or declines the event (it is then parsed)."""
-        if self._cuts_for != len(filters):  # (the list is live: looked up again if it grew)
-            cuts = [getattr(f, "cut", None) for f in filters]
-            self._cuts, self._cuts_for = (None if None in cuts else cuts), len(filters)
-        if self._cuts is None:
+        cuts = self._every_filters("cut")
+        if cuts is None:
             return None
-        for cut in self._cuts:
+        for cut in cuts:
             payload = cut(payload)
             if payload is None:
                 return None
         return payload
 
-    def _token_edits(self) -> list | None:
-        """The filters' ``token_edit`` functions ([] without filters), or None where one has none."""
-        if self._edits_for != len(self.filters):  # (the list is live: looked up again if it grew)
-            edits = [getattr(f, "token_edit", None) for f in self.filters]
-            self._edits, self._edits_for = (None if None in edits else edits), len(self.filters)
-        return self._edits
+    def _every_filters(self, attr: str) -> list | None:
+        """Every filter's ``attr`` function (``cut``, ``token_edit``; [] without filters), or None where
+        one has none. The list is live (rewrite may add filters later): looked up again when it grew."""
+        looked_for, found = self._looked_up.get(attr, (-1, None))
+        if looked_for != len(self.filters):
+            found = [getattr(f, attr, None) for f in self.filters]
+            found = None if None in found else found
+            self._looked_up[attr] = (len(self.filters), found)
+        return found
 
     @staticmethod
     def _loads(payload: bytes):
