@@ -23,8 +23,9 @@ possessive: a long chunk that fails near its end costs one pass, not a backtrack
 
 Measured (docs/BENCHMARKS.md): relaying and assembling a 50-token streamed answer, in one loop,
 596 -> 295 us (a chunk relayed: 7.8 -> 3.2 us); through the proxy, 5-8% less CPU a streamed request
-(``scripts/bench_proxy_ab.py --together``). Any other event (the first, with the role and prompt ids;
-tool calls; reasoning; the last, with its finish reason and usage) takes the general path.
+(``scripts/bench_proxy_ab.py --together``); :func:`merged` reading only what it needs, 5-7% more.
+Any other event (the first, with the role and prompt ids; tool calls; reasoning; the last, with its
+finish reason and usage) takes the general path.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ NUMBER = rb"-?(?:0|[1-9]\d*+)(?:\.\d++)?+(?:[eE][-+]?\d++)?+"
 _INT = rb"(?:0|[1-9]\d*+)"
 _ENTRY = (rb'\{"token":' + STRING + rb',"logprob":' + NUMBER
           + rb',"bytes":(?:null|\[(?:' + _INT + rb"(?:," + _INT + rb')*+)?+\]),"top_logprobs":\[\]\}')
-# groups: 1 the head up to the model's value, 2 the model, 3 the choice up to its logprobs' value,
-# 4 that value, 5 finish_reason (and stop_reason), 6 the token ids' digits
+# groups: 1 the head up to the model's value, 2 the model, 3 the choice up to its logprobs' value (4: its
+# content, a JSON string), 5 that value (6: its entries, without their brackets), 7 finish_reason (and
+# stop_reason), 8 the token ids' digits
 TOKEN_CHUNK = re.compile(
     rb'data: (\{"id":' + STRING + rb',"object":"chat\.completion\.chunk","created":' + _INT + rb',"model":)('
     + STRING + rb")"
-    rb'(,"choices":\[\{"index":0,"delta":\{"content":' + STRING + rb'\},"logprobs":)'
-    rb'(null|\{"content":\[' + _ENTRY + rb"(?:," + _ENTRY + rb")*+\]\})"
+    rb'(,"choices":\[\{"index":0,"delta":\{"content":(' + STRING + rb')\},"logprobs":)'
+    rb'(null|\{"content":\[(' + _ENTRY + rb"(?:," + _ENTRY + rb")*+)\]\})"
     rb'(,"finish_reason":null(?:,"stop_reason":null)?+),"token_ids":\['
     rb"(" + _INT + rb"(?:," + _INT + rb")*+)" rb"\]\}\]\}\n\n")
 MODEL, LOGPROBS, TOKEN_IDS = 1, 3, 5  # the parts (below) a filter replaces
@@ -74,7 +76,7 @@ def parts(m: re.Match) -> list[bytes]:
     """The matched chunk's pieces, for filters to replace (``MODEL``: the model's JSON string;
     ``LOGPROBS``: the logprobs' value; ``TOKEN_IDS``: the whole ``,"token_ids":[..]`` member, b""
     to drop it); :func:`joined` makes the event of them."""
-    return [m[1], m[2], m[3], m[4], m[5], b',"token_ids":[' + m[6] + b"]"]
+    return [m[1], m[2], m[3], m[5], m[7], b',"token_ids":[' + m[8] + b"]"]
 
 
 def joined(pieces: list[bytes]) -> bytes:
@@ -89,26 +91,36 @@ def payload(m: re.Match) -> bytes:
 def merged(run: list[re.Match]) -> dict | None:
     """One chunk holding the run's text, logprob entries and token ids, in order: what the assembler
     makes of the run chunk by chunk (the first chunk's id, created and model, as there: the first
-    value of each wins). None where a parser refuses a payload (orjson: a lone surrogate escape, a
-    number past a double; read alone, such an event gets the standard library's reading, which the
-    run's others must not share: orjson reads an integer past 64 bits as a float, the standard
-    library as an integer), or where only some chunks have logprobs (the span's answer would then
-    list its keys in another order): the caller then gives them one at a time."""
-    data = b"[" + b",".join([payload(m) for m in run]) + b"]"
+    value of each wins).
+
+    Only the first payload is parsed whole; of the others, only their text, logprob entries and
+    token ids, joined into one JSON array: a third of the bytes, half the objects (relaying and
+    assembling a 50-token answer, ``scripts/bench_relay.py``: 399 -> 172 us; with the caches cold,
+    as in the proxy, 416 -> 352 us; a streamed request through the proxy, 0.93-0.95 of the CPU,
+    ``scripts/bench_proxy_ab.py --together``). That reading is
+    the one chunk by chunk gives only where each chunk, read alone, would get the same parser, so:
+    None where a later chunk's id, created or model differ from the first's (vLLM repeats them; a
+    value there that orjson refuses would send that chunk, token ids included, to the standard
+    library, which reads an integer past 64 bits as an integer where orjson reads a float), where
+    a parser refuses a value (orjson: a lone surrogate escape, a number past a double), or where
+    only some chunks have logprobs (the span's answer would then list its keys in another order):
+    the caller then gives them one at a time."""
+    head, model = run[0][1], run[0][2]
+    if any(m[1] != head or m[2] != model for m in run):
+        return None
+    lps = [m[6] for m in run if m[6] is not None]
+    if lps and len(lps) < len(run):
+        return None
+    data = (b"[[" + b",".join([m[4] for m in run]) + b"],[" + b",".join(lps)
+            + b"],[" + b",".join([m[8] for m in run]) + b"]]")
     try:
-        events = fastjson.orjson.loads(data) if fastjson.orjson is not None else json.loads(data.decode("utf-8"))
+        first, (texts, entries, ids) = _loads(payload(run[0])), _loads(data)
     except ValueError:  # (orjson's JSONDecodeError and UnicodeDecodeError are ValueErrors)
         return None
-    choices = [e["choices"][0] for e in events]
-    logprobs = [c["logprobs"] for c in choices if c["logprobs"] is not None]
-    if logprobs and len(logprobs) < len(choices):
-        return None
-    first = events[0]
-    first["choices"] = [{
-        "index": 0,
-        "delta": {"content": "".join([c["delta"]["content"] for c in choices])},
-        "logprobs": {"content": [e for lp in logprobs for e in lp["content"]]} if logprobs else None,
-        "finish_reason": None,
-        "token_ids": [i for c in choices for i in c["token_ids"]],
-    }]
+    first["choices"] = [{"index": 0, "delta": {"content": "".join(texts)},
+                         "logprobs": {"content": entries} if lps else None, "finish_reason": None, "token_ids": ids}]
     return first
+
+
+def _loads(data: bytes):
+    return fastjson.orjson.loads(data) if fastjson.orjson is not None else json.loads(data.decode("utf-8"))

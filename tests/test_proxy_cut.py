@@ -16,7 +16,7 @@ from pathlib import Path
 from lightning_harness.proxy.assemble import CHAT, StreamAssembler
 from lightning_harness.proxy.filters import cut_chat_chunk, make_model_restorer, make_stripper
 from lightning_harness.proxy.sse import SSERelay
-from lightning_harness.proxy.tokenchunk import MAX_BYTES, TOKEN_CHUNK, match
+from lightning_harness.proxy.tokenchunk import MAX_BYTES, TOKEN_CHUNK, match, merged
 
 STRIP = make_stripper(token_ids=True, logprobs=True)
 STRIP_NULL = make_stripper(token_ids=True, logprobs=True, as_null=True)  # the pool's answers: vLLM's nulls
@@ -303,9 +303,10 @@ def test_a_last_event_without_its_blank_line_is_stripped_too():
 # -- a token of plain text, matched whole (tokenchunk) --------------------------------------------------
 
 
-def _token_chunk(rng: random.Random) -> dict:
+def _token_chunk(rng: random.Random, head: dict | None = None) -> dict:
     """A chunk in the shape vLLM streams a token of plain text (tokenchunk.TOKEN_CHUNK), the model's
-    text in every string, one to three tokens (a loaded engine sends several in one chunk)."""
+    text in every string, one to three tokens (a loaded engine sends several in one chunk); its id,
+    created and model those of ``head`` (a stream's, as vLLM repeats them) or drawn."""
     n = rng.randint(1, 3)
     entry = lambda: {"token": _text(rng), "logprob": rng.choice([-0.5, -1e-7, 0.0, -23.25, -9999.0]),  # noqa: E731
                      "bytes": rng.choice([None, [104, 105], []]), "top_logprobs": []}
@@ -315,8 +316,10 @@ def _token_chunk(rng: random.Random) -> dict:
     if rng.random() < 0.5:
         choice["stop_reason"] = None
     choice["token_ids"] = [rng.randint(0, 200000) for _ in range(n)]
-    return {"id": f"chatcmpl-{_text(rng)}", "object": "chat.completion.chunk", "created": rng.randint(0, 2**40),
-            "model": rng.choice(["m", "qwen/Qwen3-0.6B", _text(rng)]), "choices": [choice]}
+    head = head or {"id": f"chatcmpl-{_text(rng)}", "created": rng.randint(0, 2**40),
+                    "model": rng.choice(["m", "qwen/Qwen3-0.6B", _text(rng)])}
+    return {"id": head["id"], "object": "chat.completion.chunk", "created": head["created"], "model": head["model"],
+            "choices": [choice]}
 
 
 def test_a_token_chunk_is_matched_whole_and_rewritten_as_the_cut_and_the_parse_rewrite_it():
@@ -353,18 +356,24 @@ def test_a_token_chunk_is_matched_whole_and_rewritten_as_the_cut_and_the_parse_r
 def test_a_run_of_token_chunks_reaches_the_span_as_the_chunks_would_one_by_one():
     """The assembler gets a run of matched chunks as one (tokenchunk.merged): the span's answer, the
     event count and the errors are those of the parsing path, with other chunks between runs, a
-    finish that ends the answer, chunks after it, and a matched chunk that is not JSON (its run is
-    then parsed chunk by chunk, and that one reported)."""
+    finish that ends the answer, chunks after it, a matched chunk that is not JSON (its run is
+    then parsed chunk by chunk, and that one reported), and chunks whose id, created or model are
+    not the stream's (vLLM repeats them; such a run is parsed chunk by chunk too)."""
     rng = random.Random(6)
     first = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "prompt_token_ids": [1, 2],
              "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}]}
     bad = _dump(_token_chunk(rng), True).replace(b'"created":', b'"created":0', 1)  # 0123: not JSON
+    merged_runs = 0
     for trial in range(40):
         chunks = [_dump(first, trial % 2 == 0)]
+        head = {"id": f"chatcmpl-{_text(rng)}", "created": rng.randint(0, 2**40), "model": _text(rng)}
         for _ in range(rng.randint(1, 600)):
             pick = rng.random()
-            chunks.append(bad if pick < 0.01 else _dump(_token_chunk(rng) if pick < 0.85 else _chunk(rng), False))
+            own = None if pick < 0.03 else head
+            chunks.append(bad if pick < 0.01 else _dump(_token_chunk(rng, own) if pick < 0.85 else _chunk(rng), False))
+        matched = [match(b"data: " + c + b"\n\n") for c in chunks]
+        merged_runs += sum(merged(list(run)) is not None for run in _runs(matched))
         runs = []
         for filters in ([STRIP_NULL, make_model_restorer("gpt-4o")], [lambda o: STRIP_NULL(o)]):
             asm, errors = StreamAssembler(CHAT), []
@@ -375,14 +384,28 @@ def test_a_run_of_token_chunks_reaches_the_span_as_the_chunks_would_one_by_one()
             runs.append((json.loads(json.dumps(asm.result())), errors, relay.events, relay.done, relay.salvaged))
         assert runs[0] == runs[1]
         assert len(runs[0][1]) == chunks.count(bad)  # each malformed one reported once
+    assert merged_runs > 200  # (the token path was taken, not only its fallback)
+
+
+def _runs(matched: list) -> list[list]:
+    """The runs of two or more matches in a row."""
+    runs, cur = [], []
+    for m in [*matched, None]:
+        if m is None:
+            if len(cur) > 1:
+                runs.append(cur)
+            cur = []
+        else:
+            cur.append(m)
+    return runs
 
 
 def _tok(content: bytes = b'"a"', model: bytes = b'"m"', ids: bytes = b"5", logprobs: bytes = b"null",
-         created: bytes = b"1", token: bytes | None = None) -> bytes:
+         created: bytes = b"1", token: bytes | None = None, id_: bytes = b'"c"') -> bytes:
     """One token chunk's SSE event, spelled byte by byte (to write what json.dumps never writes)."""
     if token is not None:
         logprobs = b'{"content":[{"token":' + token + b',"logprob":-0.5,"bytes":null,"top_logprobs":[]}]}'
-    return (b'data: {"id":"c","object":"chat.completion.chunk","created":' + created + b',"model":' + model
+    return (b'data: {"id":' + id_ + b',"object":"chat.completion.chunk","created":' + created + b',"model":' + model
             + b',"choices":[{"index":0,"delta":{"content":' + content + b'},"logprobs":' + logprobs
             + b',"finish_reason":null,"token_ids":[' + ids + b"]}]}\n\n")
 
@@ -422,6 +445,14 @@ HOSTILE_RUNS = {  # (a review's finds. The span is compared here; the client's b
     "raw line breaks in a string": [_tok(b'"a\n\ndata: {}\n\nz"'), _tok(b'"b"', ids=b"6")],
     "a raw tab in a logprob's token": [_tok(b'"SECRET"', token=b'"t\tx"'), _tok(b'"b"', ids=b"6")],
     "a bad escape in the model": [_tok(b'"a"', model=b'"m\\x"'), _tok(b'"b"', ids=b"6")],
+    # (merged parses only the first chunk's head: a later one's that a parser refuses must not change
+    # how that chunk's token ids are read)
+    "a later id's lone surrogate escape beside an integer past 64 bits": [
+        _tok(b'"a"'), _tok(b'"b"', id_=b'"c\\udc00"', ids=b"18446744073709551616")],
+    "a later created past a double beside an integer past 64 bits": [
+        _tok(b'"a"'), _tok(b'"b"', created=b"1" + b"0" * 400, ids=b"18446744073709551616")],
+    "a later model's lone surrogate escape beside an integer past 64 bits": [
+        _tok(b'"a"'), _tok(b'"b"', model=b'"m\\ud800"', ids=b"18446744073709551616")],
 }
 
 

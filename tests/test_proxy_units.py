@@ -529,6 +529,20 @@ def test_bench_assembly_measures_packed_against_plain_lists():
     assert float(rows["bytes/token"][2]) < 0.6, out.stdout
 
 
+def test_bench_relay_measures_the_token_path_against_the_parsing_path():
+    """scripts/bench_relay.py relays one answer both ways and prints the ratio; the token path is
+    the cheaper one by far (0.25-0.5 where measured), so a ratio near 1 means it was not taken."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "scripts" / "bench_relay.py"), "--answers", "30"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr
+    ratios = [float(line.split()[-1]) for line in out.stdout.splitlines() if "token / parsing" in line]
+    assert len(ratios) == 2 and all(r < 0.8 for r in ratios), out.stdout
+
+
 def test_log_lines_per_call_site_are_bounded_and_what_was_left_out_is_said():
     """``LinesPerSite``: a burst of 2 then one a second (clock stepped by hand); the line let through
     after says how many were left out, even from a broken logging call; the rest is kept for

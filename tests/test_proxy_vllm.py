@@ -53,7 +53,7 @@ def test_vllm_stream_chunks_are_cut_as_bytes(vllm_engine):
     import urllib.request
 
     from lightning_harness.proxy.filters import cut_chat_chunk, make_model_restorer, make_stripper
-    from lightning_harness.proxy.tokenchunk import TOKEN_CHUNK
+    from lightning_harness.proxy.tokenchunk import TOKEN_CHUNK, merged
 
     body = {"model": vllm_engine.served_name, "messages": MSG, "max_tokens": 8, "temperature": 0, "stream": True,
             "return_token_ids": True, "logprobs": True, "ignore_eos": True}  # (8 tokens, whatever the model says)
@@ -75,6 +75,11 @@ def test_vllm_stream_chunks_are_cut_as_bytes(vllm_engine):
     plain = [e for e in events if set(json.loads(e)["choices"][0]["delta"]) == {"content"}
              and json.loads(e)["choices"][0]["finish_reason"] is None]
     assert plain and all(TOKEN_CHUNK.fullmatch(b"data: " + e + b"\n\n") for e in plain), plain
+    # and a run of them is read as one (the engine repeats the stream's id, created and model)
+    run = [TOKEN_CHUNK.fullmatch(b"data: " + e + b"\n\n") for e in plain]
+    one = merged(run)
+    assert one is not None and one["choices"][0]["token_ids"] == [
+        i for e in plain for i in json.loads(e)["choices"][0]["token_ids"]], plain
 
 
 def test_vllm_responses_api_captured_with_token_ids(make_proxy, vllm_engine, tiny_model_dir, openai_from_env):
