@@ -155,7 +155,7 @@ class SSERelay:
 
     def _give_run(self, run: list[re.Match]) -> None:
         one = tokenchunk.merged(run) if len(run) > 1 else None
-        if one is None:  # one chunk, or a payload that is not JSON: each is parsed (and reported) alone
+        if one is None:  # one chunk, or a run merged refuses (tokenchunk.merged): each is parsed (and reported) alone
             for m in run:
                 self._give(tokenchunk.payload(m))
         else:
