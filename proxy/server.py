@@ -145,6 +145,8 @@ def make_master(opts, lean: bool = True):
     h2c guard, error check). mitmproxy calls every hook on every addon; DumpMaster's ~35 defaults
     (playback, map-local, anticache, ...) cost CPU on every request without doing anything here.
     ``lean=False`` is the stock DumpMaster.
+
+    Lean also trims two costs of mitmproxy's own on every call (:func:`_trim_mitmproxy`).
     """
     if not lean:
         from mitmproxy.tools.dump import DumpMaster
@@ -153,12 +155,60 @@ def make_master(opts, lean: bool = True):
     from mitmproxy import master
     from mitmproxy.addons import core, disable_h2c, errorcheck, next_layer, proxyserver, tlsconfig
 
+    _trim_mitmproxy()
     m = master.Master(opts, with_termlog=False)
     m.addons.add(
         core.Core(), disable_h2c.DisableH2C(), proxyserver.Proxyserver(), next_layer.NextLayer(),
         tlsconfig.TlsConfig(), errorcheck.ErrorCheck(),
     )
     return m
+
+
+def _trim_mitmproxy() -> None:
+    """Two costs of mitmproxy 11.0.2's own (the version pyproject.toml pins), paid on every call,
+    that a capture proxy does not need (measured with py-spy, ``scripts/profile_proxy.py``: 0.16
+    and 0.17 ms of a streamed call's 4.4 ms in the proxy, against 0.11 and 0.09 ms of plain
+    mitmproxy's 2.9; tests/test_proxy_units.py checks both, and fails if the internals move):
+
+    - The debug-only type check of each request and response it builds (``MessageData.__post_init__``
+      exists only ``if __debug__``: gone under ``python -O``). It formats a ``TypeError`` message for
+      every field and raises and catches about a dozen a call (one per member of each optional
+      type it tries), whose tracebacks then wait for the collector; mitmproxy's parsers type the
+      fields themselves.
+    - Each chunk of a response body sent to an HTTP/1 client looked up ``Transfer-Encoding`` in the
+      response's headers again (a scan of every header, lower-casing each name) to frame it: 52
+      times a 50-token answer. The framing is fixed by the head already sent, so it is looked up
+      once, when the head goes out, and the chunks are framed as that head said.
+    """
+    from mitmproxy import http
+    from mitmproxy.proxy import commands
+    from mitmproxy.proxy.layers.http import ResponseData, ResponseHeaders
+    from mitmproxy.proxy.layers.http._http1 import Http1Server
+
+    http.MessageData.__post_init__ = _unchecked  # (the dataclasses' __init__ still call it)
+    send = Http1Server.send
+    if getattr(send, "framed_once", False):
+        return
+
+    def framed_send(self, event):
+        if type(event) is ResponseData and (chunked := self.__dict__.get(_CHUNKED)) is not None:
+            raw = b"%x\r\n%s\r\n" % (len(event.data), event.data) if chunked else event.data
+            if raw:
+                yield commands.SendData(self.conn, raw)
+            return
+        if type(event) is ResponseHeaders:
+            self.__dict__[_CHUNKED] = "chunked" in event.response.headers.get("transfer-encoding", "").lower()
+        yield from send(self, event)
+
+    framed_send.framed_once = True
+    Http1Server.send = framed_send
+
+
+_CHUNKED = "_lightning_chunked"  # (Http1Server: the head sent last asked for chunked framing)
+
+
+def _unchecked(self) -> None:
+    """What ``MessageData.__post_init__`` is under ``python -O`` (see _trim_mitmproxy)."""
 
 
 class GracefulStop:

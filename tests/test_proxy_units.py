@@ -565,3 +565,51 @@ print(out, repr(broken.getMessage()), f.left_out())
     assert in_proxy_env(code).strip() == (
         "[True, True, False, False, False, True, False] 'n=%d and %s [3 more lines from here not logged]' "
         "{'attribution.py:7': 1}")
+
+
+def test_the_lean_master_trims_mitmproxys_own_costs_and_the_full_one_keeps_them():
+    """make_master(lean=True) (server._trim_mitmproxy): mitmproxy's requests and responses are made as
+    under ``python -O`` (no ``MessageData.__post_init__`` type check, a dozen caught TypeErrors a
+    call) and are the same; a response's body chunks to an HTTP/1 client are framed as its head
+    said (chunked or as is), looked up once when it went out, not again for every chunk. Stock
+    DumpMaster (``--full-mitmproxy``) is left as mitmproxy ships it."""
+    code = """
+import asyncio
+from mitmproxy import http
+from mitmproxy.options import Options
+from mitmproxy.proxy.layers.http import ResponseData, ResponseHeaders
+from mitmproxy.proxy.layers.http._http1 import Http1Server
+from mitmproxy.utils import typecheck
+from lightning_harness.proxy.server import make_master
+calls = []
+check = typecheck.check_option_type
+typecheck.check_option_type = lambda *a: calls.append(a[0]) or check(*a)
+def make():
+    req = http.Request.make("POST", "http://engine:8000/v1/chat/completions", b'{"a": 1}', {"X-A": "b"})
+    resp = http.Response.make(200, b"ok", {"Content-Type": "text/plain"})
+    state = req.get_state() | {"r": resp.status_code, "rc": resp.content, "h": list(resp.headers.items())}
+    return {k: v for k, v in state.items() if k not in ("timestamp_start", "timestamp_end")}
+class Conn:  # what Http1Server.send reads of itself
+    stream_id, conn, request = 1, "client", http.Request.make("GET", "http://x/")
+def sent(headers):
+    server, resp, out = Conn(), http.Response.make(200, b"", headers), []
+    for event in (ResponseHeaders(1, resp), ResponseData(1, b"abc"), ResponseData(1, b"de")):
+        out += [c.data for c in Http1Server.send(server, event)]
+    return out[1:]  # (the end: mitmproxy's own code, unchanged)
+async def main():
+    before = (make(), len(calls))
+    make_master(Options(), lean=False)
+    full = (make(), len(calls) - before[1])
+    make_master(Options())
+    n = len(calls)
+    lean = (make(), len(calls) - n)
+    print(full[1] > 0, lean[1], lean[0] == full[0], Http1Server.send.framed_once)
+    print(sent({"Transfer-Encoding": "chunked"}))
+    print(sent({"Transfer-Encoding": "Chunked"}), sent({}))
+asyncio.run(main())
+"""
+    assert in_proxy_env(code).strip().splitlines() == [
+        "True 0 True True",
+        r"[b'3\r\nabc\r\n', b'2\r\nde\r\n']",
+        r"[b'3\r\nabc\r\n', b'2\r\nde\r\n'] [b'abc', b'de']",
+    ]
