@@ -191,13 +191,17 @@ def _trim_mitmproxy() -> None:
         return
 
     def framed_send(self, event):
-        if type(event) is ResponseData and (chunked := self.__dict__.get(_CHUNKED)) is not None:
+        kind = type(event)
+        if kind is ResponseData and event.stream_id == self.stream_id and (chunked := self.__dict__.get(_CHUNKED)) \
+                is not None:
             raw = b"%x\r\n%s\r\n" % (len(event.data), event.data) if chunked else event.data
             if raw:
                 yield commands.SendData(self.conn, raw)
             return
-        if type(event) is ResponseHeaders:
+        if kind is ResponseHeaders:
             self.__dict__[_CHUNKED] = "chunked" in event.response.headers.get("transfer-encoding", "").lower()
+        elif kind is not ResponseData:  # the answer ended: data with no head goes to mitmproxy's asserts
+            self.__dict__.pop(_CHUNKED, None)
         yield from send(self, event)
 
     framed_send.framed_once = True

@@ -575,9 +575,11 @@ def test_the_lean_master_trims_mitmproxys_own_costs_and_the_full_one_keeps_them(
     DumpMaster (``--full-mitmproxy``) is left as mitmproxy ships it."""
     code = """
 import asyncio
+from types import SimpleNamespace
 from mitmproxy import http
+from mitmproxy.connection import ConnectionState
 from mitmproxy.options import Options
-from mitmproxy.proxy.layers.http import ResponseData, ResponseHeaders
+from mitmproxy.proxy.layers.http import ResponseData, ResponseHeaders, ResponseProtocolError
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 from mitmproxy.utils import typecheck
 from lightning_harness.proxy.server import make_master
@@ -589,8 +591,8 @@ def make():
     resp = http.Response.make(200, b"ok", {"Content-Type": "text/plain"})
     state = req.get_state() | {"r": resp.status_code, "rc": resp.content, "h": list(resp.headers.items())}
     return {k: v for k, v in state.items() if k not in ("timestamp_start", "timestamp_end")}
-class Conn:  # what Http1Server.send reads of itself
-    stream_id, conn, request = 1, "client", http.Request.make("GET", "http://x/")
+class Conn:  # what Http1Server.send reads of itself (a client already gone: an error is not written)
+    stream_id, conn, request = 1, SimpleNamespace(state=ConnectionState.CLOSED), http.Request.make("GET", "http://x/")
 def sent(headers):
     server, resp, out = Conn(), http.Response.make(200, b"", headers), []
     for event in (ResponseHeaders(1, resp), ResponseData(1, b"abc"), ResponseData(1, b"de")):
@@ -606,10 +608,18 @@ async def main():
     print(full[1] > 0, lean[1], lean[0] == full[0], Http1Server.send.framed_once)
     print(sent({"Transfer-Encoding": "chunked"}))
     print(sent({"Transfer-Encoding": "Chunked"}), sent({}))
+    server = Conn()  # data of another stream, or with no head sent: mitmproxy's own send (it asserts)
+    list(Http1Server.send(server, ResponseHeaders(1, http.Response.make(200, b"", {}))))
+    for event in (ResponseData(3, b"x"), ResponseProtocolError(1, "gone"), ResponseData(1, b"x")):
+        try:
+            print(type(event).__name__, [c.data for c in Http1Server.send(server, event) if hasattr(c, "data")])
+        except AssertionError:
+            print(type(event).__name__, "refused")
 asyncio.run(main())
 """
     assert in_proxy_env(code).strip().splitlines() == [
         "True 0 True True",
         r"[b'3\r\nabc\r\n', b'2\r\nde\r\n']",
         r"[b'3\r\nabc\r\n', b'2\r\nde\r\n'] [b'abc', b'de']",
+        "ResponseData refused", "ResponseProtocolError []", "ResponseData [b'x']",
     ]
