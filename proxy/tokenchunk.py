@@ -97,14 +97,14 @@ def merged(run: list[re.Match]) -> dict | None:
     token ids, joined into one JSON array: a third of the bytes, half the objects (relaying and
     assembling a 50-token answer, ``scripts/bench_relay.py``: 399 -> 172 us; with the caches cold,
     as in the proxy, 416 -> 352 us; a streamed request through the proxy, 0.93-0.95 of the CPU,
-    ``scripts/bench_proxy_ab.py --together``). That reading is
-    the one chunk by chunk gives only where each chunk, read alone, would get the same parser, so:
-    None where a later chunk's id, created or model differ from the first's (vLLM repeats them; a
-    value there that orjson refuses would send that chunk, token ids included, to the standard
-    library, which reads an integer past 64 bits as an integer where orjson reads a float), where
-    a parser refuses a value (orjson: a lone surrogate escape, a number past a double), or where
-    only some chunks have logprobs (the span's answer would then list its keys in another order):
-    the caller then gives them one at a time."""
+    ``scripts/bench_proxy_ab.py --together``). That reading is the one chunk by chunk gives only
+    where each chunk, read alone, would get the same parser, so: None where a later chunk's id,
+    created or model differ from the first's (vLLM repeats them; a value there that orjson refuses
+    would send that chunk, token ids included, to the standard library, which reads an integer
+    past 64 bits as an integer where orjson reads a float), where a parser refuses a value (orjson:
+    a lone surrogate escape, a number past a double), or where only some chunks have logprobs (the
+    span's answer would then list its keys in another order): the caller then gives them one at a
+    time."""
     head, model = run[0][1], run[0][2]
     if any(m[1] != head or m[2] != model for m in run):
         return None
