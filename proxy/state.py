@@ -126,7 +126,7 @@ class ProxyState:
         self.capture_rejected = 0  # model calls answered 503 because capture was unhealthy (reject policy)
         self._drop_logged_at = float("-inf")
         self.paused = False
-        self.held = 0
+        self.holding: set = set()  # the requests the pause holds (mitmproxy flows): see held
         self.in_flight = 0
         self.spans_captured = 0
         self.rewards_captured = 0
@@ -272,6 +272,16 @@ class ProxyState:
             "rewards_refused": rewards["rows_refused"],
             "capture_rejected": self.capture_rejected,
         }
+
+    @property
+    def held(self) -> int:
+        """Requests the pause holds whose client still waits for them. One whose client gave up (closed
+        its connection: no longer readable) stays in ``holding`` until resume, which does not forward
+        it, so it is not counted: what the trainer logs as ``proxy/held`` is harnesses kept waiting."""
+        from mitmproxy.connection import ConnectionState  # (only the proxy, which holds flows, asks)
+
+        return sum(1 for flow in self.holding
+                   if flow.error is None and flow.client_conn.state & ConnectionState.CAN_READ)
 
     def snapshot(self) -> dict:
         self.run_later()

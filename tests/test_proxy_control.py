@@ -208,16 +208,27 @@ def test_without_token_calls_are_accepted_and_attributed_when_possible(make_prox
 
 
 def test_held_request_whose_client_gave_up_is_not_forwarded(proxy, stub_server):
+    """A held call whose client closed its connection is not counted as held (nobody waits for it)
+    while the pause lasts, and is not forwarded on resume."""
     ctl = proxy.control
     marker = "gave-up-marker"
     ctl.pause()
     url = proxy.env_for("quitter")["OPENAI_BASE_URL"] + "/chat/completions"
+    stays = cf.ThreadPoolExecutor(1).submit(httpx.post, proxy.env_for("stays")["OPENAI_BASE_URL"] + "/chat/completions",
+                                         json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                                         trust_env=False, timeout=60)
+    wait_for(lambda: ctl.state()["held"] == 1)
     with httpx.Client(trust_env=False, timeout=1.0) as c:
         with pytest.raises(httpx.TimeoutException):
             c.post(url, json={"model": "m", "messages": [{"role": "user", "content": marker}]})
+    wait_for(lambda: ctl.state()["held"] == 1)  # the other call, whose client still waits
+    assert ctl.state()["paused"] and not stays.done()
     ctl.resume()
+    assert stays.result().status_code == 200
     wait_for(lambda: ctl.state()["held"] == 0)
     time.sleep(0.5)
     assert not any(marker in json.dumps(r) for r in stub_server.requests())
-    (span,) = wait_for(lambda: read_spans(proxy))
-    assert span["error_kind"] == "client_disconnect" and ctl.state()["in_flight"] == 0
+    spans = wait_for(lambda: len(read_spans(proxy)) == 2 and read_spans(proxy))
+    assert sorted((s["rollout_id"], s["error_kind"]) for s in spans) == [("quitter", "client_disconnect"),
+                                                                         ("stays", None)]
+    assert ctl.state()["in_flight"] == 0

@@ -36,12 +36,12 @@ class Gate:
             return
         if self._reject_unrecorded(flow, call) or not self.state.paused:
             return
-        self.state.held += 1
+        self.state.holding.add(flow)
         try:
             while self.state.paused:
                 await self.state.resume_event.wait()
         finally:
-            self.state.held -= 1
+            self.state.holding.discard(flow)
         if self._still_admitted(flow, call):
             self._reject_unrecorded(flow, call)  # health may have changed while held
 
