@@ -127,3 +127,18 @@ def test_the_update_computes_logprobs_at_the_rollout_temperature_unless_told(con
     assert C.load_config(config_file, ["rollout.temperature=0"]).update.temperature is None  # greedy: 1 in update.py
     res = train("--config", str(config_file), "--set", "update.temperature=0", "--print-config")
     assert res.returncode == 2 and "update.temperature" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("samples.extra.reward_clip=[1, 0]", "samples.extra: reward_clip must be two finite numbers with low < high"),
+    ("samples.extra.failed_polciy=keep", "unknown key 'samples.extra.failed_polciy' (did you mean 'failed_policy'?)"),
+    ("samples.extra.failed_policy=penalise", "samples.extra: unknown failed policy 'penalise'"),
+    ("samples.extra.mode=transition", "samples.extra: mode set by the loop (use samples.<key>"),
+])
+def test_a_bad_samples_extra_fails_at_load_not_at_the_first_update(config_file, override, expected):
+    """``samples.extra`` goes to ``build_samples`` at each update: checked when the config loads, before
+    vLLM starts or a rollout runs."""
+    res = train("--config", str(config_file), "--set", override)
+    assert res.returncode == 2 and expected in res.stderr, res.stderr
+    good = C.load_config(config_file, ["samples.extra.reward_clip=[0, 1]", "samples.extra.failed_policy=keep"])
+    assert good.samples.extra == {"reward_clip": [0, 1], "failed_policy": "keep"}

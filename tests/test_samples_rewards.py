@@ -270,3 +270,53 @@ def test_a_call_to_a_server_the_harness_chose_is_not_trained_on(make_traces):
     assert stats["calls_unrouted"] == 1
     responses = [t for r in table["response_token_ids"].to_pylist() for t in r]
     assert 666 not in responses and 14 in responses  # before the fix: the forged tokens were trained on
+
+
+def test_reward_clip_bounds_what_one_rollout_does_to_its_group(make_traces):
+    """A self-report of 1e15 in a group of 0/1 rewards: unclipped, the others' advantages are all
+    equal (the outlier takes the whole spread); clipped into [0, 1] it is one success among them,
+    counted, and a penalty outside the range is clipped too."""
+    d = make_traces(
+        spans=[_one_call(r) for r in "abcdf"],
+        rollouts=[rollout("a", group_id="g", reward=1e15), rollout("b", group_id="g", reward=1.0),
+                  rollout("c", group_id="g", reward=0.0), rollout("d", group_id="g", reward=0.0),
+                  rollout("f", group_id="g", state="failed")],
+    )
+    table, stats = build_samples(d)
+    adv = dict(zip(table["rollout_id"].to_pylist(), table["advantage"].to_pylist()))
+    assert adv["b"] == pytest.approx(adv["c"], abs=1e-6) and stats["rollouts_reward_clipped"] == 0
+
+    table, stats = build_samples(d, reward_clip=[0, 1], failed_policy="penalize", failed_reward=-5.0)
+    rew = dict(zip(table["rollout_id"].to_pylist(), table["reward"].to_pylist()))
+    assert rew == {"a": 1.0, "b": 1.0, "c": 0.0, "d": 0.0, "f": 0.0}
+    r = np.array([1.0, 1.0, 0.0, 0.0, 0.0])
+    expect = dict(zip("abcdf", ((r - r.mean()) / (r.std(ddof=1) + 1e-6)).tolist()))
+    adv = dict(zip(table["rollout_id"].to_pylist(), table["advantage"].to_pylist()))
+    assert adv == pytest.approx(expect, rel=1e-5)
+    assert stats["rollouts_reward_clipped"] == 2  # a (1e15) and f's penalty (-5)
+
+
+@pytest.mark.parametrize("clip", [[1, 0], [0, float("inf")], [0], "ab", [float("nan"), 1]])
+def test_reward_clip_refuses_what_is_not_a_range(make_traces, clip):
+    d = make_traces(spans=[_one_call("a")], rollouts=[rollout("a", reward=1.0)])
+    with pytest.raises(ValueError, match="reward_clip"):
+        build_samples(d, reward_clip=clip)
+
+
+def test_the_build_command_clips_and_reports(make_traces, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from lightning_harness.trainer.build import build_command
+
+    d = make_traces(spans=[_one_call(r) for r in "abc"],
+                    rollouts=[rollout("a", group_id="g", reward=50.0), rollout("b", group_id="g", reward=1.0),
+                              rollout("c", group_id="g", reward=0.0)])
+    shown = CliRunner().invoke(build_command, [str(d), "--out", str(tmp_path / "a"), "--reward-clip", "0", "1"])
+    assert shown.exit_code == 0, shown.output
+    assert any("rewards clipped" in ln and " 1 " in ln for ln in shown.output.splitlines()), shown.output
+    got = CliRunner().invoke(build_command, [str(d), "--out", str(tmp_path / "b"), "--json", "--reward-clip", "0", "1"])
+    assert json.loads(got.stdout)["rollouts_reward_clipped"] == 1
+    refused = CliRunner().invoke(build_command, [str(d), "--out", str(tmp_path / "c"), "--reward-clip", "1", "0"])
+    assert refused.exit_code != 0 and "low < high" in refused.output, refused.output

@@ -74,6 +74,8 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
     row("model / context tokens", f"{stats['model_tokens']:,} / {stats['context_tokens']:,}")
     row("advantage groups", stats["adv_n_groups"], f"{stats['advantage']}; singletons {stats['adv_singleton_groups']}"
         f" ({stats.get('adv_groups_cut_to_one', 0)} cut to one by the failure policy: advantage 0)")
+    if stats.get("rollouts_reward_clipped"):
+        row("rewards clipped", stats["rollouts_reward_clipped"], "outside --reward-clip")
     eq = stats["adv_equal_reward_groups"]
     row("groups with equal rewards", eq,
         ("no signal: " + ", ".join(stats["adv_equal_reward_group_ids"][:5])) if eq else "")
@@ -98,6 +100,9 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
                    "--failed-reward. A retried attempt is never a member: its retry is.")
 @click.option("--failed-reward", type=float, default=None,
               help="Reward given by --failed-policy penalize (required there).")
+@click.option("--reward-clip", type=(float, float), default=None, metavar="LOW HIGH",
+              help="Clip every reward (a --failed-reward too) into [LOW, HIGH] before the group advantages "
+                   "(reported): bounds what one rollout's reward, a harness's self-report say, can do to its group.")
 @click.option("--weight-mode", type=click.Choice(WEIGHT_MODES), default="rollout",
               show_default=True,
               help="rollout: each rollout weighs the same however many samples/tokens it produced.")
@@ -119,7 +124,7 @@ def stats_table(stats: dict[str, Any], title: str = "samples built") -> Table:
               help="Replace an existing samples table (old parts are removed after the new one is written).")
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON instead of a table.")
 def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std, failed_policy, failed_reward,
-                  weight_mode, max_prompt_len, max_response_len, max_samples_per_rollout, steps, where,
+                  reward_clip, weight_mode, max_prompt_len, max_response_len, max_samples_per_rollout, steps, where,
                   include_secret_spans, temperature, replace, as_json) -> None:
     """Build training samples from TRACES_DIR (spans + rewards + rollouts) into a `samples` table.
 
@@ -133,7 +138,8 @@ def build_command(traces_dir, out, mode, tokenizer, group_by, advantage, no_std,
     if failed_policy == "penalize" and failed_reward is None:
         raise click.BadParameter("--failed-policy penalize needs --failed-reward", param_hint="--failed-reward")
     options = dict(mode=mode, tokenizer=tokenizer, group_by=group_by, advantage=advantage, norm_by_std=not no_std,
-                   failed_policy=failed_policy, failed_reward=failed_reward, weight_mode=weight_mode,
+                   failed_policy=failed_policy, failed_reward=failed_reward, reward_clip=reward_clip,
+                   weight_mode=weight_mode,
                    max_prompt_len=max_prompt_len, max_response_len=max_response_len,
                    max_samples_per_rollout=max_samples_per_rollout, steps=list(steps) or None,
                    where=where, include_secret_spans=include_secret_spans, temperature=temperature)

@@ -294,6 +294,7 @@ class RunConfig(Section):
         self.update.loss_mode = self.samples.weight_mode
         if self.update.temperature is None and self.rollout.temperature > 0:  # on-policy: pi as it sampled
             self.update.temperature = self.rollout.temperature
+        self._check_sample_options(problems)
         from .trackers import TrackerError, tracker_names
 
         try:  # before vLLM starts: an unknown or uninstalled tracker names its extra
@@ -303,6 +304,28 @@ class RunConfig(Section):
         if problems:
             raise ConfigError("\n  ".join(["invalid config:", *problems]))
         return self
+
+
+    def _check_sample_options(self, problems: list[str]) -> None:
+        """``samples.extra`` as the loop will pass it to ``build_samples``: a misspelt key or a bad value
+        (``reward_clip: [1, 0]``) fails now, not at the first update, after a step's rollouts ran."""
+        from .samples import SampleOptions
+
+        s = self.samples
+        given = {"mode": s.mode, "advantage": s.advantage, "weight_mode": s.weight_mode,
+                 "include_secret_spans": s.include_secret_spans, "where": "TRUE", "rollouts": (),
+                 "temperature": 1.0, "engine_defaults": {}}
+        if clash := sorted(set(s.extra or {}) & set(given)):
+            problems.append(f"samples.extra: {', '.join(clash)} set by the loop (use samples.<key> where there is one)")
+            return
+        known = sorted(f.name for f in dataclasses.fields(SampleOptions) if f.name not in given)
+        if unknown := sorted(set(s.extra or {}) - set(known)):
+            problems += [f"unknown key 'samples.extra.{k}'{suggest(str(k), known)}; known: {known}" for k in unknown]
+            return
+        try:
+            SampleOptions(**given, **(s.extra or {}))
+        except (TypeError, ValueError) as exc:
+            problems.append(f"samples.extra: {exc}")
 
 
 # -- pydantic's errors, told with dotted keys -----------------------------------------------------

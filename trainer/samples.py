@@ -72,6 +72,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -119,6 +120,8 @@ class SampleOptions:
     epsilon: float = 1e-6
     failed_policy: str = "drop"
     failed_reward: float | None = None
+    # (low, high): every reward (a penalty too) clipped into it before the group advantages; None: as reported
+    reward_clip: tuple[float, float] | None = None
     weight_mode: str = "rollout"
     max_prompt_len: int | None = None
     max_response_len: int | None = None
@@ -146,6 +149,7 @@ class SampleOptions:
         for name in ("max_prompt_len", "max_response_len"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self._check_reward_clip()
         cap = self.max_samples_per_rollout
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0):
             raise ValueError(f"max_samples_per_rollout must be a whole number >= 0 (0 or null: no cap), got {cap!r}")
@@ -155,6 +159,19 @@ class SampleOptions:
                                (int(steps),) if isinstance(steps, (int, np.integer)) else tuple(int(s) for s in steps))
         if self.rollouts is not None:
             object.__setattr__(self, "rollouts", tuple(sorted({str(r) for r in self.rollouts})))
+
+    def _check_reward_clip(self) -> None:
+        """``reward_clip`` as a (low, high) float pair with low < high, both finite."""
+        clip = self.reward_clip
+        if clip is None:
+            return
+        try:
+            low, high = (float(v) for v in clip)
+        except (TypeError, ValueError):
+            raise ValueError(f"reward_clip must be two numbers [low, high] (or null), got {clip!r}") from None
+        if not (math.isfinite(low) and math.isfinite(high) and low < high):
+            raise ValueError(f"reward_clip must be two finite numbers with low < high, got {clip!r}")
+        object.__setattr__(self, "reward_clip", (low, high))
 
 
 # -- retokenisation --------------------------------------------------------------------------------
@@ -682,6 +699,11 @@ def _kept_rollouts(con: duckdb.DuckDBPyConnection, opts: SampleOptions, stats: d
     states = np.asarray(ro["state"].to_pylist(), dtype=object)
     keep, eff_reward, fcounts = adv_mod.apply_failure_policy(rewards, states, policy=opts.failed_policy,
                                                              failed_reward=opts.failed_reward)
+    stats["rollouts_reward_clipped"] = 0  # of the rollouts the policy kept
+    if opts.reward_clip is not None:
+        outside = keep & ((eff_reward < opts.reward_clip[0]) | (eff_reward > opts.reward_clip[1]))
+        stats["rollouts_reward_clipped"] = int(outside.sum())
+        eff_reward = np.clip(eff_reward, *opts.reward_clip)
     # a rollout without a group (proxy used alone) is its own group: explicit, and reported
     raw_group = ro["group_key"].to_pylist()
     no_group = np.array([g is None for g in raw_group], dtype=bool)

@@ -41,7 +41,8 @@ TASK_KEY = "lightning_task"  # extra_info field of verl's dataset rows: our task
 # +lightning.* keys: the launcher's, and the build_samples options passed through (any other is refused)
 LAUNCH_KEYS = ("group_size", "harness", "traces", "run_id", "served_model", "concurrency", "timeout", "pad_id")
 SAMPLE_KEYS = ("mode", "advantage", "weight_mode", "norm_by_std", "epsilon", "failed_policy", "failed_reward",
-               "group_by", "where", "tokenizer", "include_secret_spans", "drift_check", "max_samples_per_rollout")
+               "reward_clip", "group_by", "where", "tokenizer", "include_secret_spans", "drift_check",
+               "max_samples_per_rollout")
 
 # the response-aligned keys an agent-loop manager returns (verl's AgentLoopWorker._postprocess names)
 OUTPUT_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
