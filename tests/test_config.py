@@ -134,6 +134,12 @@ def test_the_update_computes_logprobs_at_the_rollout_temperature_unless_told(con
     ("samples.extra.failed_polciy=keep", "unknown key 'samples.extra.failed_polciy' (did you mean 'failed_policy'?)"),
     ("samples.extra.failed_policy=penalise", "samples.extra: unknown failed policy 'penalise'"),
     ("samples.extra.mode=transition", "samples.extra: mode set by the loop (use samples.<key>"),
+    ("samples.extra.failed_policy=penalize", "samples.extra: failed_policy 'penalize' needs an explicit finite"),
+    ("samples.extra.failed_reward=abc", "samples.extra: failed_reward must be a finite number, got 'abc'"),
+    ("samples.extra.epsilon=abc", "samples.extra: epsilon must be a finite number >= 0, got 'abc'"),
+    ("samples.extra.drift_check=-5", "samples.extra: drift_check must be a whole number >= 0, got -5"),
+    ("samples.extra.reward_clip=01", "samples.extra: reward_clip must be two numbers [low, high] (or null), got 1"),
+    ("samples.extra={1: 2, a: 3}", "unknown key 'samples.extra.1'"),
 ])
 def test_a_bad_samples_extra_fails_at_load_not_at_the_first_update(config_file, override, expected):
     """``samples.extra`` goes to ``build_samples`` at each update: checked when the config loads, before

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import socket
 import ssl
 import time
+import urllib.parse
 
 import httpx
 import pytest
@@ -214,17 +216,21 @@ def test_held_request_whose_client_gave_up_is_not_forwarded(proxy, stub_server):
     marker = "gave-up-marker"
     ctl.pause()
     url = proxy.env_for("quitter")["OPENAI_BASE_URL"] + "/chat/completions"
-    stays = cf.ThreadPoolExecutor(1).submit(httpx.post, proxy.env_for("stays")["OPENAI_BASE_URL"] + "/chat/completions",
-                                         json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
-                                         trust_env=False, timeout=60)
-    wait_for(lambda: ctl.state()["held"] == 1)
-    with httpx.Client(trust_env=False, timeout=1.0) as c:
-        with pytest.raises(httpx.TimeoutException):
-            c.post(url, json={"model": "m", "messages": [{"role": "user", "content": marker}]})
-    wait_for(lambda: ctl.state()["held"] == 1)  # the other call, whose client still waits
-    assert ctl.state()["paused"] and not stays.done()
-    ctl.resume()
-    assert stays.result().status_code == 200
+    with cf.ThreadPoolExecutor(1) as pool:
+        stays = pool.submit(httpx.post, proxy.env_for("stays")["OPENAI_BASE_URL"] + "/chat/completions",
+                            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                            trust_env=False, timeout=60)
+        wait_for(lambda: ctl.state()["held"] == 1)
+        u = urllib.parse.urlsplit(url)
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": marker}]}).encode()
+        with socket.create_connection((u.hostname, u.port)) as quitter:
+            quitter.sendall(f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+                            f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            wait_for(lambda: ctl.state()["held"] == 2)  # both held...
+        wait_for(lambda: ctl.state()["held"] == 1)  # ...then only the call whose client still waits
+        assert ctl.state()["paused"] and not stays.done()
+        ctl.resume()
+        assert stays.result().status_code == 200
     wait_for(lambda: ctl.state()["held"] == 0)
     time.sleep(0.5)
     assert not any(marker in json.dumps(r) for r in stub_server.requests())

@@ -296,7 +296,8 @@ def test_reward_clip_bounds_what_one_rollout_does_to_its_group(make_traces):
     assert stats["rollouts_reward_clipped"] == 2  # a (1e15) and f's penalty (-5)
 
 
-@pytest.mark.parametrize("clip", [[1, 0], [0, float("inf")], [0], "ab", [float("nan"), 1]])
+@pytest.mark.parametrize("clip", [[1, 0], [0, float("inf")], [0], "ab", "01", [True, 2], 5, {0: 1},
+                                  [float("nan"), 1]])
 def test_reward_clip_refuses_what_is_not_a_range(make_traces, clip):
     d = make_traces(spans=[_one_call("a")], rollouts=[rollout("a", reward=1.0)])
     with pytest.raises(ValueError, match="reward_clip"):

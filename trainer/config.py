@@ -305,7 +305,6 @@ class RunConfig(Section):
             raise ConfigError("\n  ".join(["invalid config:", *problems]))
         return self
 
-
     def _check_sample_options(self, problems: list[str]) -> None:
         """``samples.extra`` as the loop will pass it to ``build_samples``: a misspelt key or a bad value
         (``reward_clip: [1, 0]``) fails now, not at the first update, after a step's rollouts ran."""
@@ -315,11 +314,11 @@ class RunConfig(Section):
         given = {"mode": s.mode, "advantage": s.advantage, "weight_mode": s.weight_mode,
                  "include_secret_spans": s.include_secret_spans, "where": "TRUE", "rollouts": (),
                  "temperature": 1.0, "engine_defaults": {}}
-        if clash := sorted(set(s.extra or {}) & set(given)):
+        if clash := sorted(map(str, set(s.extra or {}) & set(given))):
             problems.append(f"samples.extra: {', '.join(clash)} set by the loop (use samples.<key> where there is one)")
             return
         known = sorted(f.name for f in dataclasses.fields(SampleOptions) if f.name not in given)
-        if unknown := sorted(set(s.extra or {}) - set(known)):
+        if unknown := sorted(map(str, set(s.extra or {}) - set(known))):
             problems += [f"unknown key 'samples.extra.{k}'{suggest(str(k), known)}; known: {known}" for k in unknown]
             return
         try:

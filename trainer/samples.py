@@ -149,10 +149,7 @@ class SampleOptions:
         for name in ("max_prompt_len", "max_response_len"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        self._check_reward_clip()
-        cap = self.max_samples_per_rollout
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0):
-            raise ValueError(f"max_samples_per_rollout must be a whole number >= 0 (0 or null: no cap), got {cap!r}")
+        self._check_numbers()
         steps = self.steps  # kept as tuples: an iterator given once is read once
         if steps is not None:
             object.__setattr__(self, "steps",
@@ -160,18 +157,40 @@ class SampleOptions:
         if self.rollouts is not None:
             object.__setattr__(self, "rollouts", tuple(sorted({str(r) for r in self.rollouts})))
 
-    def _check_reward_clip(self) -> None:
-        """``reward_clip`` as a (low, high) float pair with low < high, both finite."""
+    def _check_numbers(self) -> None:
+        """The numeric options, checked here so that a config's ``samples.extra`` fails when it loads
+        (``config._check_sample_options``), not at the first update after a step's rollouts."""
+        cap = self.max_samples_per_rollout
+        if cap is not None and not (_whole_number(cap) and cap >= 0):
+            raise ValueError(f"max_samples_per_rollout must be a whole number >= 0 (0 or null: no cap), got {cap!r}")
+        if not (_whole_number(self.drift_check) and self.drift_check >= 0):
+            raise ValueError(f"drift_check must be a whole number >= 0, got {self.drift_check!r}")
+        if not (_real_number(self.epsilon) and 0 <= self.epsilon < math.inf):
+            raise ValueError(f"epsilon must be a finite number >= 0, got {self.epsilon!r}")
+        penalty = self.failed_reward
+        if penalty is not None and not (_real_number(penalty) and math.isfinite(penalty)):
+            raise ValueError(f"failed_reward must be a finite number, got {penalty!r}")
+        if self.failed_policy == "penalize" and penalty is None:
+            raise ValueError("failed_policy 'penalize' needs an explicit finite failed_reward")
         clip = self.reward_clip
         if clip is None:
             return
-        try:
-            low, high = (float(v) for v in clip)
-        except (TypeError, ValueError):
-            raise ValueError(f"reward_clip must be two numbers [low, high] (or null), got {clip!r}") from None
+        pair = list(clip) if isinstance(clip, Iterable) and not isinstance(clip, (str, bytes, Mapping)) else []
+        if len(pair) != 2 or not all(map(_real_number, pair)):
+            raise ValueError(f"reward_clip must be two numbers [low, high] (or null), got {clip!r}")
+        low, high = (float(v) for v in pair)
         if not (math.isfinite(low) and math.isfinite(high) and low < high):
             raise ValueError(f"reward_clip must be two finite numbers with low < high, got {clip!r}")
         object.__setattr__(self, "reward_clip", (low, high))
+
+
+def _real_number(value: Any) -> bool:
+    """A real number as JSON or YAML gives one (a bool is not)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _whole_number(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 # -- retokenisation --------------------------------------------------------------------------------
