@@ -328,6 +328,7 @@ def _swap_with_a_long_call(tmp_path, engine, model_dir, in_flight: str, sleep: s
         call.join(300)
         rep["chunks_before_new_weights"] = sum(times["pause done"] < t < times["reload_weights done"]
                                                for t in out["stamps"])
+        rep["chunks_before_reload_done"] = sum(t < times["reload_weights done"] for t in out["stamps"])
         rep["call_ended"] = ("before the engine paused" if out["ended"] < times["pause"] else
                              "after the engine resumed" if out["ended"] > times["resume"] else "during the swap")
         deadline = time.monotonic() + 30
@@ -358,8 +359,11 @@ def test_keep_holds_only_the_swap_while_a_long_call_generates(tmp_path, restore_
     # asleep for the update (as on a GPU): a full wake resumes vLLM's scheduler, so the weights wake,
     # the reload runs, then the rest wakes (found by review: the kept call generated with the old
     # weights between a full wake and the reload)
+    # (the last partial wake may let vLLM's scheduler go on before resume is called: CI once saw all 400
+    # tokens come in that gap, so what is asserted is that every chunk came after the reload)
     rep, out, spans = _swap_with_a_long_call(tmp_path / "asleep", engine, model_dir, "keep", sleep="always")
-    assert rep["call_ended"] == "after the engine resumed" and rep["chunks_before_new_weights"] == 0, rep
+    assert rep["call_ended"] != "before the engine paused" and rep["chunks_before_reload_done"] == 0, rep
+    assert out["status"] == 200 and out["finish"] == "length", out.get("finish")
     assert [(s["error_kind"], len(s["response_token_ids"] or [])) for s in spans] == [("version_changed", 400)]
 
     # drain: the swap waited for it (the proxy ended it before the new version was stamped, so its span is
