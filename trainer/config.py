@@ -305,24 +305,33 @@ class RunConfig(Section):
             raise ConfigError("\n  ".join(["invalid config:", *problems]))
         return self
 
+    def sample_options(self, rollouts: Iterable[str] = (), engine_defaults: dict | None = None) -> dict:
+        """``build_samples``' keywords at an update: ``samples.extra``, then the samples section and
+        what the loop sets (the train split, the consumed groups' rollouts, the update's temperature,
+        the engine's sampling defaults), which ``samples.extra`` may not set (checked at load)."""
+        return {**(self.samples.extra or {}), **self._set_by_loop(rollouts, engine_defaults)}
+
+    def _set_by_loop(self, rollouts: Iterable[str] = (), engine_defaults: dict | None = None) -> dict:
+        s = self.samples
+        return {"mode": s.mode, "advantage": s.advantage, "weight_mode": s.weight_mode, "where": "split = 'train'",
+                "include_secret_spans": s.include_secret_spans, "rollouts": list(rollouts),
+                "temperature": self.update.temperature or 1.0, "engine_defaults": engine_defaults}
+
     def _check_sample_options(self, problems: list[str]) -> None:
-        """``samples.extra`` as the loop will pass it to ``build_samples``: a misspelt key or a bad value
-        (``reward_clip: [1, 0]``) fails now, not at the first update, after a step's rollouts ran."""
+        """``samples.extra`` as :meth:`sample_options` passes it to ``build_samples``: a misspelt key or a
+        bad value (``reward_clip: [1, 0]``) fails now, not at the first update, after a step's rollouts ran."""
         from .samples import SampleOptions
 
-        s = self.samples
-        given = {"mode": s.mode, "advantage": s.advantage, "weight_mode": s.weight_mode,
-                 "include_secret_spans": s.include_secret_spans, "where": "TRUE", "rollouts": (),
-                 "temperature": 1.0, "engine_defaults": {}}
-        if clash := sorted(map(str, set(s.extra or {}) & set(given))):
+        extra, loop_keys = self.samples.extra or {}, set(self._set_by_loop())
+        if clash := sorted(map(str, set(extra) & loop_keys)):
             problems.append(f"samples.extra: {', '.join(clash)} set by the loop (use samples.<key> where there is one)")
             return
-        known = sorted(f.name for f in dataclasses.fields(SampleOptions) if f.name not in given)
-        if unknown := sorted(map(str, set(s.extra or {}) - set(known))):
+        known = sorted(f.name for f in dataclasses.fields(SampleOptions) if f.name not in loop_keys)
+        if unknown := sorted(map(str, set(extra) - set(known))):
             problems += [f"unknown key 'samples.extra.{k}'{suggest(str(k), known)}; known: {known}" for k in unknown]
             return
         try:
-            SampleOptions(**given, **(s.extra or {}))
+            SampleOptions(**self.sample_options(engine_defaults={}))
         except (TypeError, ValueError) as exc:
             problems.append(f"samples.extra: {exc}")
 

@@ -206,12 +206,10 @@ class TrainingRun:
             self.console.print(f"[yellow]compacting {self.traces} failed (the step goes on uncompacted): {exc!r}[/]")
         rep["time/compact_s"] = time.monotonic() - t1
         t1 = time.monotonic()
-        s = cfg.samples  # the groups consumed are selected by their rollouts (bound parameters)
-        table, stats = past_damaged_parts(lambda: build_samples(  # a damaged part is skipped, not fatal
-            self.traces, mode=s.mode, advantage=s.advantage, weight_mode=s.weight_mode, where="split = 'train'",
-            include_secret_spans=s.include_secret_spans, rollouts=[r.rollout_id for g in groups for r in g.rollouts],
-            **{**(s.extra or {}), "temperature": cfg.update.temperature or 1.0,
-               "engine_defaults": self.engine_defaults}), lambda: None)
+        # the groups consumed are selected by their rollouts (bound parameters)
+        options = cfg.sample_options([r.rollout_id for g in groups for r in g.rollouts], self.engine_defaults)
+        table, stats = past_damaged_parts(lambda: build_samples(self.traces, **options),  # a damaged part is
+                                          lambda: None)  # skipped, not fatal
         rep.update({f"samples/{k}": v for k,
                     v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         table, st = staleness_filter(table, version, self.schedule.max_staleness, self.schedule.staleness_mode)
