@@ -59,7 +59,10 @@ def test_config_key_reaches_the_builder(tmp_path):
     cfg_file.write_text('model: model\nharness: {command: ["h"]}\ntasks: {train: train.jsonl}\n')
     assert C.load_config(cfg_file).samples.include_secret_spans is False
     assert C.load_config(cfg_file, ["samples.include_secret_spans=true"]).samples.include_secret_spans is True
-    assert "include_secret_spans=s.include_secret_spans" in inspect.getsource(loop)
+    on = C.load_config(cfg_file, ["samples.include_secret_spans=true"])
+    assert on.sample_options(["r"])["include_secret_spans"] is True  # what the loop passes build_samples
+    assert C.load_config(cfg_file).sample_options(["r"])["include_secret_spans"] is False
+    assert "cfg.sample_options(" in inspect.getsource(loop.TrainingRun.step_samples)
 
 
 def test_build_cli_reports_and_includes_on_request(make_traces, tiny_tokenizer_dir, tmp_path):
